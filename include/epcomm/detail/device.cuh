@@ -1,0 +1,219 @@
+// Device primitives shared by every epcomm kernel: system-scope signals, bounded waits that
+// report which peer is missing, the grid barrier and the last-block election, 16-byte copies.
+//
+// Memory ordering. A sender's data stores are made visible to a peer before the signal that
+// announces them: the block's threads store, __syncthreads(), then one thread issues a
+// system-scope fence and a release store/add on the peer's signal word. The receiver's waiting
+// thread does an acquire load of that word, then __syncthreads() publishes the observation to
+// the rest of its block before anyone reads the data.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "epcomm/detail/params.h"
+#include "epcomm/error.h"
+
+namespace epcomm {
+namespace detail {
+
+constexpr int kWarpSize = 32;
+
+__device__ __forceinline__ unsigned long long ld_acquire_sys(const unsigned long long* p) {
+  unsigned long long v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ unsigned long long ld_acquire_gpu(const unsigned long long* p) {
+  unsigned long long v;
+  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_sys(unsigned long long* p, unsigned long long v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ void red_release_sys_add(unsigned long long* p, unsigned long long v) {
+  asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ unsigned long long globaltimer_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ uint32_t lanemask_lt() {
+  uint32_t m;
+  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
+  return m;
+}
+
+// 16-byte loads and stores. Inputs the kernel never writes use the non-coherent path.
+__device__ __forceinline__ uint4 ld_nc_v4(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+// Data written by peers during this kernel: a plain (coherent) load.
+__device__ __forceinline__ uint4 ld_v4(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_v4(void* p, uint4 v) {
+  asm volatile("st.global.v4.u32 [%0], {%1,%2,%3,%4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
+               "r"(v.w)
+               : "memory");
+}
+
+__device__ __forceinline__ char* window_at(const GroupView& g, int32_t peer, int64_t offset) {
+  return g.window[peer] + offset;
+}
+__device__ __forceinline__ unsigned long long* signal_word(const GroupView& g, int32_t owner,
+                                                           WindowLayout::Signal s,
+                                                           int32_t peer) {
+  return reinterpret_cast<unsigned long long*>(
+      window_at(g, owner, g.layout().signal_offset(s, peer)));
+}
+
+// The first error of a kernel wins; later ones are dropped.
+__device__ inline void record_error(const GroupView& g, ErrorCode code, Op op, int32_t peer_mask,
+                                    int32_t token, int32_t slot, int32_t value,
+                                    WaitWhat what) {
+  DeviceErrorRecord* e = g.error;
+  if (atomicCAS_system(&e->code, 0, -1) != 0) return;  // -1: being written
+  e->op = op;
+  e->rank = g.rank;
+  e->peer_mask = peer_mask;
+  e->token = token;
+  e->slot = slot;
+  e->value = value;
+  e->wait_what = what;
+  __threadfence_system();
+  atomicExch_system(&e->code, int32_t(code));
+}
+
+__device__ __forceinline__ bool aborted(const GroupView& g) {
+  return *reinterpret_cast<volatile int32_t*>(&g.state->abort) != 0;
+}
+
+// Waits until `ready(peer)` holds for every peer whose bit is set in `mask`, for at most the
+// group's timeout. On expiry records a timeout naming the peers still missing, sets the abort
+// flag (so every other wait of this rank gives up at once) and returns false. Called by one
+// thread.
+template <class Ready>
+__device__ bool wait_peers(const GroupView& g, uint32_t mask, Op op, WaitWhat what,
+                           Ready ready) {
+  const unsigned long long start = globaltimer_ns();
+  uint32_t spins = 0;
+  while (mask != 0) {
+    for (uint32_t m = mask; m != 0; m &= m - 1) {
+      const int32_t peer = __ffs(m) - 1;
+      if (ready(peer)) mask &= ~(1u << peer);
+    }
+    if (mask == 0) break;
+    if ((++spins & 63) == 0) {
+      if (aborted(g)) return false;
+      if (globaltimer_ns() - start > g.timeout_ns) {
+        record_error(g, ErrorCode::kTimeout, op, int32_t(mask), -1, -1, 0, what);
+        atomicExch(&g.state->abort, 1);
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+__device__ __forceinline__ uint32_t all_ranks_mask(const GroupView& g) {
+  return g.n_ranks >= 32 ? 0xffffffffu : ((1u << g.n_ranks) - 1u);
+}
+
+// The block waits until word(peer) >= target(peer) for every peer in `mask` (acquire); returns
+// false for every thread if the wait failed.
+template <class Word, class Target>
+__device__ bool block_wait(const GroupView& g, uint32_t mask, Op op, WaitWhat what, Word word,
+                           Target target) {
+  __shared__ int ok;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    ok = wait_peers(g, mask, op, what,
+                    [&](int32_t peer) { return ld_acquire_sys(word(peer)) >= target(peer); });
+  }
+  __syncthreads();
+  return ok != 0;
+}
+
+// The block waits until signal s[peer] of this rank's window reaches target(peer), for every
+// peer in `mask`.
+template <class Target>
+__device__ bool block_wait_signal(const GroupView& g, uint32_t mask, WindowLayout::Signal s,
+                                  Op op, WaitWhat what, Target target) {
+  return block_wait(
+      g, mask, op, what, [&](int32_t peer) { return signal_word(g, g.rank, s, peer); }, target);
+}
+
+// After this block's stores to every peer: add 1 to signal s[my rank] in every peer's window.
+__device__ inline void block_signal_all(const GroupView& g, WindowLayout::Signal s) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    for (int32_t peer = 0; peer < g.n_ranks; ++peer)
+      red_release_sys_add(signal_word(g, peer, s, g.rank), 1ull);
+  }
+}
+
+// Grid-wide barrier over the kernel's blocks (launched cooperatively, so all are resident).
+// The counter only grows: barrier n completes when it reaches (n + 1) * num_blocks.
+__device__ inline bool grid_barrier(const GroupView& g) {
+  __shared__ int ok;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const unsigned long long old = atomicAdd(&g.state->barrier, 1ull);
+    const unsigned long long target = (old / g.num_blocks + 1) * g.num_blocks;
+    ok = wait_peers(g, 1u, kOpGridBarrier, kWaitBarrier,
+                    [&](int32_t) { return ld_acquire_gpu(&g.state->barrier) >= target; });
+  }
+  __syncthreads();
+  return ok != 0;
+}
+
+// True in exactly one block per call: the last to arrive on the cumulative counter.
+__device__ inline bool last_block_done(const GroupView& g, unsigned long long* counter) {
+  __shared__ int last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const unsigned long long old = atomicAdd(counter, 1ull);
+    last = (old % g.num_blocks) == (unsigned long long)(g.num_blocks - 1);
+    if (last) __threadfence();
+  }
+  __syncthreads();
+  return last != 0;
+}
+
+// bf16x8 <-> float x8.
+__device__ __forceinline__ void unpack_bf16x8(uint4 v, float (&f)[8]) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = __uint_as_float(w[i] << 16);
+    f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+__device__ __forceinline__ uint4 pack_bf16x8(const float (&f)[8]) {
+  return make_uint4(pack_bf16x2(f[0], f[1]), pack_bf16x2(f[2], f[3]), pack_bf16x2(f[4], f[5]),
+                    pack_bf16x2(f[6], f[7]));
+}
+
+}  // namespace detail
+}  // namespace epcomm

@@ -1,0 +1,113 @@
+// Plain structs handed to the kernels by value. Everything a kernel needs is here, fixed at
+// set-up or at the call, so a captured graph replays with the same arguments.
+#pragma once
+
+#include <cstdint>
+
+#include "epcomm/layout.h"
+
+namespace epcomm {
+namespace detail {
+
+// Which operation a device error or a wait belongs to.
+enum Op : int32_t {
+  kOpNone = 0,
+  kOpDispatchSend = 1,
+  kOpDispatchRecv = 2,
+  kOpCombineSend = 3,
+  kOpCombineRecv = 4,
+  kOpGridBarrier = 5,
+};
+
+// Written by the first failing thread of a kernel, read by the host (host-mapped memory).
+struct DeviceErrorRecord {
+  int32_t code;       // ErrorCode
+  int32_t op;         // Op
+  int32_t rank;       // the rank that recorded it
+  int32_t peer_mask;  // timeouts: bit p set = rank p did not arrive
+  int32_t token;      // bad input: the token
+  int32_t slot;       // bad input: the top-k slot
+  int32_t value;      // bad input: the offending expert id
+  int32_t wait_what;  // timeouts: which signal was awaited (see WaitWhat)
+};
+
+enum WaitWhat : int32_t {
+  kWaitNone = 0,
+  kWaitAck = 1,      // a destination to release its receive buffer from the previous call
+  kWaitMeta = 2,     // a source's counts
+  kWaitData = 3,     // a source's tokens
+  kWaitBarrier = 4,  // the other blocks of this kernel
+};
+
+// Local (not peer-visible) device state of a rank. Counters only grow; nothing is reset
+// between calls, which is what makes graph replay and back-to-back calls safe.
+struct LocalState {
+  unsigned long long dispatch_seq;  // calls of dispatch completed on this rank
+  unsigned long long combine_seq;   // calls of combine completed on this rank
+  unsigned long long barrier;        // grid barrier arrivals (cumulative)
+  unsigned long long dispatch_done;  // blocks that finished a dispatch receive (cumulative)
+  unsigned long long combine_done;   // blocks that finished a combine receive (cumulative)
+  unsigned long long bad_input;      // seq of the last dispatch whose topk_ids were rejected
+  int32_t num_tokens;                // T of the last dispatch (0 when its input was rejected)
+  int32_t abort;                     // set after a timeout: every wait gives up at once
+};
+
+// What every kernel knows about the group.
+struct GroupView {
+  int32_t rank;
+  int32_t n_ranks;
+  int32_t hidden;
+  int32_t top_k;
+  int32_t n_experts;
+  int32_t max_tokens;
+  int32_t num_blocks;     // grid size of every epcomm kernel
+  int32_t pad_;
+  unsigned long long timeout_ns;
+  char* window[WindowLayout::kMaxPeers];  // every rank's symmetric window, as seen from here
+  LocalState* state;
+  DeviceErrorRecord* error;  // host-mapped
+
+  EPCOMM_HD WindowLayout layout() const {
+    return WindowLayout{n_ranks, hidden, top_k, n_experts, max_tokens};
+  }
+  EPCOMM_HD ExpertMap experts() const { return ExpertMap{n_experts, n_ranks}; }
+  EPCOMM_HD int32_t n_local() const { return n_experts / n_ranks; }
+};
+
+// Scratch of the dispatch ranking pass (local device memory).
+struct RankScratch {
+  int32_t* topk;         // [max_tokens, K] validated copy of this call's topk_ids (kept for combine)
+  int32_t* expert_pos;   // [max_tokens, K] position in its expert's stream (unit-local, then global)
+  int32_t* dest_pos;     // [max_tokens, n_ranks] slot in that destination's stream, -1 = not sent
+  int32_t* unit_hist;    // [n_units, num_keys] per-unit key counts
+  int32_t* unit_prefix;  // [n_units + 1, num_keys] exclusive prefix over units; last row = totals
+};
+
+struct DispatchParams {
+  GroupView g;
+  RankScratch scratch;
+  const void* tokens;
+  const int32_t* topk_ids;
+  int32_t num_tokens;
+  int32_t pad_;
+  // outputs (wait / fused)
+  void* out_tokens;
+  uint32_t* row_offsets;
+  int32_t* expert_ids;
+  SrcInfo* src_info;
+};
+
+struct CombineParams {
+  GroupView g;
+  const int32_t* topk;  // this rank's validated topk_ids of the last dispatch (scratch.topk)
+  // send side
+  const void* expert_out;
+  const uint32_t* row_offsets;
+  const SrcInfo* src_info;
+  // receive side
+  void* out;
+  const float* weights;
+};
+
+}  // namespace detail
+}  // namespace epcomm

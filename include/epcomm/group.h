@@ -1,0 +1,110 @@
+// epcomm::Group: one rank's handle on an expert-parallel group. It owns every communication
+// buffer and exposes dispatch and combine in three forms each (fused, async + wait).
+//
+// Every operation is collective (every rank calls it, in the same order), stream-ordered, and
+// free of host synchronisation, so a dispatch + combine can be captured in a CUDA graph and
+// replayed. Only one operation of a group may be in flight at a time: issue them on one stream
+// (or order the streams).
+//
+// Errors. Host-side checks (shapes, pointers, alignment) throw epcomm::Error before anything is
+// launched. Errors only the device can see (expert id out of range, duplicate expert in a token,
+// a peer that does not arrive within Config::timeout_seconds) are written by the kernel to an
+// error record in host-mapped memory; the host learns of them from check() or synchronize(), and
+// every later call checks the record before it launches. A device-detected bad input sends no
+// token from the offending rank, corrupts nothing, and the group stays usable. A timeout leaves
+// the ranks out of step: the group is poisoned, every later call throws kPoisoned, and it must
+// be destroyed and set up again.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "epcomm/bootstrap.h"
+#include "epcomm/config.h"
+#include "epcomm/error.h"
+#include "epcomm/layout.h"
+
+namespace epcomm {
+
+// Inputs of dispatch on this rank. All device pointers, 16-byte aligned.
+struct DispatchInput {
+  const void* tokens = nullptr;       // [T, H] bf16
+  const int32_t* topk_ids = nullptr;  // [T, K] global expert ids, -1 = masked slot
+  int32_t num_tokens = 0;             // T, 0 <= T <= max_tokens_per_rank
+  int32_t hidden = 0;                 // must equal Config::hidden
+};
+
+// Outputs of dispatch on this rank (sizes from Group::sizes()). Device pointers.
+struct DispatchOutput {
+  void* tokens = nullptr;           // [max_recv_rows, H] bf16, expert-major
+  uint32_t* row_offsets = nullptr;  // [G + 1]
+  int32_t* expert_ids = nullptr;    // [G]
+  SrcInfo* src_info = nullptr;      // [max_recv_rows]
+};
+
+// Inputs of combine on the expert side: the expert outputs in dispatch row order and the
+// dispatch outputs that describe those rows.
+struct CombineInput {
+  const void* expert_out = nullptr;        // [>= row_offsets[G], H] bf16
+  const uint32_t* row_offsets = nullptr;   // from dispatch
+  const SrcInfo* src_info = nullptr;       // from dispatch
+  int32_t hidden = 0;                      // must equal Config::hidden
+};
+
+// Outputs of combine on the token side, for the T tokens of the last dispatch.
+struct CombineOutput {
+  void* out = nullptr;             // weights given: [T, H] bf16; weights null: [T, K, H] bf16
+  const float* weights = nullptr;  // [T, K] router weights, or null for the un-reduced output
+};
+
+namespace detail {
+struct GroupState;
+struct CombineParams;
+}  // namespace detail
+
+class Group {
+ public:
+  // One process per GPU: every rank calls create() with its bootstrap endpoint and its device.
+  static std::unique_ptr<Group> create(const Config& cfg, Bootstrap& bootstrap, int device);
+  // One process, all GPUs: rank r drives devices[r] (default: every visible device).
+  static std::vector<std::unique_ptr<Group>> create_local(const Config& cfg,
+                                                          std::vector<int> devices = {});
+  ~Group();
+  Group(const Group&) = delete;
+  Group& operator=(const Group&) = delete;
+
+  int rank() const;
+  int n_ranks() const;
+  int device() const;
+  const Config& config() const;
+  const Sizes& sizes() const;
+
+  void dispatch(const DispatchInput& in, const DispatchOutput& out, cudaStream_t stream);
+  void dispatch_async(const DispatchInput& in, cudaStream_t stream);
+  void dispatch_wait(const DispatchOutput& out, cudaStream_t stream);
+
+  void combine(const CombineInput& in, const CombineOutput& out, cudaStream_t stream);
+  void combine_async(const CombineInput& in, cudaStream_t stream);
+  void combine_wait(const CombineOutput& out, cudaStream_t stream);
+
+  // Throws the device-reported error recorded since the last check, if any, and clears it
+  // (a timeout is not cleared: the group stays poisoned).
+  void check();
+  // cudaStreamSynchronize(stream), then check().
+  void synchronize(cudaStream_t stream);
+  bool poisoned() const;
+
+  // For the header-only combine with a custom epilogue (epcomm/combine_epilogue.cuh).
+  // Checks the arguments and tracks the async/wait pairing; then launch, then after_launch().
+  detail::CombineParams prepare_combine(const CombineInput* in, const CombineOutput* out);
+  void after_launch(const char* op);
+
+ private:
+  explicit Group(std::unique_ptr<detail::GroupState> state);
+  std::unique_ptr<detail::GroupState> s_;
+};
+
+}  // namespace epcomm

@@ -1,0 +1,176 @@
+// Layouts shared by the kernels, the CPU reference model and the tests. Each is a small value
+// type whose index arithmetic is written once here and unit-tested on the CPU
+// (tests/test_layout.cpp). Everything is usable from host and device code.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define EPCOMM_HD __host__ __device__ __forceinline__
+#else
+#define EPCOMM_HD inline
+#endif
+
+namespace epcomm {
+
+EPCOMM_HD constexpr int64_t align_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
+
+// What combine needs to send a dispatched row home. One per dispatch output row.
+struct SrcInfo {
+  int32_t token;  // token index on the source rank
+  int16_t rank;   // source rank
+  int16_t slot;   // top-k slot k of that token
+};
+static_assert(sizeof(SrcInfo) == 8, "SrcInfo is 8 bytes");
+
+// Global expert id <-> (owning rank, local expert). Rank r owns [r*n_local, (r+1)*n_local).
+// The dispatch ranking pass also uses "keys": expert e is key e, destination rank r is key
+// n_experts + r, so one stable ranking yields both a token's row inside each expert group and
+// its slot in each destination's receive stream.
+struct ExpertMap {
+  int32_t n_experts;
+  int32_t n_ranks;
+
+  EPCOMM_HD int32_t n_local() const { return n_experts / n_ranks; }
+  EPCOMM_HD int32_t rank_of(int32_t e) const { return e / n_local(); }
+  EPCOMM_HD int32_t local_of(int32_t e) const { return e % n_local(); }
+  EPCOMM_HD int32_t rank_key(int32_t r) const { return n_experts + r; }
+  EPCOMM_HD int32_t num_keys() const { return n_experts + n_ranks; }
+};
+
+// One dispatch message: a routing header, then the token payload. 16-byte aligned throughout.
+//   header: int32 token, int32 n_entries, then n_entries x {int32 group | slot << 16, int32 pos}
+//   where `pos` is the token's position among the source's tokens routed to that group.
+struct MessageEntry {
+  int32_t group_slot;
+  int32_t pos;
+  EPCOMM_HD static MessageEntry make(int32_t group, int32_t slot, int32_t pos) {
+    return MessageEntry{group | (slot << 16), pos};
+  }
+  EPCOMM_HD int32_t group() const { return group_slot & 0xffff; }
+  EPCOMM_HD int32_t slot() const { return group_slot >> 16; }
+};
+
+struct MessageHeader {
+  int32_t token;
+  int32_t n_entries;
+  MessageEntry entries[1];  // really n_entries (<= top_k)
+};
+
+struct MessageLayout {
+  int32_t hidden;
+  int32_t top_k;
+
+  EPCOMM_HD int64_t header_bytes() const { return align_up(8 + 8 * int64_t(top_k), 16); }
+  EPCOMM_HD int64_t payload_bytes() const { return align_up(int64_t(hidden) * 2, 16); }
+  EPCOMM_HD int64_t payload_offset() const { return header_bytes(); }
+  EPCOMM_HD int64_t bytes() const { return header_bytes() + payload_bytes(); }
+};
+
+// The dispatch receive buffer of one rank: a stream of messages per source rank; message i of
+// source s is the i-th token of s (in token order) routed to this rank.
+struct DispatchRecvLayout {
+  MessageLayout msg;
+  int32_t max_tokens;
+
+  EPCOMM_HD int64_t offset(int32_t src, int32_t i) const {
+    return (int64_t(src) * max_tokens + i) * msg.bytes();
+  }
+  EPCOMM_HD int64_t bytes(int32_t n_ranks) const { return int64_t(n_ranks) * max_tokens * msg.bytes(); }
+};
+
+// What a source tells each destination before its tokens: how many messages it sends and how
+// many of them land in each local group. `seq` is written last (release) and marks the record
+// valid for that call.
+struct MetaLayout {
+  int32_t n_local;
+
+  // u64 seq, i32 stream_count, i32 pad, i32 counts[n_local]
+  EPCOMM_HD int64_t bytes() const { return align_up(16 + 4 * int64_t(n_local), 16); }
+  EPCOMM_HD static int64_t seq_offset() { return 0; }
+  EPCOMM_HD static int64_t stream_count_offset() { return 8; }
+  EPCOMM_HD static int64_t counts_offset() { return 16; }
+};
+
+// The combine receive buffer of one rank: one row per (token, top-k slot).
+struct CombineRecvLayout {
+  int32_t hidden;
+  int32_t top_k;
+  int32_t max_tokens;
+
+  EPCOMM_HD int64_t row_bytes() const { return align_up(int64_t(hidden) * 2, 16); }
+  EPCOMM_HD int64_t offset(int32_t token, int32_t slot) const {
+    return (int64_t(token) * top_k + slot) * row_bytes();
+  }
+  EPCOMM_HD int64_t bytes() const { return int64_t(max_tokens) * top_k * row_bytes(); }
+};
+
+// The symmetric window every rank allocates and every peer maps: the same offsets on all ranks.
+// Signals (monotonic u64 counters, zeroed once at set-up) come first so one memset clears them.
+struct WindowLayout {
+  int32_t n_ranks;
+  int32_t hidden;
+  int32_t top_k;
+  int32_t n_experts;
+  int32_t max_tokens;
+
+  EPCOMM_HD MessageLayout msg() const { return MessageLayout{hidden, top_k}; }
+  EPCOMM_HD DispatchRecvLayout dispatch_recv() const { return DispatchRecvLayout{msg(), max_tokens}; }
+  EPCOMM_HD MetaLayout meta() const { return MetaLayout{n_experts / n_ranks}; }
+  EPCOMM_HD CombineRecvLayout combine_recv() const {
+    return CombineRecvLayout{hidden, top_k, max_tokens};
+  }
+
+  // Signal words, each u64 indexed by peer rank.
+  enum Signal : int32_t {
+    kDispatchArrived = 0,  // [src]: blocks of src that finished sending to me (cumulative)
+    kDispatchAck = 1,      // [dst]: last call whose receive buffer dst has finished reading
+    kCombineArrived = 2,   // [src]: blocks of src that finished sending combine rows to me
+    kCombineAck = 3,       // [dst]: last call whose combine buffer dst has finished reading
+    kNumSignals = 4
+  };
+  EPCOMM_HD int64_t signal_offset(Signal s, int32_t peer) const {
+    return (int64_t(s) * kMaxPeers + peer) * 8;
+  }
+  EPCOMM_HD int64_t signals_bytes() const { return align_up(int64_t(kNumSignals) * kMaxPeers * 8, 256); }
+  EPCOMM_HD int64_t meta_offset(int32_t src) const { return signals_bytes() + src * meta().bytes(); }
+  EPCOMM_HD int64_t meta_region_end() const {
+    return align_up(signals_bytes() + int64_t(n_ranks) * meta().bytes(), 256);
+  }
+  EPCOMM_HD int64_t dispatch_recv_offset() const { return meta_region_end(); }
+  EPCOMM_HD int64_t combine_recv_offset() const {
+    return align_up(dispatch_recv_offset() + dispatch_recv().bytes(n_ranks), 256);
+  }
+  EPCOMM_HD int64_t bytes() const {
+    return align_up(combine_recv_offset() + combine_recv().bytes(), 256);
+  }
+  // Bytes that must be zero before first use (signals and meta records).
+  EPCOMM_HD int64_t zeroed_bytes() const { return meta_region_end(); }
+
+  static constexpr int32_t kMaxPeers = 8;
+};
+
+// Rows of the dispatch output, group by group: group g holds rows [row_offsets[g],
+// row_offsets[g+1]), and within it the rows of source s start at base(s, g). `counts` is
+// [n_ranks][n_local]: tokens source s sends to group g. Used by the receiving kernel (one thread
+// per group) and by the CPU reference.
+struct GroupRows {
+  const int32_t* counts;
+  int32_t n_ranks;
+  int32_t n_local;
+
+  EPCOMM_HD int32_t group_total(int32_t g) const {
+    int32_t total = 0;
+    for (int32_t s = 0; s < n_ranks; ++s) total += counts[s * n_local + g];
+    return total;
+  }
+  // Offset of source s's rows inside group g.
+  EPCOMM_HD int32_t source_offset(int32_t s, int32_t g) const {
+    int32_t off = 0;
+    for (int32_t p = 0; p < s; ++p) off += counts[p * n_local + g];
+    return off;
+  }
+};
+
+}  // namespace epcomm

@@ -1,0 +1,95 @@
+// The CPU reference model of dispatch and combine: host code with the semantics and row order
+// of the GPU path (SPEC §3, §4). The GPU tests and the benchmark check against it.
+#pragma once
+
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "epcomm/error.h"
+#include "epcomm/layout.h"
+
+namespace epcomm {
+namespace reference {
+
+// One rank's inputs: T tokens of H bf16 (bit patterns), topk_ids [T, K], router weights [T, K].
+struct RankInput {
+  int32_t num_tokens = 0;
+  std::vector<uint16_t> tokens;
+  std::vector<int32_t> topk_ids;
+  std::vector<float> weights;
+};
+
+struct Problem {
+  int32_t n_ranks = 0;
+  int32_t hidden = 0;
+  int32_t top_k = 0;
+  int32_t n_experts = 0;
+  std::vector<RankInput> ranks;  // n_ranks entries
+};
+
+// The first problem with a rank's topk_ids, as the device reports it.
+struct TopkError {
+  ErrorCode code = ErrorCode::kOk;  // kOk, kBadExpertId or kDuplicateExpert
+  int32_t token = -1;
+  int32_t slot = -1;
+  int32_t value = 0;
+};
+TopkError validate_topk(const int32_t* topk_ids, int32_t num_tokens, int32_t top_k,
+                        int32_t n_experts);
+
+// What dispatch produces on one rank.
+struct DispatchResult {
+  std::vector<uint32_t> row_offsets;  // [G + 1]
+  std::vector<int32_t> expert_ids;    // [G]
+  std::vector<SrcInfo> src_info;      // [rows]
+  std::vector<uint16_t> tokens;       // [rows, H]
+  int64_t rows() const { return int64_t(src_info.size()); }
+};
+
+// Dispatch output of rank `rank`. A source whose topk_ids fail validate_topk sends nothing.
+DispatchResult dispatch(const Problem& p, int32_t rank);
+
+// Combine output of rank `rank` in float64, given every rank's dispatch result and expert
+// outputs ([rows, H] bf16 bits, in that rank's dispatch row order).
+//   weighted = true : [T, H], out[t] = sum over unmasked k of w[t,k] * y[t,k], k ascending
+//   weighted = false: [T, K, H], masked slots zero
+std::vector<double> combine(const Problem& p, const std::vector<DispatchResult>& layouts,
+                            const std::vector<std::vector<uint16_t>>& expert_out, int32_t rank,
+                            bool weighted);
+
+// Routing generators (PERF.md): for each token, K distinct experts, the top-K of |randn| + 1
+// scores (uniform popularity), or with expert e's score scaled by a Zipf(s) popularity when
+// zipf_s > 0. mask_prob masks each slot independently (-1).
+std::vector<int32_t> make_topk(int32_t num_tokens, int32_t top_k, int32_t n_experts,
+                               std::mt19937_64& rng, double zipf_s = 0.0,
+                               double mask_prob = 0.0);
+// Random bf16 values, never zero: |x| in [0.5, 2) * scale with a random sign.
+std::vector<uint16_t> make_tokens(int64_t count, std::mt19937_64& rng, float scale = 1.0f);
+// Random router weights in (0, 1].
+std::vector<float> make_weights(int64_t count, std::mt19937_64& rng);
+
+// Builds a random problem: rank r gets num_tokens[r] tokens (same seed -> same problem).
+Problem make_problem(int32_t n_ranks, int32_t hidden, int32_t top_k, int32_t n_experts,
+                     const std::vector<int32_t>& num_tokens, uint64_t seed, double zipf_s = 0.0,
+                     double mask_prob = 0.0);
+
+// Comparison helpers returning an empty string on success, else a description of the first
+// mismatch (used by the tests and the benchmark).
+std::string compare_dispatch(const DispatchResult& ref, const uint32_t* row_offsets,
+                             const int32_t* expert_ids, const SrcInfo* src_info,
+                             const uint16_t* tokens, int32_t hidden);
+// Weighted combine in bf16: every element within 2^-8 |ref| (half a bf16 ulp) plus 2^-20 max|ref|
+// (fp32 accumulation under cancellation) of the float64 reference, and ||out-ref||/||ref|| <= 2^-8.
+std::string compare_combine_bf16(const std::vector<double>& ref, const uint16_t* out,
+                                 int64_t count);
+// fp32 values (an epilogue's input): ||out - ref|| / ||ref|| <= rel_tol.
+std::string compare_combine_f32(const std::vector<double>& ref, const float* out, int64_t count,
+                                double rel_tol = 1e-5);
+// Un-reduced combine: bit-exact.
+std::string compare_exact_bf16(const std::vector<double>& ref, const uint16_t* out,
+                               int64_t count);
+
+}  // namespace reference
+}  // namespace epcomm

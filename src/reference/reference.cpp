@@ -1,0 +1,263 @@
+#include "epcomm/reference.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <sstream>
+
+#include "epcomm/bf16.h"
+
+namespace epcomm {
+namespace reference {
+
+TopkError validate_topk(const int32_t* topk_ids, int32_t num_tokens, int32_t top_k,
+                        int32_t n_experts) {
+  for (int32_t t = 0; t < num_tokens; ++t) {
+    for (int32_t k = 0; k < top_k; ++k) {
+      const int32_t id = topk_ids[int64_t(t) * top_k + k];
+      if (id < -1 || id >= n_experts) return TopkError{ErrorCode::kBadExpertId, t, k, id};
+      for (int32_t j = 0; j < k; ++j)
+        if (id >= 0 && topk_ids[int64_t(t) * top_k + j] == id)
+          return TopkError{ErrorCode::kDuplicateExpert, t, k, id};
+    }
+  }
+  return TopkError{};
+}
+
+namespace {
+bool sends(const Problem& p, int32_t s) {
+  const RankInput& in = p.ranks[size_t(s)];
+  return validate_topk(in.topk_ids.data(), in.num_tokens, p.top_k, p.n_experts).code ==
+         ErrorCode::kOk;
+}
+}  // namespace
+
+DispatchResult dispatch(const Problem& p, int32_t rank) {
+  const ExpertMap em{p.n_experts, p.n_ranks};
+  const int32_t n_local = em.n_local();
+  DispatchResult r;
+  r.row_offsets.assign(size_t(n_local) + 1, 0);
+  r.expert_ids.resize(size_t(n_local));
+  std::vector<bool> ok(static_cast<size_t>(p.n_ranks));
+  for (int32_t s = 0; s < p.n_ranks; ++s) ok[size_t(s)] = sends(p, s);
+  // Group-major, then source rank, then source token index.
+  for (int32_t g = 0; g < n_local; ++g) {
+    r.expert_ids[size_t(g)] = g;
+    const int32_t expert = rank * n_local + g;
+    for (int32_t s = 0; s < p.n_ranks; ++s) {
+      if (!ok[size_t(s)]) continue;
+      const RankInput& in = p.ranks[size_t(s)];
+      for (int32_t t = 0; t < in.num_tokens; ++t) {
+        for (int32_t k = 0; k < p.top_k; ++k) {
+          if (in.topk_ids[size_t(t) * p.top_k + k] != expert) continue;
+          r.src_info.push_back(SrcInfo{t, int16_t(s), int16_t(k)});
+          const uint16_t* row = in.tokens.data() + size_t(t) * p.hidden;
+          r.tokens.insert(r.tokens.end(), row, row + p.hidden);
+        }
+      }
+    }
+    r.row_offsets[size_t(g) + 1] = uint32_t(r.src_info.size());
+  }
+  return r;
+}
+
+std::vector<double> combine(const Problem& p, const std::vector<DispatchResult>& layouts,
+                            const std::vector<std::vector<uint16_t>>& expert_out, int32_t rank,
+                            bool weighted) {
+  const RankInput& in = p.ranks[size_t(rank)];
+  const int32_t T = sends(p, rank) ? in.num_tokens : 0;
+  const int64_t H = p.hidden, K = p.top_k;
+  // Where each of this rank's (token, slot) rows went: (expert rank, row).
+  std::vector<std::pair<int32_t, int64_t>> where(static_cast<size_t>(T * K), {-1, -1});
+  for (int32_t d = 0; d < p.n_ranks; ++d) {
+    const DispatchResult& l = layouts[size_t(d)];
+    for (int64_t row = 0; row < l.rows(); ++row) {
+      const SrcInfo& si = l.src_info[size_t(row)];
+      if (si.rank == rank) where[size_t(si.token * K + si.slot)] = {d, row};
+    }
+  }
+  std::vector<double> out(static_cast<size_t>(weighted ? T * H : T * K * H), 0.0);
+  for (int32_t t = 0; t < T; ++t) {
+    for (int32_t k = 0; k < K; ++k) {
+      if (in.topk_ids[size_t(t * K + k)] < 0) continue;
+      const auto [d, row] = where[size_t(t * K + k)];
+      const uint16_t* y = expert_out[size_t(d)].data() + row * H;
+      const double w = weighted ? double(in.weights[size_t(t * K + k)]) : 1.0;
+      double* o = out.data() + (weighted ? t * H : (t * K + k) * H);
+      for (int64_t h = 0; h < H; ++h) o[h] += w * double(bf16_to_float(y[h]));
+    }
+  }
+  return out;
+}
+
+std::vector<int32_t> make_topk(int32_t num_tokens, int32_t top_k, int32_t n_experts,
+                               std::mt19937_64& rng, double zipf_s, double mask_prob) {
+  std::normal_distribution<double> normal;
+  std::uniform_real_distribution<double> uni(0.0, 1.0);
+  std::vector<double> popularity(static_cast<size_t>(n_experts), 1.0);
+  if (zipf_s > 0) {
+    // A random permutation of experts gets Zipf(s) popularity: rank i has weight 1/(i+1)^s.
+    std::vector<int32_t> perm(static_cast<size_t>(n_experts));
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    for (int32_t i = 0; i < n_experts; ++i)
+      popularity[size_t(perm[size_t(i)])] = 1.0 / std::pow(double(i + 1), zipf_s);
+  }
+  std::vector<int32_t> ids(static_cast<size_t>(num_tokens) * top_k);
+  std::vector<std::pair<double, int32_t>> scores(static_cast<size_t>(n_experts));
+  for (int32_t t = 0; t < num_tokens; ++t) {
+    for (int32_t e = 0; e < n_experts; ++e) {
+      double s = std::fabs(normal(rng)) + 1.0;
+      if (zipf_s > 0) s = popularity[size_t(e)] * -std::log(1.0 - uni(rng));  // Gumbel-ish draw
+      scores[size_t(e)] = {s, e};
+    }
+    std::partial_sort(scores.begin(), scores.begin() + top_k, scores.end(),
+                      [](const auto& a, const auto& b) { return a.first > b.first; });
+    for (int32_t k = 0; k < top_k; ++k)
+      ids[size_t(t) * top_k + k] = uni(rng) < mask_prob ? -1 : scores[size_t(k)].second;
+  }
+  return ids;
+}
+
+std::vector<uint16_t> make_tokens(int64_t count, std::mt19937_64& rng, float scale) {
+  std::uniform_real_distribution<float> mag(0.5f, 2.0f);
+  std::vector<uint16_t> v(static_cast<size_t>(count));
+  for (auto& x : v) {
+    const float f = mag(rng) * scale * ((rng() & 1) ? 1.f : -1.f);
+    x = float_to_bf16(f);
+  }
+  return v;
+}
+
+std::vector<float> make_weights(int64_t count, std::mt19937_64& rng) {
+  std::uniform_real_distribution<float> u(0.05f, 1.0f);
+  std::vector<float> v(static_cast<size_t>(count));
+  for (auto& x : v) x = u(rng);
+  return v;
+}
+
+Problem make_problem(int32_t n_ranks, int32_t hidden, int32_t top_k, int32_t n_experts,
+                     const std::vector<int32_t>& num_tokens, uint64_t seed, double zipf_s,
+                     double mask_prob) {
+  Problem p;
+  p.n_ranks = n_ranks;
+  p.hidden = hidden;
+  p.top_k = top_k;
+  p.n_experts = n_experts;
+  for (int32_t r = 0; r < n_ranks; ++r) {
+    std::mt19937_64 rng(seed * 1000003ull + uint64_t(r));
+    RankInput in;
+    in.num_tokens = num_tokens[size_t(r)];
+    in.tokens = make_tokens(int64_t(in.num_tokens) * hidden, rng);
+    in.topk_ids = make_topk(in.num_tokens, top_k, n_experts, rng, zipf_s, mask_prob);
+    in.weights = make_weights(int64_t(in.num_tokens) * top_k, rng);
+    p.ranks.push_back(std::move(in));
+  }
+  return p;
+}
+
+std::string compare_dispatch(const DispatchResult& ref, const uint32_t* row_offsets,
+                             const int32_t* expert_ids, const SrcInfo* src_info,
+                             const uint16_t* tokens, int32_t hidden) {
+  std::ostringstream os;
+  const size_t G = ref.expert_ids.size();
+  for (size_t g = 0; g <= G; ++g)
+    if (row_offsets[g] != ref.row_offsets[g]) {
+      os << "row_offsets[" << g << "] = " << row_offsets[g] << ", expected " << ref.row_offsets[g];
+      return os.str();
+    }
+  for (size_t g = 0; g < G; ++g)
+    if (expert_ids[g] != ref.expert_ids[g]) {
+      os << "expert_ids[" << g << "] = " << expert_ids[g] << ", expected " << ref.expert_ids[g];
+      return os.str();
+    }
+  for (int64_t r = 0; r < ref.rows(); ++r) {
+    const SrcInfo a = src_info[r], b = ref.src_info[size_t(r)];
+    if (a.token != b.token || a.rank != b.rank || a.slot != b.slot) {
+      os << "src_info[" << r << "] = (rank " << a.rank << ", token " << a.token << ", slot "
+         << a.slot << "), expected (rank " << b.rank << ", token " << b.token << ", slot "
+         << b.slot << ")";
+      return os.str();
+    }
+    for (int32_t h = 0; h < hidden; ++h) {
+      const uint16_t x = tokens[r * hidden + h], y = ref.tokens[size_t(r * hidden + h)];
+      if (x != y) {
+        os << "tokens[" << r << "][" << h << "] = 0x" << std::hex << x << ", expected 0x" << y;
+        return os.str();
+      }
+    }
+  }
+  return "";
+}
+
+namespace {
+double norm_ratio(const std::vector<double>& ref, const double* diff_sq_sum) {
+  double rn = 0;
+  for (double x : ref) rn += x * x;
+  return rn > 0 ? std::sqrt(*diff_sq_sum / rn) : std::sqrt(*diff_sq_sum);
+}
+}  // namespace
+
+std::string compare_combine_bf16(const std::vector<double>& ref, const uint16_t* out,
+                                 int64_t count) {
+  double max_ref = 0;
+  for (double x : ref) max_ref = std::max(max_ref, std::fabs(x));
+  double d2 = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    const double o = bf16_to_float(out[i]), r = ref[size_t(i)];
+    const double err = std::fabs(o - r);
+    // Output rounding (half a bf16 ulp: 2^-9 relative) plus fp32 accumulation on cancellation.
+    const double tol = std::ldexp(std::fabs(r), -8) + std::ldexp(max_ref, -20);
+    if (!(err <= tol)) {
+      std::ostringstream os;
+      os << "out[" << i << "] = " << o << ", reference " << r << " (error " << err
+         << " > tolerance " << tol << ")";
+      return os.str();
+    }
+    d2 += err * err;
+  }
+  const double ratio = norm_ratio(ref, &d2);
+  if (!(ratio <= std::ldexp(1.0, -8))) {
+    std::ostringstream os;
+    os << "||out - ref|| / ||ref|| = " << ratio << " > 2^-8";
+    return os.str();
+  }
+  return "";
+}
+
+std::string compare_combine_f32(const std::vector<double>& ref, const float* out, int64_t count,
+                                double rel_tol) {
+  double d2 = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    if (!std::isfinite(out[i])) {
+      std::ostringstream os;
+      os << "out[" << i << "] = " << out[i] << " is not finite";
+      return os.str();
+    }
+    const double e = double(out[i]) - ref[size_t(i)];
+    d2 += e * e;
+  }
+  const double ratio = norm_ratio(ref, &d2);
+  if (!(ratio <= rel_tol)) {
+    std::ostringstream os;
+    os << "||out - ref|| / ||ref|| = " << ratio << " > " << rel_tol;
+    return os.str();
+  }
+  return "";
+}
+
+std::string compare_exact_bf16(const std::vector<double>& ref, const uint16_t* out,
+                               int64_t count) {
+  for (int64_t i = 0; i < count; ++i) {
+    const double o = bf16_to_float(out[i]);
+    if (o != ref[size_t(i)]) {
+      std::ostringstream os;
+      os << "out[" << i << "] = " << o << ", expected exactly " << ref[size_t(i)];
+      return os.str();
+    }
+  }
+  return "";
+}
+
+}  // namespace reference
+}  // namespace epcomm

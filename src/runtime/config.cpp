@@ -1,0 +1,96 @@
+#include "epcomm/config.h"
+
+#include <algorithm>
+#include <cmath>
+#include <sstream>
+
+#include "epcomm/error.h"
+
+namespace epcomm {
+
+const char* error_code_name(ErrorCode code) {
+  switch (code) {
+    case ErrorCode::kOk: return "ok";
+    case ErrorCode::kInvalidArgument: return "invalid argument";
+    case ErrorCode::kConfigMismatch: return "config mismatch";
+    case ErrorCode::kSetup: return "setup";
+    case ErrorCode::kCuda: return "CUDA error";
+    case ErrorCode::kTimeout: return "timeout";
+    case ErrorCode::kBadExpertId: return "bad expert id";
+    case ErrorCode::kDuplicateExpert: return "duplicate expert";
+    case ErrorCode::kPoisoned: return "group poisoned";
+    case ErrorCode::kBootstrap: return "bootstrap";
+  }
+  return "unknown";
+}
+
+const char* token_format_name(TokenFormat f) {
+  switch (f) {
+    case TokenFormat::kBF16: return "bf16";
+  }
+  return "unknown";
+}
+
+namespace {
+void require(bool ok, const std::string& field, const std::string& rule, long long value) {
+  if (!ok) {
+    std::ostringstream os;
+    os << "epcomm config: " << field << " = " << value << " is invalid: " << rule;
+    throw Error(ErrorCode::kInvalidArgument, os.str());
+  }
+}
+}  // namespace
+
+void Config::validate(int n_ranks) const {
+  require(n_ranks >= 1 && n_ranks <= kMaxRanks, "n_ranks",
+          "between 1 and " + std::to_string(kMaxRanks) + " GPUs of one node", n_ranks);
+  require(hidden > 0 && hidden % 8 == 0, "hidden", "a positive multiple of 8 (bf16)", hidden);
+  require(top_k >= 1 && top_k <= kMaxTopK, "top_k", "between 1 and 16", top_k);
+  require(n_experts >= 1 && n_experts <= kMaxExperts, "n_experts", "between 1 and 1024",
+          n_experts);
+  require(n_experts % n_ranks == 0, "n_experts",
+          "a multiple of n_ranks = " + std::to_string(n_ranks), n_experts);
+  require(max_tokens_per_rank >= 1 && max_tokens_per_rank <= (1 << 20), "max_tokens_per_rank",
+          "between 1 and 2^20", max_tokens_per_rank);
+  require(format == TokenFormat::kBF16, "format", "only bf16 is implemented", int(format));
+  require(num_sms >= 1 && num_sms <= 1024, "num_sms", "between 1 and 1024", num_sms);
+  if (!(timeout_seconds > 0 && timeout_seconds <= 3600))
+    throw Error(ErrorCode::kInvalidArgument,
+                "epcomm config: timeout_seconds = " + std::to_string(timeout_seconds) +
+                    " is invalid: between 0 and 3600 seconds");
+}
+
+void check_configs_match(const Config* configs, int n_ranks) {
+  const Config& a = configs[0];
+  for (int r = 1; r < n_ranks; ++r) {
+    const Config& b = configs[r];
+    auto field = [&](const char* name, double va, double vb) {
+      if (va != vb) {
+        std::ostringstream os;
+        os << "epcomm config mismatch: " << name << " is " << va << " on rank 0 but " << vb
+           << " on rank " << r;
+        throw Error(ErrorCode::kConfigMismatch, os.str());
+      }
+    };
+    field("hidden", a.hidden, b.hidden);
+    field("top_k", a.top_k, b.top_k);
+    field("n_experts", a.n_experts, b.n_experts);
+    field("max_tokens_per_rank", a.max_tokens_per_rank, b.max_tokens_per_rank);
+    field("format", double(a.format), double(b.format));
+    field("num_sms", a.num_sms, b.num_sms);
+    field("timeout_seconds", a.timeout_seconds, b.timeout_seconds);
+  }
+}
+
+Sizes compute_sizes(const Config& cfg, int n_ranks) {
+  Sizes s;
+  s.n_ranks = n_ranks;
+  s.n_local_experts = cfg.n_experts / n_ranks;
+  s.num_groups = s.n_local_experts;
+  const int64_t per_token = std::min<int64_t>(cfg.top_k, s.n_local_experts);
+  s.max_recv_rows = int64_t(cfg.max_tokens_per_rank) * n_ranks * per_token;
+  s.token_bytes = int64_t(cfg.hidden) * 2;
+  return s;
+}
+
+}  // namespace epcomm

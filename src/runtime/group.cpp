@@ -1,0 +1,546 @@
+// Set-up, teardown and the host side of every operation: argument checks, kernel parameters,
+// and the device error record.
+#include "epcomm/group.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <exception>
+#include <sstream>
+#include <thread>
+
+#include "kernels/kernels.h"
+
+namespace epcomm {
+namespace detail {
+
+struct GroupState {
+  Config cfg;
+  Sizes sizes;
+  int rank = 0;
+  int n_ranks = 0;
+  int device = 0;
+  Bootstrap* bootstrap = nullptr;             // multi-process: the caller's, outlives the group
+  std::unique_ptr<Bootstrap> owned_bootstrap;  // one-process mode
+  std::vector<int> local_devices;             // one-process mode: every device of the group
+  char* window = nullptr;
+  std::vector<char*> ipc_windows;  // peers' windows opened through CUDA IPC
+  LocalState* state = nullptr;
+  char* scratch_mem = nullptr;
+  RankScratch scratch{};
+  DeviceErrorRecord* error_host = nullptr;
+  GroupView view{};
+  bool poisoned = false;
+  bool joined = false;  // set-up completed on every rank (teardown then synchronises with peers)
+  bool dispatched = false;  // a dispatch preceded this combine
+  bool async_dispatch_pending = false;
+  bool async_combine_pending = false;
+
+  ~GroupState();
+  void setup(const Config& config, Bootstrap& bs, int dev);
+};
+
+namespace {
+
+struct PeerInfo {
+  int32_t pid;
+  int32_t device;
+  char host[64];
+  char pci_bus_id[32];
+  char uuid[16];
+  void* window;
+  cudaIpcMemHandle_t handle;
+  Config cfg;
+};
+
+}  // namespace
+
+std::string rank_prefix(int rank) { return "epcomm rank " + std::to_string(rank) + ": "; }
+
+namespace {
+
+void check_setup(bool ok, int rank, const std::string& msg) {
+  if (!ok) throw Error(ErrorCode::kSetup, rank_prefix(rank) + msg);
+}
+
+}  // namespace
+
+void GroupState::setup(const Config& config, Bootstrap& bs, int dev) {
+  cfg = config;
+  bootstrap = &bs;
+  rank = bs.rank();
+  n_ranks = bs.size();
+  device = dev;
+  // Validate locally, then compare across ranks: every rank sees the same gathered configs and
+  // so throws the same error.
+  std::string local_error;
+  try {
+    cfg.validate(n_ranks);
+  } catch (const Error& e) {
+    local_error = e.what();
+  }
+  sizes = compute_sizes(cfg, std::max(n_ranks, 1));
+
+  PeerInfo me{};
+  me.pid = int32_t(::getpid());
+  me.device = dev;
+  ::gethostname(me.host, sizeof(me.host) - 1);
+  me.cfg = cfg;
+  check_cuda(cudaSetDevice(dev), "cudaSetDevice");
+  check_cuda(cudaDeviceGetPCIBusId(me.pci_bus_id, sizeof(me.pci_bus_id), dev),
+             "cudaDeviceGetPCIBusId");
+  cudaDeviceProp prop{};
+  check_cuda(cudaGetDeviceProperties(&prop, dev), "cudaGetDeviceProperties");
+  std::memcpy(me.uuid, prop.uuid.bytes, 16);
+
+  const WindowLayout wl{n_ranks, cfg.hidden, cfg.top_k, cfg.n_experts, cfg.max_tokens_per_rank};
+  if (local_error.empty()) {
+    size_t free_b = 0, total_b = 0;
+    check_cuda(cudaMemGetInfo(&free_b, &total_b), "cudaMemGetInfo");
+    if (size_t(wl.bytes()) > free_b) {
+      std::ostringstream os;
+      os << detail::rank_prefix(rank) << "the communication window needs " << wl.bytes()
+         << " bytes but GPU " << dev << " has " << free_b << " free";
+      local_error = os.str();
+    } else if (cudaMalloc(&window, size_t(wl.bytes())) != cudaSuccess) {
+      (void)cudaGetLastError();
+      local_error = detail::rank_prefix(rank) + "cudaMalloc of the communication window failed";
+    } else {
+      check_cuda(cudaMemset(window, 0, size_t(wl.zeroed_bytes())), "cudaMemset(window)");
+      me.window = window;
+      check_cuda(cudaIpcGetMemHandle(&me.handle, window), "cudaIpcGetMemHandle");
+    }
+  }
+  // One all-gather for everything; a rank that failed locally contributes an invalid config so
+  // that every rank fails instead of waiting for it.
+  if (!local_error.empty()) me.cfg.hidden = -1;
+  std::vector<PeerInfo> all(static_cast<size_t>(n_ranks));
+  bs.all_gather(&me, all.data(), sizeof(PeerInfo));
+  if (!local_error.empty()) throw Error(ErrorCode::kInvalidArgument, local_error);
+  for (int r = 0; r < n_ranks; ++r)
+    if (all[r].cfg.hidden == -1)
+      throw Error(ErrorCode::kSetup,
+                  detail::rank_prefix(rank) + "rank " + std::to_string(r) + " failed its local set-up");
+  std::vector<Config> cfgs;
+  for (const PeerInfo& p : all) cfgs.push_back(p.cfg);
+  check_configs_match(cfgs.data(), n_ranks);
+
+  // Peer pointers: the same process -> peer access; another process -> CUDA IPC.
+  view = GroupView{};
+  for (int r = 0; r < n_ranks; ++r) {
+    const PeerInfo& p = all[r];
+    for (int q = 0; q < r; ++q)
+      check_setup(std::memcmp(all[q].uuid, p.uuid, 16) != 0, rank,
+                  "ranks " + std::to_string(q) + " and " + std::to_string(r) +
+                      " use the same GPU");
+    if (r == rank) {
+      view.window[r] = window;
+      continue;
+    }
+    check_setup(std::strncmp(p.host, me.host, sizeof(me.host)) == 0, rank,
+                "rank " + std::to_string(r) + " is on host " + p.host +
+                    "; this build connects the GPUs of one node only");
+    int peer_dev = -1;
+    if (cudaDeviceGetByPCIBusId(&peer_dev, p.pci_bus_id) != cudaSuccess) {
+      (void)cudaGetLastError();
+      peer_dev = -1;
+    }
+    if (peer_dev >= 0) {
+      int can = 0;
+      check_cuda(cudaDeviceCanAccessPeer(&can, dev, peer_dev), "cudaDeviceCanAccessPeer");
+      check_setup(can != 0, rank,
+                  "P2P is not possible between GPU " + std::string(me.pci_bus_id) + " (rank " +
+                      std::to_string(rank) + ") and GPU " + p.pci_bus_id + " (rank " +
+                      std::to_string(r) + ")");
+    }
+    if (p.pid == me.pid) {
+      const cudaError_t e = cudaDeviceEnablePeerAccess(p.device, 0);
+      if (e == cudaErrorPeerAccessAlreadyEnabled) {
+        (void)cudaGetLastError();
+      } else {
+        check_cuda(e, "cudaDeviceEnablePeerAccess");
+      }
+      view.window[r] = static_cast<char*>(p.window);
+    } else {
+      void* ptr = nullptr;
+      check_cuda(cudaIpcOpenMemHandle(&ptr, p.handle, cudaIpcMemLazyEnablePeerAccess),
+                 "cudaIpcOpenMemHandle");
+      ipc_windows.push_back(static_cast<char*>(ptr));
+      view.window[r] = static_cast<char*>(ptr);
+    }
+  }
+
+  // Local state, ranking scratch and the host-mapped error record.
+  check_cuda(cudaMalloc(&state, sizeof(LocalState)), "cudaMalloc(state)");
+  check_cuda(cudaMemset(state, 0, sizeof(LocalState)), "cudaMemset(state)");
+  const ExpertMap em{cfg.n_experts, n_ranks};
+  const int64_t T = cfg.max_tokens_per_rank, K = cfg.top_k, nk = em.num_keys();
+  const int64_t n_units = (T + dispatch_unit_tokens() - 1) / dispatch_unit_tokens();
+  const int64_t words[5] = {T * K, T * K, T * n_ranks, n_units * nk, (n_units + 1) * nk};
+  int64_t total = 0;
+  for (int64_t w : words) total += align_up(w * 4, 256);
+  check_cuda(cudaMalloc(&scratch_mem, size_t(total)), "cudaMalloc(scratch)");
+  int32_t* parts[5];
+  int64_t off = 0;
+  for (int i = 0; i < 5; ++i) {
+    parts[i] = reinterpret_cast<int32_t*>(scratch_mem + off);
+    off += align_up(words[i] * 4, 256);
+  }
+  scratch = RankScratch{parts[0], parts[1], parts[2], parts[3], parts[4]};
+  check_cuda(cudaHostAlloc(&error_host, sizeof(DeviceErrorRecord),
+                           cudaHostAllocMapped | cudaHostAllocPortable),
+             "cudaHostAlloc(error record)");
+  std::memset(error_host, 0, sizeof(DeviceErrorRecord));
+  DeviceErrorRecord* error_dev = nullptr;
+  check_cuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(&error_dev), error_host, 0),
+             "cudaHostGetDevicePointer");
+
+  view.rank = rank;
+  view.n_ranks = n_ranks;
+  view.hidden = cfg.hidden;
+  view.top_k = cfg.top_k;
+  view.n_experts = cfg.n_experts;
+  view.max_tokens = cfg.max_tokens_per_rank;
+  view.num_blocks = cfg.num_sms;
+  view.timeout_ns = (unsigned long long)(cfg.timeout_seconds * 1e9);
+  view.state = state;
+  view.error = error_dev;
+  prepare_dispatch_kernels(view);
+  check_cuda(cudaDeviceSynchronize(), "set-up");
+  // Nobody may send before every window is zeroed and mapped.
+  bs.barrier();
+  joined = true;
+}
+
+GroupState::~GroupState() {
+  // Let every kernel that may touch our window finish, then free. In one-process mode the peers
+  // are our own devices; otherwise the bootstrap barrier tells us the peers are done.
+  for (int d : local_devices.empty() ? std::vector<int>{device} : local_devices) {
+    if (cudaSetDevice(d) == cudaSuccess) (void)cudaDeviceSynchronize();
+  }
+  if (joined && owned_bootstrap == nullptr && bootstrap != nullptr) {
+    try {
+      bootstrap->barrier();
+    } catch (const std::exception&) {
+      // a dead peer must not stop us from freeing our memory
+    }
+  }
+  (void)cudaSetDevice(device);
+  for (char* p : ipc_windows) (void)cudaIpcCloseMemHandle(p);
+  if (window) (void)cudaFree(window);
+  if (state) (void)cudaFree(state);
+  if (scratch_mem) (void)cudaFree(scratch_mem);
+  if (error_host) (void)cudaFreeHost(error_host);
+  (void)cudaGetLastError();
+}
+
+}  // namespace detail
+
+// ---- construction -----------------------------------------------------------------------------
+
+Group::Group(std::unique_ptr<detail::GroupState> state) : s_(std::move(state)) {}
+Group::~Group() = default;
+
+std::unique_ptr<Group> Group::create(const Config& cfg, Bootstrap& bootstrap, int device) {
+  auto st = std::make_unique<detail::GroupState>();
+  st->setup(cfg, bootstrap, device);
+  return std::unique_ptr<Group>(new Group(std::move(st)));
+}
+
+std::vector<std::unique_ptr<Group>> Group::create_local(const Config& cfg,
+                                                        std::vector<int> devices) {
+  if (devices.empty()) {
+    int n = 0;
+    detail::check_cuda(cudaGetDeviceCount(&n), "cudaGetDeviceCount");
+    for (int d = 0; d < n; ++d) devices.push_back(d);
+  }
+  const int n = int(devices.size());
+  auto endpoints = make_thread_bootstraps(n);
+  std::vector<std::unique_ptr<detail::GroupState>> states(static_cast<size_t>(n));
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(n));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        auto st = std::make_unique<detail::GroupState>();
+        st->owned_bootstrap = std::move(endpoints[size_t(r)]);
+        st->local_devices = devices;
+        st->setup(cfg, *st->owned_bootstrap, devices[size_t(r)]);
+        states[size_t(r)] = std::move(st);
+      } catch (...) {
+        errors[size_t(r)] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  // Prefer the root cause over the "someone left the group" errors it triggers elsewhere.
+  std::exception_ptr first;
+  for (auto& e : errors) {
+    if (!e) continue;
+    try {
+      std::rethrow_exception(e);
+    } catch (const Error& err) {
+      if (!first || err.code() != ErrorCode::kBootstrap) first = e;
+      if (err.code() != ErrorCode::kBootstrap) break;
+    } catch (...) {
+      first = e;
+      break;
+    }
+  }
+  if (first) {
+    states.clear();
+    std::rethrow_exception(first);
+  }
+  std::vector<std::unique_ptr<Group>> groups;
+  for (auto& st : states) groups.push_back(std::unique_ptr<Group>(new Group(std::move(st))));
+  return groups;
+}
+
+int Group::rank() const { return s_->rank; }
+int Group::n_ranks() const { return s_->n_ranks; }
+int Group::device() const { return s_->device; }
+const Config& Group::config() const { return s_->cfg; }
+const Sizes& Group::sizes() const { return s_->sizes; }
+bool Group::poisoned() const { return s_->poisoned; }
+
+// ---- errors -----------------------------------------------------------------------------------
+
+namespace {
+
+const char* op_name(int32_t op) {
+  switch (op) {
+    case detail::kOpDispatchSend: return "dispatch (send)";
+    case detail::kOpDispatchRecv: return "dispatch (receive)";
+    case detail::kOpCombineSend: return "combine (send)";
+    case detail::kOpCombineRecv: return "combine (receive)";
+    case detail::kOpGridBarrier: return "grid barrier";
+  }
+  return "operation";
+}
+
+const char* wait_name(int32_t what) {
+  switch (what) {
+    case detail::kWaitAck: return "to release its receive buffer from the previous call";
+    case detail::kWaitMeta: return "to send its token counts";
+    case detail::kWaitData: return "to finish sending its tokens";
+    case detail::kWaitBarrier: return "(the other blocks of this kernel)";
+  }
+  return "";
+}
+
+std::string ranks_of(int32_t mask) {
+  std::string s;
+  for (int r = 0; r < 32; ++r)
+    if ((mask >> r) & 1) s += (s.empty() ? "" : ", ") + std::to_string(r);
+  return s;
+}
+
+}  // namespace
+
+void Group::check() {
+  volatile detail::DeviceErrorRecord* e = s_->error_host;
+  const int32_t code = e->code;
+  if (code == 0 || code == -1) return;
+  std::ostringstream os;
+  os << "epcomm rank " << e->rank << ": " << op_name(e->op) << ": ";
+  const ErrorCode ec = ErrorCode(code);
+  switch (ec) {
+    case ErrorCode::kTimeout:
+      os << "timed out after " << s_->cfg.timeout_seconds << " s waiting for rank(s) "
+         << ranks_of(e->peer_mask) << " " << wait_name(e->wait_what)
+         << "; the group is poisoned and must be set up again";
+      s_->poisoned = true;
+      throw Error(ec, os.str());
+    case ErrorCode::kBadExpertId:
+      os << "topk_ids[" << e->token << "][" << e->slot << "] = " << e->value
+         << " is outside [-1, " << s_->cfg.n_experts << "); this rank sent no token";
+      break;
+    case ErrorCode::kDuplicateExpert:
+      os << "topk_ids[" << e->token << "] names expert " << e->value
+         << " twice (again at slot " << e->slot << "); this rank sent no token";
+      break;
+    default:
+      os << error_code_name(ec);
+  }
+  std::memset(const_cast<detail::DeviceErrorRecord*>(s_->error_host), 0,
+              sizeof(detail::DeviceErrorRecord));
+  throw Error(ec, os.str());
+}
+
+void Group::synchronize(cudaStream_t stream) {
+  detail::check_cuda(cudaSetDevice(s_->device), "cudaSetDevice");
+  detail::check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  check();
+}
+
+void Group::after_launch(const char* op) {
+  detail::check_cuda(cudaGetLastError(), op);
+}
+
+// ---- argument checks --------------------------------------------------------------------------
+
+namespace {
+
+void require(bool ok, int rank, const char* op, const std::string& msg) {
+  if (!ok) throw Error(ErrorCode::kInvalidArgument, detail::rank_prefix(rank) + op + ": " + msg);
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+void require_ptr(const void* p, int rank, const char* op, const char* name, bool align16) {
+  require(p != nullptr, rank, op, std::string(name) + " is null");
+  if (align16) require(aligned16(p), rank, op, std::string(name) + " is not 16-byte aligned");
+}
+
+}  // namespace
+
+// Called at the start of every operation: a recorded timeout poisons the group.
+static void check_usable(detail::GroupState& s, const char* op) {
+  if (!s.poisoned && s.error_host->code == int32_t(ErrorCode::kTimeout)) s.poisoned = true;
+  if (s.poisoned)
+    throw Error(ErrorCode::kPoisoned, detail::rank_prefix(s.rank) + op +
+                                          ": an earlier wait timed out; destroy the group and "
+                                          "set it up again");
+  detail::check_cuda(cudaSetDevice(s.device), "cudaSetDevice");
+}
+
+static detail::DispatchParams dispatch_params(detail::GroupState& s) {
+  detail::DispatchParams p{};
+  p.g = s.view;
+  p.scratch = s.scratch;
+  return p;
+}
+
+static void check_dispatch_input(detail::GroupState& s, const DispatchInput& in, const char* op) {
+  require(in.num_tokens >= 0 && in.num_tokens <= s.cfg.max_tokens_per_rank, s.rank, op,
+          "num_tokens = " + std::to_string(in.num_tokens) + " is outside [0, " +
+              std::to_string(s.cfg.max_tokens_per_rank) + "] (max_tokens_per_rank)");
+  require(in.hidden == s.cfg.hidden, s.rank, op,
+          "hidden = " + std::to_string(in.hidden) + " but the group was set up with hidden = " +
+              std::to_string(s.cfg.hidden));
+  if (in.num_tokens > 0) {
+    require_ptr(in.tokens, s.rank, op, "tokens", true);
+    require_ptr(in.topk_ids, s.rank, op, "topk_ids", false);
+    require((reinterpret_cast<uintptr_t>(in.topk_ids) & 3u) == 0, s.rank, op,
+            "topk_ids is not 4-byte aligned");
+  }
+}
+
+static void check_dispatch_output(detail::GroupState& s, const DispatchOutput& out,
+                                  const char* op) {
+  require_ptr(out.tokens, s.rank, op, "output tokens", true);
+  require_ptr(out.row_offsets, s.rank, op, "row_offsets", false);
+  require_ptr(out.expert_ids, s.rank, op, "expert_ids", false);
+  require_ptr(out.src_info, s.rank, op, "src_info", false);
+  require((reinterpret_cast<uintptr_t>(out.src_info) & 7u) == 0, s.rank, op,
+          "src_info is not 8-byte aligned");
+}
+
+void Group::dispatch(const DispatchInput& in, const DispatchOutput& out, cudaStream_t stream) {
+  const char* op = "dispatch";
+  check_usable(*s_, op);
+  require(!s_->async_dispatch_pending, s_->rank, op, "a dispatch_async is waiting for its dispatch_wait");
+  check_dispatch_input(*s_, in, op);
+  check_dispatch_output(*s_, out, op);
+  detail::DispatchParams p = dispatch_params(*s_);
+  p.tokens = in.tokens;
+  p.topk_ids = in.topk_ids;
+  p.num_tokens = in.num_tokens;
+  p.out_tokens = out.tokens;
+  p.row_offsets = out.row_offsets;
+  p.expert_ids = out.expert_ids;
+  p.src_info = out.src_info;
+  detail::launch_dispatch(p, true, true, stream);
+  after_launch(op);
+  s_->dispatched = true;
+}
+
+void Group::dispatch_async(const DispatchInput& in, cudaStream_t stream) {
+  const char* op = "dispatch_async";
+  check_usable(*s_, op);
+  require(!s_->async_dispatch_pending, s_->rank, op, "the previous dispatch_async has no dispatch_wait yet");
+  check_dispatch_input(*s_, in, op);
+  detail::DispatchParams p = dispatch_params(*s_);
+  p.tokens = in.tokens;
+  p.topk_ids = in.topk_ids;
+  p.num_tokens = in.num_tokens;
+  detail::launch_dispatch(p, true, false, stream);
+  after_launch(op);
+  s_->async_dispatch_pending = true;
+}
+
+void Group::dispatch_wait(const DispatchOutput& out, cudaStream_t stream) {
+  const char* op = "dispatch_wait";
+  check_usable(*s_, op);
+  require(s_->async_dispatch_pending, s_->rank, op, "no dispatch_async to wait for");
+  check_dispatch_output(*s_, out, op);
+  detail::DispatchParams p = dispatch_params(*s_);
+  p.out_tokens = out.tokens;
+  p.row_offsets = out.row_offsets;
+  p.expert_ids = out.expert_ids;
+  p.src_info = out.src_info;
+  detail::launch_dispatch(p, false, true, stream);
+  after_launch(op);
+  s_->async_dispatch_pending = false;
+  s_->dispatched = true;
+}
+
+detail::CombineParams Group::prepare_combine(const CombineInput* in, const CombineOutput* out) {
+  const char* op = in && out ? "combine" : (in ? "combine_async" : "combine_wait");
+  check_usable(*s_, op);
+  require(s_->dispatched, s_->rank, op, "no dispatch has completed on this group yet");
+  if (out && !in) {
+    require(s_->async_combine_pending, s_->rank, op, "no combine_async to wait for");
+  } else {
+    require(!s_->async_combine_pending, s_->rank, op,
+            "a combine_async is waiting for its combine_wait");
+  }
+  detail::CombineParams p{};
+  p.g = s_->view;
+  p.topk = s_->scratch.topk;
+  if (in) {
+    require(in->hidden == s_->cfg.hidden, s_->rank, op,
+            "hidden = " + std::to_string(in->hidden) + " but the group was set up with hidden = " +
+                std::to_string(s_->cfg.hidden));
+    require_ptr(in->expert_out, s_->rank, op, "expert_out", true);
+    require_ptr(in->row_offsets, s_->rank, op, "row_offsets", false);
+    require_ptr(in->src_info, s_->rank, op, "src_info", false);
+    p.expert_out = in->expert_out;
+    p.row_offsets = in->row_offsets;
+    p.src_info = in->src_info;
+  }
+  if (out) {
+    if (out->out != nullptr || out->weights == nullptr)
+      require_ptr(out->out, s_->rank, op, "out", true);
+    if (out->weights)
+      require((reinterpret_cast<uintptr_t>(out->weights) & 3u) == 0, s_->rank, op,
+              "weights is not 4-byte aligned");
+    p.out = out->out;
+    p.weights = out->weights;
+  }
+  s_->async_combine_pending = in && !out;
+  return p;
+}
+
+void Group::combine(const CombineInput& in, const CombineOutput& out, cudaStream_t stream) {
+  require_ptr(out.out, s_->rank, "combine", "out", true);
+  const detail::CombineParams p = prepare_combine(&in, &out);
+  detail::launch_combine_default(p, true, true, stream);
+  after_launch("combine");
+}
+
+void Group::combine_async(const CombineInput& in, cudaStream_t stream) {
+  const detail::CombineParams p = prepare_combine(&in, nullptr);
+  detail::launch_combine_default(p, true, false, stream);
+  after_launch("combine_async");
+}
+
+void Group::combine_wait(const CombineOutput& out, cudaStream_t stream) {
+  require_ptr(out.out, s_->rank, "combine_wait", "out", true);
+  const detail::CombineParams p = prepare_combine(nullptr, &out);
+  detail::launch_combine_default(p, false, true, stream);
+  after_launch("combine_wait");
+}
+
+}  // namespace epcomm

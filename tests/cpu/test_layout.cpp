@@ -1,0 +1,100 @@
+// The layouts of layout.h: index arithmetic that sender, receiver and reference must agree on.
+#include <gtest/gtest.h>
+
+#include <set>
+
+#include "epcomm/layout.h"
+
+using namespace epcomm;
+
+TEST(Layout, ExpertMapOwnershipAndKeys) {
+  const ExpertMap em{256, 8};
+  EXPECT_EQ(em.n_local(), 32);
+  EXPECT_EQ(em.rank_of(0), 0);
+  EXPECT_EQ(em.rank_of(31), 0);
+  EXPECT_EQ(em.rank_of(32), 1);
+  EXPECT_EQ(em.rank_of(255), 7);
+  EXPECT_EQ(em.local_of(33), 1);
+  EXPECT_EQ(em.rank_key(0), 256);
+  EXPECT_EQ(em.rank_key(7), 263);
+  EXPECT_EQ(em.num_keys(), 264);
+  for (int e = 0; e < 256; ++e) EXPECT_EQ(em.rank_of(e) * em.n_local() + em.local_of(e), e);
+}
+
+TEST(Layout, MessageIsAlignedAndHoldsHeader) {
+  for (int K : {1, 4, 8, 16}) {
+    for (int H : {8, 2048, 2880, 7168}) {
+      const MessageLayout m{H, K};
+      EXPECT_EQ(m.header_bytes() % 16, 0);
+      EXPECT_GE(m.header_bytes(), 8 + 8 * K);
+      EXPECT_LT(m.header_bytes(), 8 + 8 * K + 16);
+      EXPECT_EQ(m.payload_offset() % 16, 0);
+      EXPECT_EQ(m.payload_bytes(), H * 2);
+      EXPECT_EQ(m.bytes(), m.header_bytes() + H * 2);
+    }
+  }
+  const MessageEntry e = MessageEntry::make(511, 15, 123456);
+  EXPECT_EQ(e.group(), 511);
+  EXPECT_EQ(e.slot(), 15);
+  EXPECT_EQ(e.pos, 123456);
+}
+
+TEST(Layout, DispatchRecvSlotsAreDisjoint) {
+  const DispatchRecvLayout l{MessageLayout{2880, 4}, 5};
+  std::set<int64_t> seen;
+  for (int s = 0; s < 3; ++s)
+    for (int i = 0; i < 5; ++i) {
+      const int64_t off = l.offset(s, i);
+      EXPECT_EQ(off % 16, 0);
+      EXPECT_LE(off + l.msg.bytes(), l.bytes(3));
+      EXPECT_TRUE(seen.insert(off / l.msg.bytes()).second);
+    }
+  EXPECT_EQ(int64_t(seen.size()), 15);
+}
+
+TEST(Layout, CombineRecvSlotsCoverBuffer) {
+  const CombineRecvLayout l{7168, 8, 16};
+  EXPECT_EQ(l.row_bytes(), 7168 * 2);
+  EXPECT_EQ(l.offset(0, 1), l.row_bytes());
+  EXPECT_EQ(l.offset(1, 0), 8 * l.row_bytes());
+  EXPECT_EQ(l.offset(15, 7) + l.row_bytes(), l.bytes());
+}
+
+TEST(Layout, WindowRegionsDoNotOverlap) {
+  const WindowLayout w{8, 7168, 8, 256, 4096};
+  // signals < meta < dispatch recv < combine recv, each 256-aligned
+  EXPECT_EQ(w.signal_offset(WindowLayout::kDispatchArrived, 0), 0);
+  EXPECT_EQ(w.signal_offset(WindowLayout::kCombineAck, 7) + 8,
+            int64_t(WindowLayout::kNumSignals) * WindowLayout::kMaxPeers * 8);
+  EXPECT_LE(int64_t(WindowLayout::kNumSignals) * 8 * 8, w.signals_bytes());
+  EXPECT_EQ(w.meta_offset(0), w.signals_bytes());
+  EXPECT_LE(w.meta_offset(7) + w.meta().bytes(), w.dispatch_recv_offset());
+  EXPECT_LE(w.dispatch_recv_offset() + w.dispatch_recv().bytes(8), w.combine_recv_offset());
+  EXPECT_LE(w.combine_recv_offset() + w.combine_recv().bytes(), w.bytes());
+  EXPECT_EQ(w.dispatch_recv_offset() % 256, 0);
+  EXPECT_EQ(w.combine_recv_offset() % 256, 0);
+  EXPECT_EQ(w.zeroed_bytes(), w.dispatch_recv_offset());
+  // Memory target (PERF.md): buffers within 2 x n_ranks x max_tokens x message bytes.
+  EXPECT_LE(w.bytes(), 2 * 8 * int64_t(4096) * w.msg().bytes());
+  // meta: seq, stream count, counts[n_local]
+  EXPECT_EQ(w.meta().bytes(), 16 + 4 * 32);
+}
+
+TEST(Layout, GroupRowsPrefixesBySourceThenGroup) {
+  // counts[s][g] for 3 sources, 2 groups
+  const int32_t counts[6] = {2, 0, 1, 3, 4, 1};
+  const GroupRows r{counts, 3, 2};
+  EXPECT_EQ(r.group_total(0), 7);
+  EXPECT_EQ(r.group_total(1), 4);
+  EXPECT_EQ(r.source_offset(0, 0), 0);
+  EXPECT_EQ(r.source_offset(1, 0), 2);
+  EXPECT_EQ(r.source_offset(2, 0), 3);
+  EXPECT_EQ(r.source_offset(2, 1), 3);
+}
+
+TEST(Layout, AlignUp) {
+  EXPECT_EQ(align_up(0, 16), 0);
+  EXPECT_EQ(align_up(1, 16), 16);
+  EXPECT_EQ(align_up(16, 16), 16);
+  EXPECT_EQ(align_up(17, 256), 256);
+}

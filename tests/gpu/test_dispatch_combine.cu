@@ -1,0 +1,438 @@
+// Dispatch and combine on real GPUs, one process driving 2, 4 or 8 of them, every result
+// checked against the CPU reference model with outputs poisoned before each run.
+#include <gtest/gtest.h>
+
+#include <random>
+
+#include "epcomm/bf16.h"
+#include "epcomm/combine_epilogue.cuh"
+#include "harness.h"
+
+using namespace epcomm;
+using namespace epcomm::testing;
+
+namespace {
+
+Config make_cfg(int hidden, int top_k, int n_experts, int max_tokens, int num_sms = 24,
+                double timeout = 10.0) {
+  Config c;
+  c.hidden = hidden;
+  c.top_k = top_k;
+  c.n_experts = n_experts;
+  c.max_tokens_per_rank = max_tokens;
+  c.num_sms = num_sms;
+  c.timeout_seconds = timeout;
+  return c;
+}
+
+std::vector<int32_t> random_counts(int n, int max_tokens, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<int32_t> t(static_cast<size_t>(n));
+  for (auto& x : t) x = int32_t(rng() % uint64_t(max_tokens + 1));
+  return t;
+}
+
+struct Case {
+  int n_ranks, hidden, top_k, n_experts, max_tokens;
+  double mask_prob;
+  const char* name;
+};
+
+std::string case_name(const ::testing::TestParamInfo<Case>& info) { return info.param.name; }
+
+class Sweep : public ::testing::TestWithParam<Case> {};
+
+}  // namespace
+
+// Random routing over the shapes of the issue: 2/4/8 GPUs, hidden 2048/2880/7168, K = 1/4/8,
+// 8..256 experts, fused and async+wait forms, weighted and un-reduced combine.
+TEST_P(Sweep, MatchesReference) {
+  const Case c = GetParam();
+  EPCOMM_REQUIRE_GPUS(c.n_ranks);
+  LocalGroup lg(make_cfg(c.hidden, c.top_k, c.n_experts, c.max_tokens), c.n_ranks);
+  uint64_t seed = 1;
+  for (Form form : {Form::kFused, Form::kAsyncWait}) {
+    const auto p = reference::make_problem(c.n_ranks, c.hidden, c.top_k, c.n_experts,
+                                           random_counts(c.n_ranks, c.max_tokens, seed), seed,
+                                           0.0, c.mask_prob);
+    ++seed;
+    RoundOptions o;
+    o.form = form;
+    o.unreduced = true;
+    EXPECT_EQ(run_round(lg, p, o), "") << (form == Form::kFused ? "fused" : "async+wait");
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, Sweep,
+    ::testing::Values(Case{2, 7168, 8, 256, 128, 0.0, "r2_h7168_k8_e256"},
+                      Case{2, 2048, 1, 8, 200, 0.0, "r2_h2048_k1_e8"},
+                      Case{2, 2880, 4, 128, 96, 0.2, "r2_h2880_k4_e128_masked"},
+                      Case{4, 2880, 4, 128, 128, 0.0, "r4_h2880_k4_e128"},
+                      Case{4, 7168, 8, 32, 64, 0.1, "r4_h7168_k8_e32_masked"},
+                      Case{4, 2048, 8, 8, 100, 0.0, "r4_h2048_k8_e8"},
+                      Case{8, 7168, 8, 256, 128, 0.0, "r8_h7168_k8_e256"},
+                      Case{8, 2048, 1, 64, 300, 0.0, "r8_h2048_k1_e64"},
+                      Case{8, 2880, 4, 128, 256, 0.3, "r8_h2880_k4_e128_masked"},
+                      Case{8, 2048, 8, 8, 64, 0.0, "r8_h2048_k8_e8"},
+                      Case{8, 1024, 16, 1024, 40, 0.0, "r8_h1024_k16_e1024"}),
+    case_name);
+
+// T = 0, 1 and max on every rank, and ranks with different T.
+TEST(Edge, TokenCounts) {
+  EPCOMM_REQUIRE_GPUS(2);
+  const int n = std::min(gpu_count(), 8);
+  const int max_t = 1100;  // more than two ranking units of 512
+  LocalGroup lg(make_cfg(2048, 8, 8 * n, max_t), n);
+  const std::vector<std::vector<int32_t>> counts = {
+      std::vector<int32_t>(static_cast<size_t>(n), 0), std::vector<int32_t>(static_cast<size_t>(n), 1),
+      std::vector<int32_t>(static_cast<size_t>(n), max_t), random_counts(n, max_t, 5)};
+  uint64_t seed = 10;
+  for (const auto& t : counts) {
+    const auto p = reference::make_problem(n, 2048, 8, 8 * n, t, seed++);
+    RoundOptions o;
+    o.unreduced = true;
+    EXPECT_EQ(run_round(lg, p, o), "") << "T[0] = " << t[0];
+  }
+}
+
+// Every token of every rank routed to one expert (the most skewed load), with K = 1 and with one
+// live slot of 8.
+TEST(Edge, EveryTokenToOneExpert) {
+  EPCOMM_REQUIRE_GPUS(2);
+  const int n = std::min(gpu_count(), 8);
+  for (int K : {1, 8}) {
+    LocalGroup lg(make_cfg(2880, K, 4 * n, 256), n);
+    auto p = reference::make_problem(n, 2880, K, 4 * n, std::vector<int32_t>(static_cast<size_t>(n), 256), 3);
+    for (auto& r : p.ranks)
+      for (int32_t t = 0; t < r.num_tokens; ++t)
+        for (int k = 0; k < K; ++k) r.topk_ids[size_t(t * K + k)] = k == 0 ? 4 * n - 1 : -1;
+    RoundOptions o;
+    o.unreduced = true;
+    EXPECT_EQ(run_round(lg, p, o), "") << "K = " << K;
+  }
+}
+
+// Async and wait with other GPU work between them on the same stream.
+TEST(Forms, AsyncWaitWithWorkBetween) {
+  EPCOMM_REQUIRE_GPUS(2);
+  const int n = std::min(gpu_count(), 8);
+  LocalGroup lg(make_cfg(7168, 8, 32 * n, 128), n);
+  for (uint64_t seed = 20; seed < 23; ++seed) {
+    const auto p = reference::make_problem(n, 7168, 8, 32 * n, random_counts(n, 128, seed), seed);
+    RoundOptions o;
+    o.form = Form::kAsyncWait;
+    o.busy_work_between = true;
+    EXPECT_EQ(run_round(lg, p, o), "");
+  }
+}
+
+// Block counts from 1 to more than the ranking needs, on the same data.
+TEST(Forms, AnyNumberOfBlocks) {
+  EPCOMM_REQUIRE_GPUS(2);
+  const int n = 2;
+  for (int sms : {1, 3, 64, 132}) {
+    LocalGroup lg(make_cfg(2048, 8, 64, 700, sms), n);
+    const auto p = reference::make_problem(n, 2048, 8, 64, {700, 333}, 40 + uint64_t(sms));
+    EXPECT_EQ(run_round(lg, p, RoundOptions{}), "") << sms << " blocks";
+  }
+}
+
+// 1000 back-to-back iterations with changing routing and T; every result checked.
+TEST(Stress, ThousandIterations) {
+  EPCOMM_REQUIRE_GPUS(2);
+  const int n = std::min(gpu_count(), 8);
+  const int H = 512, K = 4, E = 8 * n, max_t = 96;
+  LocalGroup lg(make_cfg(H, K, E, max_t), n);
+  for (int it = 0; it < 1000; ++it) {
+    const auto p = reference::make_problem(n, H, K, E, random_counts(n, max_t, 1000 + it),
+                                           1000 + uint64_t(it), it % 3 == 0 ? 1.2 : 0.0,
+                                           it % 5 == 0 ? 0.25 : 0.0);
+    RoundOptions o;
+    o.form = it % 2 ? Form::kAsyncWait : Form::kFused;
+    o.unreduced = it % 7 == 0;
+    const std::string e = run_round(lg, p, o);
+    ASSERT_EQ(e, "") << "iteration " << it;
+  }
+}
+
+// The same inputs twice give bit-identical outputs (row order and reduction order are fixed).
+TEST(Determinism, SameInputsSameBits) {
+  EPCOMM_REQUIRE_GPUS(2);
+  const int n = std::min(gpu_count(), 8);
+  LocalGroup lg(make_cfg(7168, 8, 256, 256), n);
+  const auto p = reference::make_problem(n, 7168, 8, 256, random_counts(n, 256, 77), 77);
+  std::vector<std::vector<uint16_t>> first_d(static_cast<size_t>(n)), first_c(static_cast<size_t>(n));
+  for (int rep = 0; rep < 2; ++rep) {
+    ASSERT_EQ(run_round(lg, p, RoundOptions{}), "");
+    for (int r = 0; r < n; ++r) {
+      RankIO& io = *lg.io[size_t(r)];
+      // make_expert_out draws fresh values each round: restore the first round's.
+      auto d = io.download_dispatch_tokens(io.max_rows);
+      auto c = io.download_combine(true);
+      if (rep == 0) {
+        first_d[size_t(r)] = d;
+        first_c[size_t(r)] = c;
+        io.expert_seed -= 1;
+      } else {
+        EXPECT_TRUE(d == first_d[size_t(r)]) << "dispatch output of rank " << r << " changed";
+        EXPECT_TRUE(c == first_c[size_t(r)]) << "combine output of rank " << r << " changed";
+      }
+    }
+  }
+}
+
+namespace {
+struct StoreF32 {
+  float* out;
+  int32_t hidden;
+  __device__ void operator()(int32_t t, int32_t c, float v) { out[int64_t(t) * hidden + c] = v; }
+};
+}  // namespace
+
+// A device epilogue receives the fp32 sums: within 1e-5 of the float64 reference.
+TEST(Combine, EpilogueGetsFp32Sums) {
+  EPCOMM_REQUIRE_GPUS(2);
+  const int n = std::min(gpu_count(), 8);
+  const int H = 2880, K = 8, E = 16 * n, max_t = 200;
+  LocalGroup lg(make_cfg(H, K, E, max_t), n);
+  const auto p = reference::make_problem(n, H, K, E, random_counts(n, max_t, 9), 9, 0.0, 0.1);
+  ASSERT_EQ(run_round(lg, p, RoundOptions{}), "");  // leaves dispatch state and expert outputs
+  std::vector<DeviceBuffer> f32;
+  for (int r = 0; r < n; ++r) {
+    f32.emplace_back(lg.io[size_t(r)]->device, size_t(max_t) * H * 4);
+    f32.back().fill(0xff);
+  }
+  lg.all([&](int r) {
+    RankIO& io = *lg.io[size_t(r)];
+    epcomm::combine(*lg.groups[size_t(r)], io.combine_input(), io.weights.get<float>(),
+                    StoreF32{f32[size_t(r)].get<float>(), H}, io.stream);
+  });
+  const auto refs = reference_dispatch_all(p);
+  std::vector<std::vector<uint16_t>> y;
+  for (int r = 0; r < n; ++r) y.push_back(lg.io[size_t(r)]->expert_out_host);
+  for (int r = 0; r < n; ++r) {
+    const std::vector<double> ref = reference::combine(p, refs, y, r, true);
+    std::vector<float> out(ref.size());
+    f32[size_t(r)].download(out.data(), out.size() * 4);
+    EXPECT_EQ(reference::compare_combine_f32(ref, out.data(), int64_t(out.size()), 1e-5), "")
+        << "rank " << r;
+  }
+}
+
+// Dispatch + combine captured in a CUDA graph, replayed with new inputs in the same buffers.
+TEST(Graph, CapturedRoundReplaysWithNewInputs) {
+  EPCOMM_REQUIRE_GPUS(2);
+  const int n = std::min(gpu_count(), 8);
+  const int H = 2048, K = 8, E = 8 * n, T = 160;
+  LocalGroup lg(make_cfg(H, K, E, T), n);
+  // Warm-up round (outside the graph), then capture.
+  auto p0 = reference::make_problem(n, H, K, E, std::vector<int32_t>(static_cast<size_t>(n), T), 500);
+  ASSERT_EQ(run_round(lg, p0, RoundOptions{}), "");
+  std::vector<cudaGraphExec_t> execs(static_cast<size_t>(n));
+  for (int r = 0; r < n; ++r) {
+    RankIO& io = *lg.io[size_t(r)];
+    EPCOMM_CUDA_OK(cudaSetDevice(io.device));
+    cudaGraph_t graph;
+    EPCOMM_CUDA_OK(cudaStreamBeginCapture(io.stream, cudaStreamCaptureModeRelaxed));
+    lg.groups[size_t(r)]->dispatch(io.dispatch_input(), io.dispatch_output(), io.stream);
+    lg.groups[size_t(r)]->combine(io.combine_input(), io.combine_output(true), io.stream);
+    EPCOMM_CUDA_OK(cudaStreamEndCapture(io.stream, &graph));
+    EPCOMM_CUDA_OK(cudaGraphInstantiate(&execs[size_t(r)], graph, 0));
+    EPCOMM_CUDA_OK(cudaGraphDestroy(graph));
+  }
+  for (int rep = 0; rep < 5; ++rep) {
+    const auto p = reference::make_problem(n, H, K, E, std::vector<int32_t>(static_cast<size_t>(n), T), 600 + uint64_t(rep));
+    const auto refs = reference_dispatch_all(p);
+    std::vector<std::vector<uint16_t>> y(static_cast<size_t>(n));
+    for (int r = 0; r < n; ++r) {
+      RankIO& io = *lg.io[size_t(r)];
+      io.upload(p.ranks[size_t(r)]);
+      io.poison();
+      // Expert outputs must exist before the graph runs: use the dispatched rows' reference
+      // count and fresh values (the graph's combine reads expert_out).
+      io.make_expert_out(refs[size_t(r)].rows());
+      y[size_t(r)] = io.expert_out_host;
+    }
+    lg.all([&](int r) { EPCOMM_CUDA_OK(cudaGraphLaunch(execs[size_t(r)], lg.io[size_t(r)]->stream)); });
+    for (int r = 0; r < n; ++r) {
+      EXPECT_EQ(lg.io[size_t(r)]->check_dispatch(refs[size_t(r)]), "") << "replay " << rep;
+      const auto ref = reference::combine(p, refs, y, r, true);
+      EXPECT_EQ(lg.io[size_t(r)]->check_combine(ref, true), "") << "replay " << rep;
+    }
+  }
+  for (int r = 0; r < n; ++r) {
+    EPCOMM_CUDA_OK(cudaSetDevice(lg.io[size_t(r)]->device));
+    EPCOMM_CUDA_OK(cudaGraphExecDestroy(execs[size_t(r)]));
+  }
+}
+
+// A rank that never launches: the others stop within the timeout with an error naming it, the
+// group is poisoned, and a new group in the same process works.
+TEST(Failure, MissingRankTimesOutNamingIt) {
+  EPCOMM_REQUIRE_GPUS(2);
+  const int n = std::min(gpu_count(), 4);
+  const int missing = 1;
+  {
+    LocalGroup lg(make_cfg(2048, 4, 8 * n, 64, 24, 1.0), n);
+    const auto p = reference::make_problem(n, 2048, 4, 8 * n, std::vector<int32_t>(static_cast<size_t>(n), 64), 8);
+    for (int r = 0; r < n; ++r) lg.io[size_t(r)]->upload(p.ranks[size_t(r)]);
+    const auto start = std::chrono::steady_clock::now();
+    for (int r = 0; r < n; ++r) {
+      if (r == missing) continue;
+      EPCOMM_CUDA_OK(cudaSetDevice(lg.io[size_t(r)]->device));
+      lg.groups[size_t(r)]->dispatch(lg.io[size_t(r)]->dispatch_input(),
+                                     lg.io[size_t(r)]->dispatch_output(), lg.io[size_t(r)]->stream);
+    }
+    for (int r = 0; r < n; ++r) {
+      if (r == missing) continue;
+      try {
+        lg.groups[size_t(r)]->synchronize(lg.io[size_t(r)]->stream);
+        ADD_FAILURE() << "rank " << r << " reported no timeout";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
+        const std::string w = e.what();
+        EXPECT_NE(w.find("rank(s) 1"), std::string::npos) << w;
+        EXPECT_NE(w.find("dispatch"), std::string::npos) << w;
+      }
+      EXPECT_TRUE(lg.groups[size_t(r)]->poisoned());
+      try {
+        lg.groups[size_t(r)]->dispatch(lg.io[size_t(r)]->dispatch_input(),
+                                       lg.io[size_t(r)]->dispatch_output(), lg.io[size_t(r)]->stream);
+        ADD_FAILURE() << "a poisoned group accepted a call";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::kPoisoned);
+      }
+    }
+    const double secs =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_LT(secs, 30.0) << "the timeout took far longer than configured";
+  }
+  LocalGroup again(make_cfg(2048, 4, 8 * n, 64), n);
+  const auto p = reference::make_problem(n, 2048, 4, 8 * n, std::vector<int32_t>(static_cast<size_t>(n), 64), 9);
+  EXPECT_EQ(run_round(again, p, RoundOptions{}), "");
+}
+
+// Set-up, teardown and set-up again in the same process.
+TEST(Setup, SecondInitWorks) {
+  EPCOMM_REQUIRE_GPUS(2);
+  const int n = std::min(gpu_count(), 8);
+  for (int i = 0; i < 3; ++i) {
+    LocalGroup lg(make_cfg(2048, 8, 16 * n, 64), n);
+    const auto p = reference::make_problem(n, 2048, 8, 16 * n, random_counts(n, 64, 30 + i), 30 + i);
+    EXPECT_EQ(run_round(lg, p, RoundOptions{}), "") << "set-up " << i;
+  }
+}
+
+// Host-checked bad input: a clear error before anything is launched, and the next call works.
+TEST(BadInput, HostChecks) {
+  EPCOMM_REQUIRE_GPUS(2);
+  const int n = 2;
+  LocalGroup lg(make_cfg(2048, 4, 16, 64), n);
+  RankIO& io = *lg.io[0];
+  Group& g = *lg.groups[0];
+  auto expect_invalid = [&](DispatchInput in, DispatchOutput out, const char* needle) {
+    try {
+      g.dispatch(in, out, io.stream);
+      ADD_FAILURE() << "no error for " << needle;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  const auto p = reference::make_problem(n, 2048, 4, 16, {64, 64}, 50);
+  io.upload(p.ranks[0]);
+  DispatchInput in = io.dispatch_input();
+  const DispatchOutput out = io.dispatch_output();
+  DispatchInput bad = in;
+  bad.num_tokens = 65;
+  expect_invalid(bad, out, "max_tokens_per_rank");
+  bad = in;
+  bad.num_tokens = -1;
+  expect_invalid(bad, out, "num_tokens");
+  bad = in;
+  bad.hidden = 4096;
+  expect_invalid(bad, out, "hidden");
+  bad = in;
+  bad.tokens = nullptr;
+  expect_invalid(bad, out, "tokens is null");
+  bad = in;
+  bad.tokens = static_cast<const char*>(in.tokens) + 2;
+  expect_invalid(bad, out, "16-byte aligned");
+  bad = in;
+  bad.topk_ids = nullptr;
+  expect_invalid(bad, out, "topk_ids is null");
+  DispatchOutput bad_out = out;
+  bad_out.row_offsets = nullptr;
+  expect_invalid(in, bad_out, "row_offsets is null");
+  bad_out = out;
+  bad_out.tokens = static_cast<char*>(out.tokens) + 8;
+  expect_invalid(in, bad_out, "16-byte aligned");
+  // combine before any dispatch
+  try {
+    g.combine(io.combine_input(), io.combine_output(true), io.stream);
+    ADD_FAILURE() << "combine before dispatch accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+  }
+  // wait without async
+  EXPECT_THROW(g.dispatch_wait(out, io.stream), Error);
+  EXPECT_EQ(run_round(lg, p, RoundOptions{}), "");
+}
+
+// Device-checked bad input on one rank: that rank reports the token and slot, sends nothing,
+// the others' outputs match the reference without it, and the next valid round works.
+TEST(BadInput, DeviceChecks) {
+  EPCOMM_REQUIRE_GPUS(2);
+  const int n = std::min(gpu_count(), 4);
+  const int H = 2048, K = 4, E = 8 * n, T = 100;
+  LocalGroup lg(make_cfg(H, K, E, T), n);
+  struct Bad {
+    int32_t value;
+    int slot_from;  // duplicate: copy this slot's id
+    ErrorCode code;
+  };
+  const Bad bads[] = {{E, -1, ErrorCode::kBadExpertId},
+                      {E + 1000, -1, ErrorCode::kBadExpertId},
+                      {-2, -1, ErrorCode::kBadExpertId},
+                      {0, 0, ErrorCode::kDuplicateExpert}};
+  uint64_t seed = 60;
+  for (const Bad& b : bads) {
+    auto p = reference::make_problem(n, H, K, E, std::vector<int32_t>(static_cast<size_t>(n), T), seed++);
+    const int bad_rank = 1, bad_token = 37, bad_slot = 2;
+    int32_t* ids = p.ranks[bad_rank].topk_ids.data() + bad_token * K;
+    ids[bad_slot] = b.slot_from >= 0 ? ids[b.slot_from] : b.value;
+    for (int r = 0; r < n; ++r) {
+      lg.io[size_t(r)]->upload(p.ranks[size_t(r)]);
+      lg.io[size_t(r)]->poison();
+    }
+    for (int r = 0; r < n; ++r) {
+      EPCOMM_CUDA_OK(cudaSetDevice(lg.io[size_t(r)]->device));
+      lg.groups[size_t(r)]->dispatch(lg.io[size_t(r)]->dispatch_input(),
+                                     lg.io[size_t(r)]->dispatch_output(), lg.io[size_t(r)]->stream);
+    }
+    for (int r = 0; r < n; ++r) {
+      if (r != bad_rank) {
+        EXPECT_NO_THROW(lg.groups[size_t(r)]->synchronize(lg.io[size_t(r)]->stream));
+        continue;
+      }
+      try {
+        lg.groups[size_t(r)]->synchronize(lg.io[size_t(r)]->stream);
+        ADD_FAILURE() << "no error for bad id " << b.value;
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), b.code) << e.what();
+        const std::string w = e.what();
+        EXPECT_NE(w.find("topk_ids[37]"), std::string::npos) << w;
+        EXPECT_NE(w.find("rank 1"), std::string::npos) << w;
+      }
+      EXPECT_FALSE(lg.groups[size_t(r)]->poisoned());
+    }
+    const auto refs = reference_dispatch_all(p);
+    for (int r = 0; r < n; ++r)
+      EXPECT_EQ(lg.io[size_t(r)]->check_dispatch(refs[size_t(r)]), "");
+    // The next valid round works on every rank.
+    const auto good = reference::make_problem(n, H, K, E, random_counts(n, T, seed), seed);
+    ++seed;
+    EXPECT_EQ(run_round(lg, good, RoundOptions{}), "");
+  }
+}

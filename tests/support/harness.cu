@@ -1,0 +1,266 @@
+#include "harness.h"
+
+#include <random>
+#include <sstream>
+
+namespace epcomm {
+namespace testing {
+
+int gpu_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+DeviceBuffer::DeviceBuffer(int device, size_t bytes) : device_(device), bytes_(bytes) {
+  EPCOMM_CUDA_OK(cudaSetDevice(device));
+  EPCOMM_CUDA_OK(cudaMalloc(&ptr_, bytes ? bytes : 16));
+}
+DeviceBuffer::~DeviceBuffer() {
+  if (ptr_) {
+    (void)cudaSetDevice(device_);
+    (void)cudaFree(ptr_);
+  }
+}
+DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& o) noexcept {
+  std::swap(device_, o.device_);
+  std::swap(ptr_, o.ptr_);
+  std::swap(bytes_, o.bytes_);
+  return *this;
+}
+void DeviceBuffer::upload(const void* src, size_t bytes, cudaStream_t s) {
+  if (bytes == 0) return;
+  EPCOMM_CUDA_OK(cudaSetDevice(device_));
+  EPCOMM_CUDA_OK(cudaMemcpyAsync(ptr_, src, bytes, cudaMemcpyHostToDevice, s));
+  EPCOMM_CUDA_OK(cudaStreamSynchronize(s));
+}
+void DeviceBuffer::download(void* dst, size_t bytes) const {
+  if (bytes == 0) return;
+  EPCOMM_CUDA_OK(cudaSetDevice(device_));
+  EPCOMM_CUDA_OK(cudaMemcpy(dst, ptr_, bytes, cudaMemcpyDeviceToHost));
+}
+void DeviceBuffer::fill(int byte, cudaStream_t s) {
+  EPCOMM_CUDA_OK(cudaSetDevice(device_));
+  EPCOMM_CUDA_OK(cudaMemsetAsync(ptr_, byte, bytes_, s));
+}
+
+RankIO::RankIO(const Group& g, uint64_t seed)
+    : rank(g.rank()),
+      device(g.device()),
+      hidden(g.config().hidden),
+      top_k(g.config().top_k),
+      max_tokens(g.config().max_tokens_per_rank),
+      max_rows(g.sizes().max_recv_rows),
+      n_groups(g.sizes().num_groups),
+      expert_seed(seed) {
+  EPCOMM_CUDA_OK(cudaSetDevice(device));
+  EPCOMM_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const size_t T = size_t(max_tokens), H = size_t(hidden), K = size_t(top_k);
+  tokens = DeviceBuffer(device, T * H * 2);
+  topk = DeviceBuffer(device, T * K * 4);
+  weights = DeviceBuffer(device, T * K * 4);
+  out_tokens = DeviceBuffer(device, size_t(max_rows) * H * 2);
+  row_offsets = DeviceBuffer(device, size_t(n_groups + 1) * 4);
+  expert_ids = DeviceBuffer(device, size_t(n_groups) * 4);
+  src_info = DeviceBuffer(device, size_t(max_rows) * sizeof(SrcInfo));
+  expert_out = DeviceBuffer(device, size_t(max_rows) * H * 2);
+  combine_out = DeviceBuffer(device, T * K * H * 2);
+}
+RankIO::~RankIO() {
+  if (stream) {
+    (void)cudaSetDevice(device);
+    (void)cudaStreamDestroy(stream);
+  }
+}
+
+void RankIO::upload(const reference::RankInput& in) {
+  num_tokens = in.num_tokens;
+  tokens.upload(in.tokens.data(), in.tokens.size() * 2, stream);
+  topk.upload(in.topk_ids.data(), in.topk_ids.size() * 4, stream);
+  weights.upload(in.weights.data(), in.weights.size() * 4, stream);
+}
+
+void RankIO::poison() {
+  for (DeviceBuffer* b : {&out_tokens, &row_offsets, &expert_ids, &src_info, &combine_out})
+    b->fill(0xff, stream);
+  EPCOMM_CUDA_OK(cudaStreamSynchronize(stream));
+}
+
+DispatchInput RankIO::dispatch_input() const {
+  return DispatchInput{tokens.get(), topk.get<int32_t>(), num_tokens, hidden};
+}
+DispatchOutput RankIO::dispatch_output() const {
+  return DispatchOutput{out_tokens.get(), row_offsets.get<uint32_t>(), expert_ids.get<int32_t>(),
+                        src_info.get<SrcInfo>()};
+}
+CombineInput RankIO::combine_input() const {
+  return CombineInput{expert_out.get(), row_offsets.get<uint32_t>(), src_info.get<SrcInfo>(),
+                      hidden};
+}
+CombineOutput RankIO::combine_output(bool weighted) const {
+  return CombineOutput{combine_out.get(), weighted ? weights.get<float>() : nullptr};
+}
+
+std::vector<uint16_t> expert_outputs(int rank, uint64_t seed, int64_t rows, int32_t hidden) {
+  std::mt19937_64 rng(seed * 7919u + uint64_t(rank));
+  return reference::make_tokens(rows * hidden, rng);
+}
+
+void RankIO::make_expert_out(int64_t rows) {
+  expert_out_host = expert_outputs(rank, expert_seed++, rows, hidden);
+  expert_out.upload(expert_out_host.data(), expert_out_host.size() * 2, stream);
+}
+
+std::string RankIO::check_dispatch(const reference::DispatchResult& ref) const {
+  std::vector<uint32_t> ro(static_cast<size_t>(n_groups) + 1);
+  std::vector<int32_t> eid(static_cast<size_t>(n_groups));
+  std::vector<SrcInfo> si(static_cast<size_t>(ref.rows()));
+  row_offsets.download(ro.data(), ro.size() * 4);
+  expert_ids.download(eid.data(), eid.size() * 4);
+  src_info.download(si.data(), si.size() * sizeof(SrcInfo));
+  const std::vector<uint16_t> tok = download_dispatch_tokens(ref.rows());
+  const std::string err =
+      reference::compare_dispatch(ref, ro.data(), eid.data(), si.data(), tok.data(), hidden);
+  return err.empty() ? err : "rank " + std::to_string(rank) + " dispatch: " + err;
+}
+
+std::vector<uint16_t> RankIO::download_dispatch_tokens(int64_t rows) const {
+  std::vector<uint16_t> tok(static_cast<size_t>(rows) * size_t(hidden));
+  out_tokens.download(tok.data(), tok.size() * 2);
+  return tok;
+}
+
+std::vector<uint16_t> RankIO::download_combine(bool weighted) const {
+  std::vector<uint16_t> out(static_cast<size_t>(num_tokens) * size_t(hidden) * (weighted ? 1 : size_t(top_k)));
+  combine_out.download(out.data(), out.size() * 2);
+  return out;
+}
+
+std::string RankIO::check_combine(const std::vector<double>& ref, bool weighted) const {
+  const std::vector<uint16_t> out = download_combine(weighted);
+  if (ref.size() != out.size())
+    return "rank " + std::to_string(rank) + " combine: reference has " +
+           std::to_string(ref.size()) + " values, output " + std::to_string(out.size());
+  const std::string err =
+      weighted ? reference::compare_combine_bf16(ref, out.data(), int64_t(out.size()))
+               : reference::compare_exact_bf16(ref, out.data(), int64_t(out.size()));
+  return err.empty() ? err : "rank " + std::to_string(rank) + " combine: " + err;
+}
+
+std::vector<reference::DispatchResult> reference_dispatch_all(const reference::Problem& p) {
+  std::vector<reference::DispatchResult> r;
+  for (int d = 0; d < p.n_ranks; ++d) r.push_back(reference::dispatch(p, d));
+  return r;
+}
+
+LocalGroup::LocalGroup(const Config& cfg, int n_ranks) {
+  std::vector<int> devs;
+  for (int d = 0; d < n_ranks; ++d) devs.push_back(d);
+  groups = Group::create_local(cfg, devs);
+  for (auto& g : groups) io.push_back(std::make_unique<RankIO>(*g));
+}
+LocalGroup::~LocalGroup() {
+  io.clear();
+  groups.clear();
+}
+
+void LocalGroup::all(const std::function<void(int)>& f) {
+  for (int r = 0; r < n(); ++r) {
+    EPCOMM_CUDA_OK(cudaSetDevice(io[size_t(r)]->device));
+    f(r);
+  }
+  sync_all();
+}
+
+void LocalGroup::sync_all() {
+  for (int r = 0; r < n(); ++r) groups[size_t(r)]->synchronize(io[size_t(r)]->stream);
+}
+
+namespace {
+__global__ void busy_kernel(float* x, int n, int iters) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  float v = x[i];
+  for (int k = 0; k < iters; ++k) v = v * 0.999f + 0.001f;
+  x[i] = v;
+}
+}  // namespace
+
+std::string run_round(LocalGroup& lg, const reference::Problem& p, const RoundOptions& o) {
+  const int n = lg.n();
+  for (int r = 0; r < n; ++r) {
+    lg.io[size_t(r)]->upload(p.ranks[size_t(r)]);
+    lg.io[size_t(r)]->poison();
+  }
+  std::vector<DeviceBuffer> scratch;
+  if (o.busy_work_between)
+    for (int r = 0; r < n; ++r) scratch.emplace_back(lg.io[size_t(r)]->device, 1 << 22);
+  if (o.form == Form::kFused) {
+    lg.all([&](int r) {
+      lg.groups[size_t(r)]->dispatch(lg.io[size_t(r)]->dispatch_input(),
+                                     lg.io[size_t(r)]->dispatch_output(), lg.io[size_t(r)]->stream);
+    });
+  } else {
+    for (int r = 0; r < n; ++r) {
+      RankIO& io = *lg.io[size_t(r)];
+      EPCOMM_CUDA_OK(cudaSetDevice(io.device));
+      lg.groups[size_t(r)]->dispatch_async(io.dispatch_input(), io.stream);
+      if (o.busy_work_between) {
+        busy_kernel<<<(1 << 20) / 256, 256, 0, io.stream>>>(scratch[size_t(r)].get<float>(),
+                                                            1 << 20, 2000);
+        EPCOMM_CUDA_OK(cudaGetLastError());
+      }
+    }
+    lg.all([&](int r) {
+      lg.groups[size_t(r)]->dispatch_wait(lg.io[size_t(r)]->dispatch_output(),
+                                          lg.io[size_t(r)]->stream);
+    });
+  }
+  const std::vector<reference::DispatchResult> refs = reference_dispatch_all(p);
+  for (int r = 0; r < n; ++r) {
+    const std::string e = lg.io[size_t(r)]->check_dispatch(refs[size_t(r)]);
+    if (!e.empty()) return e;
+  }
+  std::vector<std::vector<uint16_t>> y(static_cast<size_t>(n));
+  for (int r = 0; r < n; ++r) {
+    lg.io[size_t(r)]->make_expert_out(refs[size_t(r)].rows());
+    y[size_t(r)] = lg.io[size_t(r)]->expert_out_host;
+  }
+  for (bool weighted : {true, false}) {
+    if ((weighted && !o.weighted) || (!weighted && !o.unreduced)) continue;
+    for (int r = 0; r < n; ++r) lg.io[size_t(r)]->combine_out.fill(0xff, lg.io[size_t(r)]->stream);
+    if (o.form == Form::kFused) {
+      lg.all([&](int r) {
+        RankIO& io = *lg.io[size_t(r)];
+        lg.groups[size_t(r)]->combine(io.combine_input(), io.combine_output(weighted), io.stream);
+      });
+    } else {
+      for (int r = 0; r < n; ++r) {
+        RankIO& io = *lg.io[size_t(r)];
+        EPCOMM_CUDA_OK(cudaSetDevice(io.device));
+        lg.groups[size_t(r)]->combine_async(io.combine_input(), io.stream);
+        if (o.busy_work_between) {
+          busy_kernel<<<(1 << 20) / 256, 256, 0, io.stream>>>(scratch[size_t(r)].get<float>(),
+                                                              1 << 20, 2000);
+          EPCOMM_CUDA_OK(cudaGetLastError());
+        }
+      }
+      lg.all([&](int r) {
+        RankIO& io = *lg.io[size_t(r)];
+        lg.groups[size_t(r)]->combine_wait(io.combine_output(weighted), io.stream);
+      });
+    }
+    for (int r = 0; r < n; ++r) {
+      const std::vector<double> ref = reference::combine(p, refs, y, r, weighted);
+      const std::string e = lg.io[size_t(r)]->check_combine(ref, weighted);
+      if (!e.empty()) return std::string(weighted ? "weighted " : "un-reduced ") + e;
+    }
+  }
+  return "";
+}
+
+}  // namespace testing
+}  // namespace epcomm

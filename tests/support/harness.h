@@ -1,0 +1,124 @@
+// GPU test support: device buffers, one rank's inputs and outputs (poisoned before every run),
+// and the comparison of a rank's results with the CPU reference model. Used by the one-process
+// GPU tests (all ranks in one process) and the multi-process tests (one rank per process).
+#pragma once
+
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "epcomm/group.h"
+#include "epcomm/reference.h"
+
+namespace epcomm {
+namespace testing {
+
+#define EPCOMM_CUDA_OK(call)                                                        \
+  do {                                                                              \
+    const cudaError_t e_ = (call);                                                  \
+    if (e_ != cudaSuccess)                                                          \
+      throw std::runtime_error(std::string(#call) + ": " + cudaGetErrorString(e_)); \
+  } while (0)
+
+// Visible GPUs (0 when the CUDA runtime finds none or no driver).
+int gpu_count();
+// Skips the calling test, with the reason, when fewer than n GPUs are visible.
+#define EPCOMM_REQUIRE_GPUS(n)                                                               \
+  do {                                                                                       \
+    const int have_ = ::epcomm::testing::gpu_count();                                        \
+    if (have_ < (n)) GTEST_SKIP() << "needs " << (n) << " GPUs, found " << have_;            \
+  } while (0)
+
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  DeviceBuffer(int device, size_t bytes);
+  ~DeviceBuffer();
+  DeviceBuffer(DeviceBuffer&& o) noexcept { *this = std::move(o); }
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept;
+  template <class T = void>
+  T* get() const { return static_cast<T*>(ptr_); }
+  size_t bytes() const { return bytes_; }
+  void upload(const void* src, size_t bytes, cudaStream_t s = nullptr);
+  void download(void* dst, size_t bytes) const;
+  void fill(int byte, cudaStream_t s = nullptr);  // poison
+
+ private:
+  int device_ = 0;
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// One rank's buffers, sized for the group's worst case.
+struct RankIO {
+  RankIO(const Group& g, uint64_t expert_seed = 99);
+  ~RankIO();
+
+  int rank, device;
+  int32_t hidden, top_k, max_tokens;
+  int64_t max_rows;
+  int32_t n_groups;
+  cudaStream_t stream = nullptr;
+  DeviceBuffer tokens, topk, weights;                           // inputs
+  DeviceBuffer out_tokens, row_offsets, expert_ids, src_info;   // dispatch outputs
+  DeviceBuffer expert_out;                                      // combine input
+  DeviceBuffer combine_out;                                     // [T, K, H] bf16 (fits [T, H])
+  int32_t num_tokens = 0;
+  std::vector<uint16_t> expert_out_host;  // what expert_out holds (rows of the reference)
+  uint64_t expert_seed;
+
+  void upload(const reference::RankInput& in);
+  void poison();  // every output byte 0xff: bf16 NaN, src_info rank -1, row_offsets 2^32-1
+  DispatchInput dispatch_input() const;
+  DispatchOutput dispatch_output() const;
+  CombineInput combine_input() const;
+  CombineOutput combine_output(bool weighted) const;
+  // Random expert outputs for `rows` rows (fresh per call), uploaded to expert_out.
+  void make_expert_out(int64_t rows);
+  // Downloads the dispatch outputs and compares them with the reference ("" = equal).
+  std::string check_dispatch(const reference::DispatchResult& ref) const;
+  // Downloads the combine output and compares it: weighted -> bf16 tolerance, else exact.
+  std::string check_combine(const std::vector<double>& ref, bool weighted) const;
+  // Raw downloads, for bit-identity checks.
+  std::vector<uint16_t> download_dispatch_tokens(int64_t rows) const;
+  std::vector<uint16_t> download_combine(bool weighted) const;
+};
+
+// The random expert outputs RankIO::make_expert_out gives rank `rank` for `seed`: any process
+// can recompute every rank's.
+std::vector<uint16_t> expert_outputs(int rank, uint64_t seed, int64_t rows, int32_t hidden);
+
+// The reference's view of every rank's dispatch, and the combine reference of one rank.
+std::vector<reference::DispatchResult> reference_dispatch_all(const reference::Problem& p);
+
+// A one-process group on the first n GPUs with per-rank buffers.
+struct LocalGroup {
+  LocalGroup(const Config& cfg, int n_ranks);
+  ~LocalGroup();
+  std::vector<std::unique_ptr<Group>> groups;
+  std::vector<std::unique_ptr<RankIO>> io;
+  int n() const { return int(groups.size()); }
+  // Issues f(rank) for every rank (each on its device), then synchronizes every rank and runs
+  // check() on it. Never synchronizes before every rank's call was issued.
+  void all(const std::function<void(int)>& f);
+  void sync_all();
+};
+
+enum class Form { kFused, kAsyncWait };
+
+// One full round on a LocalGroup: upload a problem, poison, dispatch, check exactly, make expert
+// outputs, combine (weighted and/or un-reduced), check. Returns "" or the first failure.
+struct RoundOptions {
+  Form form = Form::kFused;
+  bool weighted = true;
+  bool unreduced = false;
+  bool busy_work_between = false;  // launch unrelated GPU work between async and wait
+};
+std::string run_round(LocalGroup& lg, const reference::Problem& p, const RoundOptions& o);
+
+}  // namespace testing
+}  // namespace epcomm
