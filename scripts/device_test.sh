@@ -12,7 +12,7 @@ BUILD=${BUILD:-build-device}
 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DEPCOMM_GTEST_SOURCE_DIR="$PWD/.deps/googletest" ${EPCOMM_CMAKE_ARGS:-} >"$OUT/configure.log" 2>&1 \
   || { tail -30 "$OUT/configure.log"; exit 1; }
-timeout 400 cmake --build "$BUILD" -j "$(nproc)" >"$OUT/build.log" 2>&1 \
+timeout 400 cmake --build "$BUILD" -j "$(nproc)" ${BUILD_TARGETS:+--target $BUILD_TARGETS} >"$OUT/build.log" 2>&1 \
   || { grep -E "error|FAILED" "$OUT/build.log" | head -40; exit 1; }
 echo "build ok"
 cd "$BUILD"

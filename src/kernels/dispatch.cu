@@ -388,13 +388,10 @@ __device__ void dispatch_recv(const DispatchParams& p, unsigned long long seq, c
 template <bool kSend, bool kRecv>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams p) {
   extern __shared__ __align__(16) char smem[];
-  if (aborted(p.g)) return;
+  if (block_aborted(p.g)) return;
   const unsigned long long seq = p.g.state->dispatch_seq + 1;
   if (kSend) dispatch_send(p, seq, smem);
-  if (kRecv) {
-    __syncthreads();
-    if (!aborted(p.g)) dispatch_recv(p, seq, smem);
-  }
+  if (kRecv && !block_aborted(p.g)) dispatch_recv(p, seq, smem);
 }
 
 }  // namespace

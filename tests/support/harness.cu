@@ -1,5 +1,7 @@
 #include "harness.h"
 
+#include <cstdio>
+#include <cstdlib>
 #include <random>
 #include <sstream>
 
@@ -189,8 +191,16 @@ __global__ void busy_kernel(float* x, int n, int iters) {
 }
 }  // namespace
 
+namespace {
+void trace(const char* what) {
+  static const bool on = std::getenv("EPCOMM_TEST_TRACE") != nullptr;
+  if (on) std::fprintf(stderr, "[trace] %s\n", what);
+}
+}  // namespace
+
 std::string run_round(LocalGroup& lg, const reference::Problem& p, const RoundOptions& o) {
   const int n = lg.n();
+  trace("round: upload");
   for (int r = 0; r < n; ++r) {
     lg.io[size_t(r)]->upload(p.ranks[size_t(r)]);
     lg.io[size_t(r)]->poison();
@@ -219,6 +229,7 @@ std::string run_round(LocalGroup& lg, const reference::Problem& p, const RoundOp
                                           lg.io[size_t(r)]->stream);
     });
   }
+  trace("round: dispatched");
   const std::vector<reference::DispatchResult> refs = reference_dispatch_all(p);
   for (int r = 0; r < n; ++r) {
     const std::string e = lg.io[size_t(r)]->check_dispatch(refs[size_t(r)]);
@@ -253,6 +264,7 @@ std::string run_round(LocalGroup& lg, const reference::Problem& p, const RoundOp
         lg.groups[size_t(r)]->combine_wait(io.combine_output(weighted), io.stream);
       });
     }
+    trace("round: combined");
     for (int r = 0; r < n; ++r) {
       const std::vector<double> ref = reference::combine(p, refs, y, r, weighted);
       const std::string e = lg.io[size_t(r)]->check_combine(ref, weighted);

@@ -12,6 +12,7 @@
 //        every source and bumps the local combine_seq.
 #pragma once
 
+#include "epcomm/config.h"
 #include "epcomm/detail/device.cuh"
 #include "epcomm/detail/launch.h"
 
@@ -97,30 +98,40 @@ __device__ void combine_recv(const CombineParams& p, unsigned long long seq, Epi
 
   for (int32_t t = blockIdx.x * kCombineWarps + threadIdx.x / kWarpSize; t < num_tokens;
        t += gridDim.x * kCombineWarps) {
+    // Every lane gets the token's ids and weights before the column loops: lanes run those
+    // loops a different number of times when H / 8 is not a multiple of 32, so no shuffle may
+    // sit inside them.
     const int32_t id = lane < K ? p.topk[int64_t(t) * K + lane] : -1;
+    const float w = (lane < K && p.weights != nullptr) ? p.weights[int64_t(t) * K + lane] : 0.f;
+    int32_t ids[kMaxTopK];
+    float ws[kMaxTopK];
+#pragma unroll
+    for (int k = 0; k < kMaxTopK; ++k) {
+      ids[k] = __shfl_sync(0xffffffffu, id, k);
+      ws[k] = __shfl_sync(0xffffffffu, w, k);
+    }
     const char* slots = recv + cl.offset(t, 0);
     if (p.weights != nullptr) {
-      const float w = lane < K ? p.weights[int64_t(t) * K + lane] : 0.f;
       for (int32_t c = lane * 8; c < H; c += kWarpSize * 8) {
         float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        for (int32_t k = 0; k < K; ++k) {
-          const int32_t id_k = __shfl_sync(0xffffffffu, id, k);
-          const float w_k = __shfl_sync(0xffffffffu, w, k);
-          if (id_k < 0) continue;
+#pragma unroll
+        for (int k = 0; k < kMaxTopK; ++k) {
+          if (k >= K || ids[k] < 0) continue;
           float y[8];
           unpack_bf16x8(ld_v4(slots + k * cl.row_bytes() + int64_t(c) * 2), y);
 #pragma unroll
-          for (int i = 0; i < 8; ++i) acc[i] = fmaf(w_k, y[i], acc[i]);
+          for (int i = 0; i < 8; ++i) acc[i] = fmaf(ws[k], y[i], acc[i]);
         }
         emit8(epi, t, c, acc);
       }
     } else {
       char* out = static_cast<char*>(p.out) + int64_t(t) * K * H * 2;
-      for (int32_t k = 0; k < K; ++k) {
-        const int32_t id_k = __shfl_sync(0xffffffffu, id, k);
+#pragma unroll
+      for (int k = 0; k < kMaxTopK; ++k) {
+        if (k >= K) continue;
         for (int32_t c = lane * 8; c < H; c += kWarpSize * 8) {
-          const uint4 v = id_k >= 0 ? ld_v4(slots + k * cl.row_bytes() + int64_t(c) * 2)
-                                    : make_uint4(0, 0, 0, 0);
+          const uint4 v = ids[k] >= 0 ? ld_v4(slots + k * cl.row_bytes() + int64_t(c) * 2)
+                                      : make_uint4(0, 0, 0, 0);
           st_v4(out + (int64_t(k) * H + c) * 2, v);
         }
       }
@@ -137,10 +148,10 @@ __device__ void combine_recv(const CombineParams& p, unsigned long long seq, Epi
 template <class Epilogue, bool kSend, bool kRecv>
 __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineParams p,
                                                                      Epilogue epi) {
-  if (aborted(p.g)) return;
+  if (block_aborted(p.g)) return;
   const unsigned long long seq = p.g.state->combine_seq + 1;
   if (kSend) combine_send(p, seq);
-  if (kRecv && !aborted(p.g)) combine_recv(p, seq, epi);
+  if (kRecv && !block_aborted(p.g)) combine_recv(p, seq, epi);
 }
 
 template <class Epilogue>

@@ -101,6 +101,16 @@ __device__ __forceinline__ bool aborted(const GroupView& g) {
   return *reinterpret_cast<volatile int32_t*>(&g.state->abort) != 0;
 }
 
+// The abort flag as one value for the whole block (a flag read per thread could differ between
+// threads and split the block at its next __syncthreads).
+__device__ inline bool block_aborted(const GroupView& g) {
+  __shared__ int flag;
+  __syncthreads();
+  if (threadIdx.x == 0) flag = aborted(g);
+  __syncthreads();
+  return flag != 0;
+}
+
 // Waits until `ready(peer)` holds for every peer whose bit is set in `mask`, for at most the
 // group's timeout. On expiry records a timeout naming the peers still missing, sets the abort
 // flag (so every other wait of this rank gives up at once) and returns false. Called by one

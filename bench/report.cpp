@@ -1,0 +1,338 @@
+#include "report.h"
+
+#include <cuda_runtime_api.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <ctime>
+#include <fstream>
+#include <stdexcept>
+
+#include "common.h"
+
+namespace epbench {
+
+double OpResult::median_us() const {
+  double v = 0;
+  for (const Stats& s : ranks)
+    v = std::max(v, s.median_us);
+  return v;
+}
+
+double OpResult::min_us() const {
+  double v = ranks.empty() ? 0 : ranks.front().min_us;
+  for (const Stats& s : ranks)
+    v = std::min(v, s.min_us);
+  return v;
+}
+
+double OpResult::max_us() const {
+  double v = 0;
+  for (const Stats& s : ranks)
+    v = std::max(v, s.max_us);
+  return v;
+}
+
+double OpResult::gbps() const {
+  const double t = median_us();
+  return t > 0 ? bytes_per_rank / t * 1e-3 : 0;  // bytes/us = 1e6 B/s; GB/s = 1e9 B/s
+}
+
+const OpResult* WorkloadResult::find(const std::string& op, const std::string& impl) const {
+  for (const OpResult& r : ops)
+    if (r.op == op && r.impl == impl) return &r;
+  return nullptr;
+}
+
+bool WorkloadResult::failed() const {
+  for (const CheckResult& c : checks)
+    if (!c.pass) return true;
+  return false;
+}
+
+namespace {
+
+std::string git_commit() {
+  if (const char* env = std::getenv("EPCOMM_COMMIT")) return env;
+  std::string out;
+  if (FILE* p = popen("git rev-parse HEAD 2>/dev/null", "r")) {
+    char buf[128];
+    while (std::fgets(buf, sizeof buf, p))
+      out += buf;
+    const int status = pclose(p);
+    while (!out.empty() && std::isspace(static_cast<unsigned char>(out.back())))
+      out.pop_back();
+    if (status == 0 && out.size() >= 7) return out;
+  }
+  return "unknown";
+}
+
+std::string utc_now() {
+  const std::time_t now = std::time(nullptr);
+  std::tm tm{};
+  gmtime_r(&now, &tm);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return buf;
+}
+
+// A minimal JSON writer: objects and arrays nest, commas and indentation are automatic.
+class JsonWriter {
+ public:
+  explicit JsonWriter(std::ostream& os) : os_(os) {}
+  void begin_object(const char* key = nullptr) { open(key, '{'); }
+  void end_object() { close('}'); }
+  void begin_array(const char* key = nullptr) { open(key, '['); }
+  void end_array() { close(']'); }
+  void value(const char* key, const std::string& s) {
+    prefix(key);
+    os_ << quote(s);
+  }
+  void value(const char* key, const char* s) { value(key, std::string(s)); }
+  void value(const char* key, double v) {
+    prefix(key);
+    if (!std::isfinite(v)) {
+      os_ << "null";
+      return;
+    }
+    char buf[40];
+    std::snprintf(buf, sizeof buf, "%.9g", v);
+    os_ << buf;
+  }
+  void value(const char* key, int v) { value(key, double(v)); }
+  void value(const char* key, bool v) {
+    prefix(key);
+    os_ << (v ? "true" : "false");
+  }
+  void numbers(const char* key, const std::vector<double>& v) {
+    prefix(key);
+    os_ << '[';
+    for (size_t i = 0; i < v.size(); ++i) {
+      char buf[40];
+      std::snprintf(buf, sizeof buf, "%.9g", v[i]);
+      os_ << (i ? ", " : "") << buf;
+    }
+    os_ << ']';
+  }
+
+ private:
+  static std::string quote(const std::string& s) {
+    std::string q = "\"";
+    for (char c : s) {
+      if (c == '"' || c == '\\') {
+        q += '\\';
+        q += c;
+      } else if (static_cast<unsigned char>(c) < 0x20) {
+        char buf[8];
+        std::snprintf(buf, sizeof buf, "\\u%04x", c);
+        q += buf;
+      } else {
+        q += c;
+      }
+    }
+    return q + "\"";
+  }
+  void prefix(const char* key) {
+    if (!first_.empty()) {
+      if (!first_.back()) os_ << ',';
+      first_.back() = false;
+      os_ << '\n' << std::string(2 * first_.size(), ' ');
+    }
+    if (key) os_ << quote(key) << ": ";
+  }
+  void open(const char* key, char bracket) {
+    prefix(key);
+    os_ << bracket;
+    first_.push_back(true);
+  }
+  void close(char bracket) {
+    first_.pop_back();
+    os_ << '\n' << std::string(2 * first_.size(), ' ') << bracket;
+  }
+
+  std::ostream& os_;
+  std::vector<bool> first_;
+};
+
+void write_op(JsonWriter& j, const OpResult& r) {
+  j.begin_object();
+  j.value("op", r.op);
+  j.value("impl", r.impl);
+  j.value("median_us", r.median_us());
+  j.value("min_us", r.min_us());
+  j.value("max_us", r.max_us());
+  j.value("gbps", r.gbps());
+  j.value("bytes_per_rank", r.bytes_per_rank);
+  std::vector<double> med, lo, hi;
+  for (const Stats& s : r.ranks) {
+    med.push_back(s.median_us);
+    lo.push_back(s.min_us);
+    hi.push_back(s.max_us);
+  }
+  j.numbers("rank_median_us", med);
+  j.numbers("rank_min_us", lo);
+  j.numbers("rank_max_us", hi);
+  j.end_object();
+}
+
+void write_workload(JsonWriter& j, const WorkloadResult& r) {
+  const Workload& w = r.workload;
+  j.begin_object();
+  j.value("name", w.name);
+  j.value("tokens", w.tokens);
+  j.value("hidden", w.hidden);
+  j.value("top_k", w.top_k);
+  j.value("experts", w.experts);
+  j.value("format", w.format);
+  j.value("zipf_s", w.zipf_s);
+  j.value("num_sms", r.num_sms);
+  j.value("ran", r.skipped.empty());
+  if (!r.skipped.empty()) j.value("skipped", r.skipped);
+  j.numbers("logical_bytes_per_rank", r.logical_bytes);
+  j.begin_array("checks");
+  for (const CheckResult& c : r.checks) {
+    j.begin_object();
+    j.value("what", c.what);
+    j.value("pass", c.pass);
+    j.value("detail", c.detail);
+    j.end_object();
+  }
+  j.end_array();
+  j.begin_array("results");
+  for (const OpResult& op : r.ops)
+    write_op(j, op);
+  j.end_array();
+  j.begin_object("speedup_over_nccl");
+  for (const OpResult& op : r.ops) {
+    const OpResult* base =
+        op.impl == "epcomm" ? r.find(op.op.substr(0, op.op.find(' ')), "nccl") : nullptr;
+    if (base && op.median_us() > 0) j.value(op.op.c_str(), base->median_us() / op.median_us());
+  }
+  j.end_object();
+  j.end_object();
+}
+
+}  // namespace
+
+RunInfo describe_run(const std::string& command_line, bool multi_process, int n_ranks, int device,
+                     const std::string& nccl_version) {
+  RunInfo info;
+  char host[256] = {};
+  gethostname(host, sizeof host - 1);
+  info.hostname = host;
+  cudaDeviceProp prop{};
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, device));
+  info.gpu_name = prop.name;
+  CHECK_CUDA(cudaGetDeviceCount(&info.gpu_count));
+  info.commit = git_commit();
+  info.date = utc_now();
+  info.command_line = command_line;
+  info.mode = multi_process ? "multi-process" : "one-process";
+  info.n_ranks = n_ranks;
+  info.nccl_version = nccl_version;
+  return info;
+}
+
+void print_preamble(const RunInfo& info) {
+  std::printf("epcomm_bench  %s  %s x%d  %d ranks (%s)  commit %s  %s\n", info.hostname.c_str(),
+              info.gpu_name.c_str(), info.gpu_count, info.n_ranks, info.mode.c_str(),
+              info.commit.c_str(), info.date.c_str());
+  std::printf(
+      "%d timed iterations after %d warm-up; L2 flushed by a %.0f MiB memset before every timed "
+      "call; %d input sets (different routing) rotated.\n",
+      info.iters, info.warmup, double(info.l2_flush_bytes) / (1 << 20), info.input_sets);
+  std::printf(
+      "Times in us: median = max over ranks of the per-rank median, min/max over all ranks and "
+      "iterations.\nGB/s = logical bytes received per rank (one message per (token, rank), local "
+      "ones included, x H x 2) / median. NCCL: %s%s.\n\n",
+      info.nccl_version.empty() ? "not run" : "send/recv baseline, NCCL ",
+      info.nccl_version.c_str());
+  std::fflush(stdout);
+}
+
+void print_table_header() {
+  std::printf("%-12s %-20s %9s %9s %9s %8s  %9s %8s  %8s\n", "workload", "op", "median", "min",
+              "max", "GB/s", "NCCL med", "GB/s", "speed-up");
+  std::fflush(stdout);
+}
+
+void print_workload(const WorkloadResult& r) {
+  if (!r.skipped.empty()) {
+    std::printf("%-12s %s\n", r.workload.name.c_str(), r.skipped.c_str());
+    std::fflush(stdout);
+    return;
+  }
+  for (const OpResult& op : r.ops) {
+    if (op.impl != "epcomm") continue;
+    std::printf("%-12s %-20s %9.1f %9.1f %9.1f %8.1f", r.workload.name.c_str(), op.op.c_str(),
+                op.median_us(), op.min_us(), op.max_us(), op.gbps());
+    const OpResult* base = r.find(op.op.substr(0, op.op.find(' ')), "nccl");
+    if (base && op.median_us() > 0)
+      std::printf("  %9.1f %8.1f  %7.2fx\n", base->median_us(), base->gbps(),
+                  base->median_us() / op.median_us());
+    else
+      std::printf("  %9s %8s  %8s\n", "-", "-", "-");
+  }
+  std::string line;
+  for (const CheckResult& c : r.checks)
+    line += "  " + c.what + ": " + (c.pass ? "PASS" : "FAIL") +
+            (c.detail.empty() ? "" : " (" + c.detail + ")");
+  std::printf("%-12s check:%s\n", "", line.empty() ? "  skipped (--no-check)" : line.c_str());
+  std::fflush(stdout);
+}
+
+void write_json(const std::string& path, const RunInfo& info,
+                const std::vector<WorkloadResult>& results) {
+  std::ofstream os(path);
+  if (!os) throw std::runtime_error("cannot write " + path);
+  JsonWriter j(os);
+  j.begin_object();
+  j.begin_object("machine");
+  j.value("hostname", info.hostname);
+  j.value("gpu", info.gpu_name);
+  j.value("gpu_count", info.gpu_count);
+  j.end_object();
+  j.value("commit", info.commit);
+  j.value("date", info.date);
+  j.value("command", info.command_line);
+  j.value("mode", info.mode);
+  j.value("n_ranks", info.n_ranks);
+  j.value("nccl_version", info.nccl_version);
+  j.value("iters", info.iters);
+  j.value("warmup", info.warmup);
+  j.value("l2_flush_bytes", double(info.l2_flush_bytes));
+  j.value("input_sets", info.input_sets);
+  j.value("median_definition", "max over ranks of the per-rank median");
+  j.begin_array("workloads");
+  for (const WorkloadResult& r : results)
+    write_workload(j, r);
+  j.end_array();
+  j.end_object();
+  os << '\n';
+  if (!os) throw std::runtime_error("error writing " + path);
+}
+
+Progress::Progress(bool enabled) : enabled_(enabled), tty_(isatty(2) != 0) {}
+
+void Progress::phase(const std::string& what) {
+  phase_ = what;
+  if (!enabled_) return;
+  std::fprintf(stderr, tty_ ? "\r\033[K[epcomm_bench] %s" : "[epcomm_bench] %s\n", what.c_str());
+  std::fflush(stderr);
+}
+
+void Progress::tick(int done, int total) {
+  if (!enabled_ || !tty_) return;
+  std::fprintf(stderr, "\r\033[K[epcomm_bench] %s %d/%d", phase_.c_str(), done, total);
+  std::fflush(stderr);
+}
+
+void Progress::done() {
+  if (enabled_ && tty_) std::fputs("\r\033[K", stderr);
+}
+
+}  // namespace epbench

@@ -1,0 +1,73 @@
+// What a run reports: the table on stdout, the progress line on stderr, the JSON file.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "timing.h"
+#include "workloads.h"
+
+namespace epbench {
+
+// One operation of one implementation, over every rank.
+struct OpResult {
+  std::string op;             // "dispatch", "combine", "dispatch async+wait", "combine async+wait"
+  std::string impl;           // "epcomm" or "nccl"
+  std::vector<Stats> ranks;   // per rank, in rank order
+  double bytes_per_rank = 0;  // logical bytes received per rank (mean over ranks and input sets)
+
+  double median_us() const;  // max over ranks of the per-rank median
+  double min_us() const;     // over every rank and iteration
+  double max_us() const;
+  double gbps() const;  // bytes_per_rank / median_us()
+};
+
+struct CheckResult {
+  std::string what;  // "epcomm fused", "epcomm async+wait", "nccl"
+  bool pass = false;
+  std::string detail;  // e.g. the failing ranks
+};
+
+struct WorkloadResult {
+  Workload workload;  // with the overrides applied
+  int num_sms = 0;
+  std::string skipped;                // why it did not run; empty if it ran
+  std::vector<double> logical_bytes;  // per rank: distinct (token, rank) messages received x H x 2
+  std::vector<OpResult> ops;
+  std::vector<CheckResult> checks;
+
+  const OpResult* find(const std::string& op, const std::string& impl) const;
+  bool failed() const;
+};
+
+struct RunInfo {
+  std::string hostname, gpu_name, commit, date, command_line, mode, nccl_version;
+  int gpu_count = 0;
+  int n_ranks = 0;
+  int iters = 0, warmup = 0, input_sets = 0;
+  size_t l2_flush_bytes = 0;
+};
+
+RunInfo describe_run(const std::string& command_line, bool multi_process, int n_ranks, int device,
+                     const std::string& nccl_version);
+void print_preamble(const RunInfo& info);
+void print_table_header();
+void print_workload(const WorkloadResult& r);
+void write_json(const std::string& path, const RunInfo& info,
+                const std::vector<WorkloadResult>& results);
+
+// The progress line on stderr (rank 0 only): rewritten in place on a terminal, one line per
+// phase otherwise.
+class Progress {
+ public:
+  explicit Progress(bool enabled);
+  void phase(const std::string& what);
+  void tick(int done, int total);
+  void done();
+
+ private:
+  bool enabled_, tty_;
+  std::string phase_;
+};
+
+}  // namespace epbench

@@ -1,0 +1,420 @@
+// Timing protocol (PERF.md "How a figure is taken"):
+// - epcomm: iterations are issued in batches of kBatch with no host synchronisation inside a
+//   batch: per iteration and rank, L2 flush, [event] dispatch [event], L2 flush, [event] combine
+//   [event]. In the one-process mode the gate holds every stream at the start of a timed batch
+//   until all ranks' work is issued; inside a batch the collective calls keep the GPUs in step.
+// - NCCL baseline: one iteration at a time (its dispatch waits on the host for the split sizes):
+//   flush and wait, then the gated operation between events, then wait.
+// - Warm-up iterations run the same way, ungated (first calls may set things up on the host).
+// - Input set `it % kInputSets` is used by iteration `it`; every check runs set 0 once more
+//   after the timed loops, so state left by a hundred calls is checked too.
+#include "run.h"
+
+#include <cstdio>
+#include <numeric>
+
+#include "check.h"
+#include "epcomm/group.h"
+#include "epcomm/reference.h"
+
+namespace epbench {
+namespace {
+
+namespace ref = epcomm::reference;
+
+constexpr int kBatch = 10;
+constexpr uint64_t kSeed = 20261120;
+
+enum class Form { kFused, kAsyncWait };
+
+using Samples = std::vector<std::vector<float>>;  // [local rank][iteration], us
+
+struct RankInputs {  // one input set of one rank, on its device
+  DeviceArray<uint16_t> tokens;
+  DeviceArray<int32_t> topk_ids;
+  DeviceArray<float> weights;
+  DeviceInputs view() const { return DeviceInputs{tokens.get(), topk_ids.get(), weights.get()}; }
+};
+
+struct RankBuffers {  // epcomm's inputs and outputs on one local rank
+  std::vector<RankInputs> sets;
+  DeviceArray<uint16_t> out_tokens;       // [max_recv_rows, H]
+  DeviceArray<uint32_t> row_offsets;      // [G + 1]
+  DeviceArray<int32_t> expert_ids;        // [G]
+  DeviceArray<epcomm::SrcInfo> src_info;  // [max_recv_rows]
+  DeviceArray<uint16_t> combine_out;      // [T, H]
+
+  epcomm::DispatchOutput dispatch_output() const {
+    epcomm::DispatchOutput out;
+    out.tokens = out_tokens.get();
+    out.row_offsets = row_offsets.get();
+    out.expert_ids = expert_ids.get();
+    out.src_info = src_info.get();
+    return out;
+  }
+};
+
+class WorkloadRun {
+ public:
+  WorkloadRun(const BenchEnv& env, const Workload& w, const Options& opt)
+      : env_(env), team_(env.team), w_(w), opt_(opt) {
+    result_.workload = w;
+    cfg_.hidden = w.hidden;
+    cfg_.top_k = w.top_k;
+    cfg_.n_experts = w.experts;
+    cfg_.max_tokens_per_rank = w.tokens;
+    cfg_.num_sms = opt.num_sms.value_or(cfg_.num_sms);
+    result_.num_sms = cfg_.num_sms;
+  }
+
+  WorkloadResult run() {
+    const std::optional<epcomm::TokenFormat> format = build_format(w_.format);
+    if (!format) {
+      result_.skipped = "not supported by this build (format " + w_.format + ")";
+      return result_;
+    }
+    cfg_.format = *format;
+    make_inputs();
+    create_groups();
+    upload_inputs();
+    for (Form form : {Form::kFused, Form::kAsyncWait}) {
+      const std::string suffix = form == Form::kFused ? "" : " async+wait";
+      Samples dispatch_us, combine_us;
+      time_epcomm(form, &dispatch_us, &combine_us);
+      result_.ops.push_back(summarize_op("dispatch" + suffix, "epcomm", dispatch_us));
+      result_.ops.push_back(summarize_op("combine" + suffix, "epcomm", combine_us));
+      if (opt_.check) result_.checks.push_back(check_epcomm(form));
+    }
+    groups_.clear();  // free epcomm's buffers before the baseline allocates its own
+    free_epcomm_outputs();
+    if (env_.comms) run_nccl();
+    return result_;
+  }
+
+ private:
+  cudaStream_t stream(size_t i) const { return team_.local()[i].stream; }
+  std::string label(const std::string& what) const { return w_.name + ": " + what; }
+
+  void make_inputs() {
+    env_.progress.phase(label("generating inputs"));
+    const int n = team_.n_ranks();
+    result_.logical_bytes.assign(size_t(n), 0.0);
+    for (int s = 0; s < kInputSets; ++s) {
+      problems_.push_back(ref::make_problem(n, w_.hidden, w_.top_k, w_.experts,
+                                            std::vector<int32_t>(size_t(n), w_.tokens),
+                                            kSeed + uint64_t(s), w_.zipf_s));
+      const std::vector<double> bytes = logical_bytes(problems_.back());
+      for (int r = 0; r < n; ++r)
+        result_.logical_bytes[size_t(r)] += bytes[size_t(r)] / kInputSets;
+    }
+  }
+
+  void create_groups() {
+    env_.progress.phase(label("set-up"));
+    if (team_.multi_process()) {
+      groups_.push_back(
+          epcomm::Group::create(cfg_, *team_.bootstrap(), team_.local().front().device));
+    } else {
+      std::vector<int> devices;
+      for (const LocalRank& r : team_.local())
+        devices.push_back(r.device);
+      groups_ = epcomm::Group::create_local(cfg_, devices);
+    }
+    for (size_t i = 0; i < groups_.size(); ++i)
+      if (groups_[i]->rank() != team_.local()[i].rank)
+        throw std::runtime_error("epcomm group rank " + std::to_string(groups_[i]->rank()) +
+                                 " on local index " + std::to_string(i) + ", expected " +
+                                 std::to_string(team_.local()[i].rank));
+  }
+
+  void upload_inputs() {
+    const epcomm::Sizes& sizes = groups_.front()->sizes();
+    const size_t h = size_t(w_.hidden), rows = size_t(sizes.max_recv_rows);
+    for_each_rank(team_, [&](size_t, const LocalRank& r) {
+      RankBuffers b;
+      for (const ref::Problem& p : problems_) {
+        const ref::RankInput& in = p.ranks[size_t(r.rank)];
+        b.sets.push_back(RankInputs{DeviceArray<uint16_t>(r.device, in.tokens),
+                                    DeviceArray<int32_t>(r.device, in.topk_ids),
+                                    DeviceArray<float>(r.device, in.weights)});
+      }
+      b.out_tokens = DeviceArray<uint16_t>(r.device, rows * h);
+      b.row_offsets = DeviceArray<uint32_t>(r.device, size_t(sizes.num_groups) + 1);
+      b.expert_ids = DeviceArray<int32_t>(r.device, size_t(sizes.num_groups));
+      b.src_info = DeviceArray<epcomm::SrcInfo>(r.device, rows);
+      b.combine_out = DeviceArray<uint16_t>(r.device, size_t(w_.tokens) * h);
+      buffers_.push_back(std::move(b));
+      events_.emplace_back(r.device, 4 * kBatch);
+    });
+    num_groups_ = sizes.num_groups;
+    max_recv_rows_ = sizes.max_recv_rows;
+  }
+
+  void free_epcomm_outputs() {
+    for (RankBuffers& b : buffers_) {
+      b.out_tokens = DeviceArray<uint16_t>();
+      b.src_info = DeviceArray<epcomm::SrcInfo>();
+    }
+  }
+
+  std::vector<DeviceInputs> inputs(int set) const {
+    std::vector<DeviceInputs> v;
+    for (const RankBuffers& b : buffers_)
+      v.push_back(b.sets[size_t(set)].view());
+    return v;
+  }
+
+  // ---- epcomm ----------------------------------------------------------------------------------
+
+  void issue_dispatch(size_t i, int set, Form form) {
+    const RankInputs& in = buffers_[i].sets[size_t(set)];
+    epcomm::DispatchInput input;
+    input.tokens = in.tokens.get();
+    input.topk_ids = in.topk_ids.get();
+    input.num_tokens = w_.tokens;
+    input.hidden = w_.hidden;
+    epcomm::Group& g = *groups_[i];
+    if (form == Form::kFused) {
+      g.dispatch(input, buffers_[i].dispatch_output(), stream(i));
+    } else {
+      g.dispatch_async(input, stream(i));
+      g.dispatch_wait(buffers_[i].dispatch_output(), stream(i));
+    }
+  }
+
+  // Expert outputs = the dispatched tokens themselves.
+  void issue_combine(size_t i, int set, Form form) {
+    const RankBuffers& b = buffers_[i];
+    epcomm::CombineInput input;
+    input.expert_out = b.out_tokens.get();
+    input.row_offsets = b.row_offsets.get();
+    input.src_info = b.src_info.get();
+    input.hidden = w_.hidden;
+    epcomm::CombineOutput output;
+    output.out = b.combine_out.get();
+    output.weights = b.sets[size_t(set)].weights.get();
+    epcomm::Group& g = *groups_[i];
+    if (form == Form::kFused) {
+      g.combine(input, output, stream(i));
+    } else {
+      g.combine_async(input, stream(i));
+      g.combine_wait(output, stream(i));
+    }
+  }
+
+  // Iterations [first, first + count): batches issued without host synchronisation.
+  void run_epcomm_batches(Form form, int first, int count, bool gated, Samples* dispatch_us,
+                          Samples* combine_us) {
+    for (int start = first; start < first + count; start += kBatch) {
+      const int n = std::min(kBatch, first + count - start);
+      if (gated)
+        for_each_rank(team_, [&](size_t i, const LocalRank&) { env_.gate.hold(stream(i)); });
+      for (int j = 0; j < n; ++j) {
+        for_each_rank(team_, [&](size_t i, const LocalRank&) {
+          Events& ev = events_[i];
+          env_.flush.run(i, stream(i));
+          ev.record(4 * j, stream(i));
+          issue_dispatch(i, (start + j) % kInputSets, form);
+          ev.record(4 * j + 1, stream(i));
+          env_.flush.run(i, stream(i));
+          ev.record(4 * j + 2, stream(i));
+          issue_combine(i, (start + j) % kInputSets, form);
+          ev.record(4 * j + 3, stream(i));
+        });
+      }
+      if (gated) env_.gate.release();
+      for_each_rank(team_, [&](size_t i, const LocalRank&) { groups_[i]->synchronize(stream(i)); });
+      env_.gate.check();
+      if (dispatch_us)
+        for (size_t i = 0; i < team_.n_local(); ++i)
+          for (int j = 0; j < n; ++j) {
+            (*dispatch_us)[i].push_back(events_[i].elapsed_us(4 * j, 4 * j + 1));
+            (*combine_us)[i].push_back(events_[i].elapsed_us(4 * j + 2, 4 * j + 3));
+          }
+      env_.progress.tick(start + n, opt_.warmup + opt_.iters);
+    }
+  }
+
+  void time_epcomm(Form form, Samples* dispatch_us, Samples* combine_us) {
+    env_.progress.phase(
+        label(form == Form::kFused ? "epcomm dispatch/combine" : "epcomm async+wait"));
+    dispatch_us->assign(team_.n_local(), {});
+    combine_us->assign(team_.n_local(), {});
+    run_epcomm_batches(form, 0, opt_.warmup, false, nullptr, nullptr);
+    run_epcomm_batches(form, opt_.warmup, opt_.iters, true, dispatch_us, combine_us);
+  }
+
+  CheckResult check_epcomm(Form form) {
+    const Reference& ref = reference();
+    for_each_rank(team_, [&](size_t i, const LocalRank&) {
+      issue_dispatch(i, 0, form);
+      issue_combine(i, 0, form);
+    });
+    std::vector<std::string> failures(team_.n_local());
+    for_each_rank(team_, [&](size_t i, const LocalRank& r) {
+      groups_[i]->synchronize(stream(i));
+      std::string msg = check_dispatch(ref.dispatch[size_t(r.rank)], buffers_[i].dispatch_output(),
+                                       num_groups_, max_recv_rows_, w_.hidden);
+      if (!msg.empty()) {
+        failures[i] = "dispatch: " + msg;
+        return;
+      }
+      msg = check_combine(ref.combine[i],
+                          buffers_[i].combine_out.download(size_t(w_.tokens) * size_t(w_.hidden)));
+      if (!msg.empty()) failures[i] = "combine: " + msg;
+    });
+    return verdict(form == Form::kFused ? "epcomm" : "epcomm async+wait", failures);
+  }
+
+  // ---- NCCL baseline ---------------------------------------------------------------------------
+
+  void run_nccl() {
+    BaselineShape shape;
+    shape.tokens = w_.tokens;
+    shape.hidden = w_.hidden;
+    shape.top_k = w_.top_k;
+    shape.n_experts = w_.experts;
+    shape.capacity_rows = max_recv_rows_;
+    NcclBaseline nccl(team_, *env_.comms, shape);
+    env_.progress.phase(label("NCCL baseline"));
+    Samples dispatch_us(team_.n_local()), combine_us(team_.n_local());
+    const int total = opt_.warmup + opt_.iters;
+    for (int it = 0; it < total; ++it) {
+      const bool timed = it >= opt_.warmup;
+      const std::vector<DeviceInputs> in = inputs(it % kInputSets);
+      flush_and_wait();
+      nccl.dispatch(in, hooks(0, timed));
+      flush_and_wait();
+      nccl.combine(in, hooks(2, timed));
+      wait_all();
+      env_.gate.check();
+      if (timed)
+        for (size_t i = 0; i < team_.n_local(); ++i) {
+          dispatch_us[i].push_back(events_[i].elapsed_us(0, 1));
+          combine_us[i].push_back(events_[i].elapsed_us(2, 3));
+        }
+      env_.progress.tick(it + 1, total);
+    }
+    result_.ops.push_back(summarize_op("dispatch", "nccl", dispatch_us));
+    result_.ops.push_back(summarize_op("combine", "nccl", combine_us));
+    if (opt_.check) result_.checks.push_back(check_nccl(nccl));
+  }
+
+  // Events first_event and first_event + 1 around the operation; the gate holds its start.
+  TimingHooks hooks(int first_event, bool gated) {
+    TimingHooks h;
+    h.begin = [this, first_event, gated](size_t i) {
+      if (gated) env_.gate.hold(stream(i));
+      events_[i].record(first_event, stream(i));
+    };
+    h.issued = [this, gated] {
+      if (gated) env_.gate.release();
+    };
+    h.end = [this, first_event](size_t i) { events_[i].record(first_event + 1, stream(i)); };
+    return h;
+  }
+
+  void wait_all() {
+    for_each_rank(
+        team_, [&](size_t i, const LocalRank&) { CHECK_CUDA(cudaStreamSynchronize(stream(i))); });
+  }
+
+  void flush_and_wait() {  // outside the timed region
+    for_each_rank(team_, [&](size_t i, const LocalRank&) { env_.flush.run(i, stream(i)); });
+    wait_all();
+  }
+
+  CheckResult check_nccl(NcclBaseline& nccl) {
+    const Reference& ref = reference();
+    const std::vector<DeviceInputs> in = inputs(0);
+    TimingHooks none;
+    none.begin = none.end = [](size_t) {};
+    none.issued = [] {};
+    nccl.dispatch(in, none);
+    nccl.combine(in, none);
+    wait_all();
+    std::vector<std::string> failures(team_.n_local());
+    for_each_rank(team_, [&](size_t i, const LocalRank& r) {
+      const ref::DispatchResult& want = ref.dispatch[size_t(r.rank)];
+      std::string msg = check_expert_major(want, nccl.row_offsets(i),
+                                           nccl.dispatch_tokens(i, want.rows()), w_.hidden);
+      if (!msg.empty()) {
+        failures[i] = "dispatch: " + msg;
+        return;
+      }
+      msg = check_combine(ref.combine[i], nccl.combine_out(i));
+      if (!msg.empty()) failures[i] = "combine: " + msg;
+    });
+    return verdict("nccl", failures);
+  }
+
+  // ---- results ---------------------------------------------------------------------------------
+
+  const Reference& reference() {
+    if (!reference_) {
+      env_.progress.phase(label("computing the CPU reference"));
+      reference_ = std::make_unique<Reference>(build_reference(problems_.front(), team_));
+    }
+    return *reference_;
+  }
+
+  // Prints this process's failures; the verdict covers every rank.
+  CheckResult verdict(const std::string& what, const std::vector<std::string>& failures) const {
+    std::vector<double> flags;
+    for (size_t i = 0; i < failures.size(); ++i) {
+      flags.push_back(failures[i].empty() ? 0.0 : 1.0);
+      if (!failures[i].empty())
+        std::fprintf(stderr, "\n[rank %d] %s %s FAIL: %s\n", team_.local()[i].rank, w_.name.c_str(),
+                     what.c_str(), failures[i].c_str());
+    }
+    const std::vector<double> all = team_.gather(flags, 1);
+    CheckResult c;
+    c.what = what;
+    c.pass = true;
+    for (size_t r = 0; r < all.size(); ++r) {
+      if (all[r] == 0.0) continue;
+      c.detail += (c.pass ? "rank " : ", ") + std::to_string(r);
+      c.pass = false;
+    }
+    return c;
+  }
+
+  OpResult summarize_op(const std::string& op, const std::string& impl, const Samples& samples) {
+    std::vector<double> local;
+    for (const std::vector<float>& s : samples) {
+      const Stats st = summarize(s);
+      local.insert(local.end(), {st.median_us, st.min_us, st.max_us});
+    }
+    const std::vector<double> all = team_.gather(local, 3);
+    OpResult r;
+    r.op = op;
+    r.impl = impl;
+    for (size_t k = 0; k + 2 < all.size(); k += 3)
+      r.ranks.push_back({all[k], all[k + 1], all[k + 2]});
+    const std::vector<double>& bytes = result_.logical_bytes;
+    r.bytes_per_rank = std::accumulate(bytes.begin(), bytes.end(), 0.0) / double(bytes.size());
+    return r;
+  }
+
+  const BenchEnv& env_;
+  const Team& team_;
+  Workload w_;
+  const Options& opt_;
+  epcomm::Config cfg_;
+  int32_t num_groups_ = 0;
+  int64_t max_recv_rows_ = 0;
+  std::vector<ref::Problem> problems_;                  // one per input set
+  std::vector<std::unique_ptr<epcomm::Group>> groups_;  // per local rank
+  std::vector<RankBuffers> buffers_;                    // per local rank
+  std::vector<Events> events_;                          // per local rank: 4 per batch iteration
+  std::unique_ptr<Reference> reference_;
+  WorkloadResult result_;
+};
+
+}  // namespace
+
+WorkloadResult run_workload(const BenchEnv& env, const Workload& workload, const Options& opt) {
+  return WorkloadRun(env, workload, opt).run();
+}
+
+}  // namespace epbench

@@ -1,0 +1,152 @@
+#include "workloads.h"
+
+#include <cstdio>
+#include <cstdlib>
+#include <stdexcept>
+
+namespace epbench {
+namespace {
+
+const char* kUsage = R"(usage: epcomm_bench [options]
+Runs the PERF.md workloads: epcomm dispatch/combine (fused, async + wait) and the NCCL
+send/recv baseline, timed and checked against the CPU reference.
+
+  --workload NAME[,NAME]  workloads to run (repeatable); default: every one this build supports
+  --list                  print the workload table and exit
+  --tokens N  --hidden N  --topk N  --experts N
+                          override the workload's T, H, K and expert count
+  --sms N                 Config::num_sms (default 24)
+  --iters N               timed iterations (default 100)
+  --warmup N              warm-up iterations (default 10)
+  --json FILE             write every figure, with the machine and commit, to FILE
+  --no-nccl               skip the NCCL baseline
+  --no-check              skip the checks against the CPU reference
+
+One process drives every visible GPU, unless EPCOMM_RANK, EPCOMM_WORLD_SIZE and
+EPCOMM_BOOTSTRAP_DIR are set (one process per GPU, e.g. under epcomm_launch).
+)";
+
+int32_t parse_int(const std::string& flag, const std::string& value, int32_t min_value) {
+  char* end = nullptr;
+  const long v = std::strtol(value.c_str(), &end, 10);
+  if (value.empty() || *end != '\0' || v < min_value || v > (1l << 30))
+    throw std::invalid_argument(flag + ": expected an integer >= " + std::to_string(min_value) +
+                                ", got '" + value + "'");
+  return int32_t(v);
+}
+
+void split_names(const std::string& list, std::vector<std::string>* out) {
+  size_t start = 0;
+  while (start <= list.size()) {
+    const size_t comma = std::min(list.find(',', start), list.size());
+    if (comma > start) out->push_back(list.substr(start, comma - start));
+    start = comma + 1;
+  }
+}
+
+}  // namespace
+
+const std::vector<Workload>& all_workloads() {
+  static const std::vector<Workload> table = {
+      {"decode", 128, 7168, 8, 256, "fp8-blockwise", 0.0},
+      {"decode-bf16", 128, 7168, 8, 256, "bf16", 0.0},
+      {"prefill", 4096, 7168, 8, 256, "bf16", 0.0},
+      {"prefill-fp8", 4096, 7168, 8, 256, "fp8-blockwise", 0.0},
+      {"small", 512, 2048, 8, 128, "bf16", 0.0},
+      {"gpt-oss", 1024, 2880, 4, 128, "mxfp4", 0.0},
+      {"skewed", 4096, 7168, 8, 256, "bf16", 1.2},
+  };
+  return table;
+}
+
+std::optional<epcomm::TokenFormat> build_format(const std::string& format) {
+  if (format == "bf16") return epcomm::TokenFormat::kBF16;
+  return std::nullopt;  // fp8-blockwise, mxfp4: not in epcomm::TokenFormat yet
+}
+
+Options parse_options(int argc, char** argv) {
+  Options opt;
+  for (int i = 0; i < argc; ++i)
+    opt.command_line += (i ? " " : "") + std::string(argv[i]);
+  for (int i = 1; i < argc; ++i) {
+    std::string flag = argv[i], value;
+    const size_t eq = flag.find('=');
+    const bool inline_value = flag.rfind("--", 0) == 0 && eq != std::string::npos;
+    if (inline_value) {
+      value = flag.substr(eq + 1);
+      flag = flag.substr(0, eq);
+    }
+    auto next = [&]() -> std::string {
+      if (inline_value) return value;
+      if (i + 1 >= argc) throw std::invalid_argument(flag + " needs a value");
+      return argv[++i];
+    };
+    if (flag == "--help" || flag == "-h") {
+      std::fputs(kUsage, stdout);
+      std::exit(0);
+    } else if (flag == "--workload") {
+      split_names(next(), &opt.workloads);
+    } else if (flag == "--tokens") {
+      opt.tokens = parse_int(flag, next(), 1);
+    } else if (flag == "--hidden") {
+      opt.hidden = parse_int(flag, next(), 8);
+    } else if (flag == "--topk") {
+      opt.top_k = parse_int(flag, next(), 1);
+    } else if (flag == "--experts") {
+      opt.experts = parse_int(flag, next(), 1);
+    } else if (flag == "--sms") {
+      opt.num_sms = parse_int(flag, next(), 1);
+    } else if (flag == "--iters") {
+      opt.iters = parse_int(flag, next(), 1);
+    } else if (flag == "--warmup") {
+      opt.warmup = parse_int(flag, next(), 0);
+    } else if (flag == "--json") {
+      opt.json_path = next();
+    } else if (flag == "--no-nccl") {
+      opt.nccl = false;
+    } else if (flag == "--no-check") {
+      opt.check = false;
+    } else if (flag == "--list") {
+      opt.list = true;
+    } else {
+      throw std::invalid_argument("unknown option '" + flag + "' (see --help)");
+    }
+  }
+  return opt;
+}
+
+void print_workload_table() {
+  std::printf("%-12s %6s %6s %3s %7s %-14s %-10s %s\n", "workload", "T", "H", "K", "experts",
+              "dispatch", "popularity", "this build");
+  for (const Workload& w : all_workloads()) {
+    const std::string popularity =
+        w.zipf_s > 0 ? "zipf " + std::to_string(w.zipf_s).substr(0, 3) : std::string("uniform");
+    std::printf("%-12s %6d %6d %3d %7d %-14s %-10s %s\n", w.name.c_str(), w.tokens, w.hidden,
+                w.top_k, w.experts, w.format.c_str(), popularity.c_str(),
+                build_format(w.format) ? "supported" : "not supported");
+  }
+}
+
+std::vector<Workload> select_workloads(const Options& opt) {
+  std::vector<Workload> selected;
+  if (opt.workloads.empty()) {
+    for (const Workload& w : all_workloads())
+      if (build_format(w.format)) selected.push_back(w);
+  }
+  for (const std::string& name : opt.workloads) {
+    const Workload* found = nullptr;
+    for (const Workload& w : all_workloads())
+      if (w.name == name) found = &w;
+    if (!found) throw std::invalid_argument("unknown workload '" + name + "' (see --list)");
+    selected.push_back(*found);
+  }
+  for (Workload& w : selected) {
+    w.tokens = opt.tokens.value_or(w.tokens);
+    w.hidden = opt.hidden.value_or(w.hidden);
+    w.top_k = opt.top_k.value_or(w.top_k);
+    w.experts = opt.experts.value_or(w.experts);
+  }
+  return selected;
+}
+
+}  // namespace epbench

@@ -1,0 +1,46 @@
+// The PERF.md workloads (fixed names) and the command line.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "epcomm/config.h"
+
+namespace epbench {
+
+struct Workload {
+  std::string name;
+  int32_t tokens = 0;   // T, tokens per rank
+  int32_t hidden = 0;   // H
+  int32_t top_k = 0;    // K
+  int32_t experts = 0;  // global experts
+  std::string format;   // dispatch format, as PERF.md names it
+  double zipf_s = 0;    // expert popularity Zipf(s); 0 = uniform
+};
+
+// Every PERF.md workload, in its order, supported by this build or not.
+const std::vector<Workload>& all_workloads();
+// The epcomm format of a PERF.md format name, if this build implements it.
+std::optional<epcomm::TokenFormat> build_format(const std::string& format);
+
+struct Options {
+  std::vector<std::string> workloads;  // empty: every workload this build supports
+  std::optional<int32_t> tokens, hidden, top_k, experts, num_sms;
+  int iters = 100;
+  int warmup = 10;
+  std::string json_path;
+  bool nccl = true;
+  bool check = true;
+  bool list = false;
+  std::string command_line;
+};
+
+// Throws std::invalid_argument on a bad command line; exits 0 after --help.
+Options parse_options(int argc, char** argv);
+void print_workload_table();  // stdout
+// The requested workloads with the overrides applied; throws on an unknown name.
+std::vector<Workload> select_workloads(const Options& opt);
+
+}  // namespace epbench
