@@ -15,6 +15,15 @@
 
 namespace epcomm {
 
+// Loads the combine kernels for `Epilogue` on the current device. Call it once per device after
+// set-up and before the first dispatch: CUDA otherwise loads a kernel at its first launch, and
+// that load waits for the device to go idle, which a dispatch waiting on peers may not do until
+// it times out (one host thread driving several GPUs is the case that bites).
+template <class Epilogue>
+void load_combine_kernels() {
+  detail::load_combine_kernels<Epilogue>();
+}
+
 // Fused combine (send + receive) with an epilogue.
 template <class Epilogue>
 void combine(Group& group, const CombineInput& in, const float* weights, const Epilogue& epi,

@@ -19,6 +19,8 @@ size_t dispatch_smem_bytes(const GroupView& g);
 int dispatch_threads();
 int dispatch_unit_tokens();  // tokens ranked per block-unit (sizes the ranking scratch)
 
+// Loads the library's combine kernels now (see load_combine_kernels in combine_kernel.cuh).
+void load_combine_kernels_default();
 // Combine with the plain bf16 store (or the un-reduced [T, K, H] copy when weights are null).
 void launch_combine_default(const CombineParams& p, bool send, bool recv, cudaStream_t stream);
 

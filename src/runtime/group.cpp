@@ -206,7 +206,8 @@ void GroupState::setup(const Config& config, Bootstrap& bs, int dev) {
   view.timeout_ns = (unsigned long long)(cfg.timeout_seconds * 1e9);
   view.state = state;
   view.error = error_dev;
-  prepare_dispatch_kernels(view);
+  prepare_dispatch_kernels(view);  // also loads the dispatch kernels
+  load_combine_kernels_default();
   check_cuda(cudaDeviceSynchronize(), "set-up");
   // Nobody may send before every window is zeroed and mapped.
   bs.barrier();
@@ -338,6 +339,16 @@ std::string ranks_of(int32_t mask) {
 
 }  // namespace
 
+// The recorded timeout, in words.
+static std::string describe_timeout(const detail::GroupState& s) {
+  const volatile detail::DeviceErrorRecord* e = s.error_host;
+  std::ostringstream os;
+  os << "epcomm rank " << e->rank << ": " << op_name(e->op) << ": timed out after "
+     << s.cfg.timeout_seconds << " s waiting for rank(s) " << ranks_of(e->peer_mask) << " "
+     << wait_name(e->wait_what) << "; the group is poisoned and must be set up again";
+  return os.str();
+}
+
 void Group::check() {
   volatile detail::DeviceErrorRecord* e = s_->error_host;
   const int32_t code = e->code;
@@ -347,11 +358,8 @@ void Group::check() {
   const ErrorCode ec = ErrorCode(code);
   switch (ec) {
     case ErrorCode::kTimeout:
-      os << "timed out after " << s_->cfg.timeout_seconds << " s waiting for rank(s) "
-         << ranks_of(e->peer_mask) << " " << wait_name(e->wait_what)
-         << "; the group is poisoned and must be set up again";
       s_->poisoned = true;
-      throw Error(ec, os.str());
+      throw Error(ec, describe_timeout(*s_));
     case ErrorCode::kBadExpertId:
       os << "topk_ids[" << e->token << "][" << e->slot << "] = " << e->value
          << " is outside [-1, " << s_->cfg.n_experts << "); this rank sent no token";

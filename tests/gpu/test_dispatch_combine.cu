@@ -196,6 +196,10 @@ TEST(Combine, EpilogueGetsFp32Sums) {
   const int n = std::min(gpu_count(), 8);
   const int H = 2880, K = 8, E = 16 * n, max_t = 200;
   LocalGroup lg(make_cfg(H, K, E, max_t), n);
+  for (int r = 0; r < n; ++r) {
+    EPCOMM_CUDA_OK(cudaSetDevice(lg.io[size_t(r)]->device));
+    epcomm::load_combine_kernels<StoreF32>();
+  }
   const auto p = reference::make_problem(n, H, K, E, random_counts(n, max_t, 9), 9, 0.0, 0.1);
   ASSERT_EQ(run_round(lg, p, RoundOptions{}), "");  // leaves dispatch state and expert outputs
   std::vector<DeviceBuffer> f32;

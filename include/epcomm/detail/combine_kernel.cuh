@@ -154,6 +154,18 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombinePara
   if (kRecv && !block_aborted(p.g)) combine_recv(p, seq, epi);
 }
 
+// Loads the three combine kernels for `Epilogue` on the current device. CUDA loads a kernel
+// lazily at its first launch, and loading waits for the device to go idle: a first launch
+// queued behind a kernel that is waiting for peers would stall the host until that wait times
+// out. Set-up therefore loads every kernel before the first operation.
+template <class Epilogue>
+void load_combine_kernels() {
+  cudaFuncAttributes a;
+  check_cuda(cudaFuncGetAttributes(&a, combine_kernel<Epilogue, true, true>), "load combine");
+  check_cuda(cudaFuncGetAttributes(&a, combine_kernel<Epilogue, true, false>), "load combine");
+  check_cuda(cudaFuncGetAttributes(&a, combine_kernel<Epilogue, false, true>), "load combine");
+}
+
 template <class Epilogue>
 void launch_combine(const CombineParams& p, const Epilogue& epi, bool send, bool recv,
                     cudaStream_t stream) {
