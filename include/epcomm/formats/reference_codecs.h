@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "epcomm/formats/codecs.h"
 #include "epcomm/formats/scale_layouts.h"
@@ -67,6 +68,120 @@ void place_fp8_scales(const float* row_scales, int64_t rows, const Fp8ScaleLayou
 void place_swizzled_scales(const uint8_t* row_scales, const uint32_t* row_offsets, int32_t groups,
                            const SwizzledScaleLayout& layout, uint8_t* out,
                            uint32_t* scales_offsets);
+
+// ---- grouped quantised outputs (dispatch_formats_reference.cpp) -----------------------------
+// A quantised matrix as the grouped GEMM reads it: rows grouped by row_offsets, codes
+// row-major, scales in the format's output layout (SPEC §5). Used by the dispatch output
+// (dispatch_quantized below) and by the fused SiLU outputs (reference_silu.h).
+
+enum class QuantFormat : int32_t {
+  kFp8Blockwise = 0,  // e4m3 codes, fp32 scale per 128, transposed scales, groups padded to 4
+  kNvfp4 = 1,         // packed e2m1, e4m3 scale per 16 (global scale gs), swizzled scales
+  kMxfp8 = 2,         // e4m3 codes, e8m0 scale per 32, swizzled scales
+  kMxfp4 = 3,         // packed e2m1, e8m0 scale per 32 ("even"), row-major scales
+};
+
+// The shapes of one quantised output with room for `rows` rows (row padding included) in
+// `groups` groups of `hidden` values per row:
+//   codes   [rows, row_bytes()]: row_bytes = hidden (e4m3) or hidden / 2 (two e2m1 per byte,
+//           element 2i in the low nibble of byte i)
+//   scales  FP8:          fp32, fp8_layout() = Fp8ScaleLayout{hidden, rows} ([hidden/128, rows])
+//           NVFP4, MXFP8: bytes, swizzled_layout() = SwizzledScaleLayout::make(hidden, group(),
+//                         rows, groups): [(rows + 128 groups) / 128, col_tiles, 32, 4, 4]
+//           MXFP4:        bytes, mxfp4_layout() = Mxfp4ScaleLayout{hidden, rows}:
+//                         [rows, hidden/32]
+//   scales_offsets [groups] for NVFP4 / MXFP8 (swizzled_scales_offsets), none otherwise.
+struct QuantOutputShape {
+  QuantFormat format;
+  int32_t hidden;
+  int32_t groups;
+  int64_t rows;
+
+  int32_t group() const;      // values per scale: 128, 16, 32, 32
+  int32_t row_align() const;  // each group's rows padded to a multiple of this: 4 (FP8) or 1
+  int64_t row_bytes() const;
+  int64_t codes_size() const { return rows * row_bytes(); }
+  Fp8ScaleLayout fp8_layout() const { return Fp8ScaleLayout{hidden, rows}; }
+  SwizzledScaleLayout swizzled_layout() const {
+    return SwizzledScaleLayout::make(hidden, group(), rows, groups);
+  }
+  Mxfp4ScaleLayout mxfp4_layout() const { return Mxfp4ScaleLayout{hidden, rows}; }
+  int64_t scales_size() const;  // elements: fp32 for FP8, bytes for the others
+  bool swizzled() const { return format == QuantFormat::kNvfp4 || format == QuantFormat::kMxfp8; }
+};
+
+// The dispatch output of a format when at most `max_routed_rows` rows arrive (SPEC §3:
+// max_tokens_per_rank * n_ranks * min(K, n_local), plus max_tokens_per_rank with the shared
+// expert) in `groups` groups. rows is SPEC's max_recv_rows, padding included (SPEC §8.3): for FP8
+// Fp8ScaleLayout::max_rows(max_routed_rows, groups) = align_up(max_routed_rows + 3 groups, 4),
+// else max_routed_rows (NVFP4 / MXFP8 pad scale tiles, not rows: swizzled_layout() has
+// (max_routed_rows + 128 groups) / 128 row tiles). Throws Error(kInvalidArgument) when hidden is
+// not a positive multiple of group() or max_routed_rows < 0 or groups < 1.
+QuantOutputShape dispatch_output_shape(QuantFormat format, int32_t hidden, int64_t max_routed_rows,
+                                       int32_t groups);
+
+// Checks row_offsets ([G + 1], G >= 1, starting at 0, non-decreasing) and returns its rows,
+// row_offsets[G]. Throws Error(kInvalidArgument) naming `what` otherwise.
+int64_t grouped_rows(const char* what, const std::vector<uint32_t>& row_offsets);
+
+struct QuantizedRows {
+  QuantOutputShape shape;
+  std::vector<uint8_t> codes;            // [shape.codes_size()]
+  std::vector<float> fp8_scales;         // FP8: [shape.scales_size()]; empty otherwise
+  std::vector<uint8_t> scales;           // NVFP4 / MXFP8 / MXFP4: [shape.scales_size()]
+  std::vector<uint32_t> scales_offsets;  // NVFP4 / MXFP8: [shape.groups]; empty otherwise
+};
+
+// Quantises x [row_offsets[G], shape.hidden] (fp32, rows in output order) into `shape`:
+//   - row r of x is output row r; rows past row_offsets[G] stay zero (codes and scales);
+//   - every scale block is encoded by the row encoders above (the block quantisers of
+//     codecs.h); NVFP4 rows of group g use global_scales[g] (G entries, each positive and
+//     finite; ignored by the other formats);
+//   - a padding row (src_info != nullptr and src_info[r].rank < 0) is not read: its codes and
+//     its scales are zero (FP8: 0.0f, not the 1e-4 floor);
+//   - scales are placed by place_fp8_scales / place_swizzled_scales (which also writes
+//     scales_offsets and zeroes every unused swizzled slot) or stored row-major (MXFP4).
+// Throws Error(kInvalidArgument) for a bad row_offsets, G != shape.groups,
+// row_offsets[G] > shape.rows, an FP8 group whose row count is not a multiple of 4 or an FP8
+// shape.rows that is not, or a bad global scale.
+QuantizedRows quantize_grouped_rows(const QuantOutputShape& shape, const float* x,
+                                    const std::vector<uint32_t>& row_offsets,
+                                    const std::vector<float>& global_scales,
+                                    const SrcInfo* src_info);
+
+// The inverse view: [row_offsets[G], hidden] fp32 values decoded from q, reading every scale
+// where the grouped GEMM reads it (Fp8ScaleLayout::offset; SwizzledGroup{row_offsets[g],
+// q.scales_offsets[g]}.scale_row; Mxfp4ScaleLayout::offset). Padding rows decode to zero.
+std::vector<float> dequantize_grouped_rows(const QuantizedRows& q,
+                                           const std::vector<uint32_t>& row_offsets,
+                                           const std::vector<float>& global_scales);
+
+// ---- quantised dispatch -------------------------------------------------------------------
+
+struct Problem;  // reference.h
+
+// The dispatch output of rank `rank` in a quantised format: reference::dispatch's rows, in its
+// order (group, then source rank, then source token), each encoded as its format says.
+//   row_offsets [G + 1]: FP8: each group's count padded to a multiple of 4 (padded_row_offsets);
+//               the others: reference::dispatch's row_offsets unchanged.
+//   src_info    [row_offsets[G]]: dispatch row i of group g (reference::dispatch row
+//               dispatch.row_offsets[g] + i) is output row row_offsets[g] + i with the same
+//               src_info; the padding rows [row_offsets[g] + m_g, row_offsets[g + 1]) carry
+//               {token -1, rank -1, slot -1}, and their codes and scales are zero.
+//   out         codes and scales, shape = dispatch_output_shape(format, hidden,
+//               max_routed_rows, G); max_routed_rows < 0 means the rows this rank received.
+// global_scale is NVFP4's gs (positive and finite; ignored by the other formats). Throws
+// Error(kInvalidArgument) when the rank receives more than max_routed_rows rows or the hidden
+// size does not suit the format.
+struct QuantDispatchResult {
+  std::vector<uint32_t> row_offsets;
+  std::vector<int32_t> expert_ids;  // [G], expert_ids[g] = g
+  std::vector<SrcInfo> src_info;
+  QuantizedRows out;
+  int64_t rows() const { return int64_t(src_info.size()); }  // row_offsets[G]
+};
+QuantDispatchResult dispatch_quantized(const Problem& p, int32_t rank, QuantFormat format,
+                                       float global_scale, int64_t max_routed_rows = -1);
 
 }  // namespace reference
 }  // namespace epcomm
