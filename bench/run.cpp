@@ -10,6 +10,8 @@
 //   after the timed loops, so state left by a hundred calls is checked too.
 #include "run.h"
 
+#include <functional>
+
 #include <cstdio>
 #include <numeric>
 
@@ -79,10 +81,17 @@ class WorkloadRun {
     upload_inputs();
     for (Form form : {Form::kFused, Form::kAsyncWait}) {
       const std::string suffix = form == Form::kFused ? "" : " async+wait";
-      Samples dispatch_us, combine_us;
-      time_epcomm(form, &dispatch_us, &combine_us);
+      Samples dispatch_us, combine_us, halves[4];
+      time_epcomm(form, &dispatch_us, &combine_us, form == Form::kAsyncWait ? halves : nullptr);
       result_.ops.push_back(summarize_op("dispatch" + suffix, "epcomm", dispatch_us));
       result_.ops.push_back(summarize_op("combine" + suffix, "epcomm", combine_us));
+      if (form == Form::kAsyncWait) {
+        // The halves of the async+wait pair, each from the start of its launch to the next:
+        // the wait half includes any time spent waiting for slower peers.
+        const char* names[4] = {"dispatch_async half", "dispatch_wait half", "combine_async half",
+                                "combine_wait half"};
+        for (int h = 0; h < 4; ++h) result_.ops.push_back(summarize_op(names[h], "epcomm", halves[h]));
+      }
       if (opt_.check) result_.checks.push_back(check_epcomm(form));
     }
     groups_.clear();  // free epcomm's buffers before the baseline allocates its own
@@ -144,7 +153,7 @@ class WorkloadRun {
       b.src_info = DeviceArray<epcomm::SrcInfo>(r.device, rows);
       b.combine_out = DeviceArray<uint16_t>(r.device, size_t(w_.tokens) * h);
       buffers_.push_back(std::move(b));
-      events_.emplace_back(r.device, 4 * kBatch);
+      events_.emplace_back(r.device, kEventsPerIter * kBatch);
     });
     num_groups_ = sizes.num_groups;
     max_recv_rows_ = sizes.max_recv_rows;
@@ -166,7 +175,9 @@ class WorkloadRun {
 
   // ---- epcomm ----------------------------------------------------------------------------------
 
-  void issue_dispatch(size_t i, int set, Form form) {
+  // `between` (optional) runs between dispatch_async and dispatch_wait: the benchmark records an
+  // event there to time the two halves.
+  void issue_dispatch(size_t i, int set, Form form, const std::function<void()>& between = {}) {
     const RankInputs& in = buffers_[i].sets[size_t(set)];
     epcomm::DispatchInput input;
     input.tokens = in.tokens.get();
@@ -178,12 +189,13 @@ class WorkloadRun {
       g.dispatch(input, buffers_[i].dispatch_output(), stream(i));
     } else {
       g.dispatch_async(input, stream(i));
+      if (between) between();
       g.dispatch_wait(buffers_[i].dispatch_output(), stream(i));
     }
   }
 
   // Expert outputs = the dispatched tokens themselves.
-  void issue_combine(size_t i, int set, Form form) {
+  void issue_combine(size_t i, int set, Form form, const std::function<void()>& between = {}) {
     const RankBuffers& b = buffers_[i];
     epcomm::CombineInput input;
     input.expert_out = b.out_tokens.get();
@@ -198,13 +210,17 @@ class WorkloadRun {
       g.combine(input, output, stream(i));
     } else {
       g.combine_async(input, stream(i));
+      if (between) between();
       g.combine_wait(output, stream(i));
     }
   }
 
   // Iterations [first, first + count): batches issued without host synchronisation.
+  // Events per iteration: dispatch start, between its halves, end; the same for combine.
+  static constexpr int kEventsPerIter = 6;
+
   void run_epcomm_batches(Form form, int first, int count, bool gated, Samples* dispatch_us,
-                          Samples* combine_us) {
+                          Samples* combine_us, Samples* halves_us = nullptr) {
     for (int start = first; start < first + count; start += kBatch) {
       const int n = std::min(kBatch, first + count - start);
       if (gated)
@@ -212,14 +228,17 @@ class WorkloadRun {
       for (int j = 0; j < n; ++j) {
         for_each_rank(team_, [&](size_t i, const LocalRank&) {
           Events& ev = events_[i];
+          const int e = kEventsPerIter * j;
           env_.flush.run(i, stream(i));
-          ev.record(4 * j, stream(i));
-          issue_dispatch(i, (start + j) % kInputSets, form);
-          ev.record(4 * j + 1, stream(i));
+          ev.record(e, stream(i));
+          issue_dispatch(i, (start + j) % kInputSets, form,
+                         [&] { ev.record(e + 1, stream(i)); });
+          ev.record(e + 2, stream(i));
           env_.flush.run(i, stream(i));
-          ev.record(4 * j + 2, stream(i));
-          issue_combine(i, (start + j) % kInputSets, form);
-          ev.record(4 * j + 3, stream(i));
+          ev.record(e + 3, stream(i));
+          issue_combine(i, (start + j) % kInputSets, form,
+                        [&] { ev.record(e + 4, stream(i)); });
+          ev.record(e + 5, stream(i));
         });
       }
       if (gated) env_.gate.release();
@@ -228,20 +247,31 @@ class WorkloadRun {
       if (dispatch_us)
         for (size_t i = 0; i < team_.n_local(); ++i)
           for (int j = 0; j < n; ++j) {
-            (*dispatch_us)[i].push_back(events_[i].elapsed_us(4 * j, 4 * j + 1));
-            (*combine_us)[i].push_back(events_[i].elapsed_us(4 * j + 2, 4 * j + 3));
+            const int e = kEventsPerIter * j;
+            (*dispatch_us)[i].push_back(events_[i].elapsed_us(e, e + 2));
+            (*combine_us)[i].push_back(events_[i].elapsed_us(e + 3, e + 5));
+            if (halves_us) {
+              halves_us[0][i].push_back(events_[i].elapsed_us(e, e + 1));
+              halves_us[1][i].push_back(events_[i].elapsed_us(e + 1, e + 2));
+              halves_us[2][i].push_back(events_[i].elapsed_us(e + 3, e + 4));
+              halves_us[3][i].push_back(events_[i].elapsed_us(e + 4, e + 5));
+            }
           }
       env_.progress.tick(start + n, opt_.warmup + opt_.iters);
     }
   }
 
-  void time_epcomm(Form form, Samples* dispatch_us, Samples* combine_us) {
+  // halves_us (async+wait only): dispatch_async, dispatch_wait, combine_async, combine_wait.
+  void time_epcomm(Form form, Samples* dispatch_us, Samples* combine_us,
+                   Samples* halves_us = nullptr) {
     env_.progress.phase(
         label(form == Form::kFused ? "epcomm dispatch/combine" : "epcomm async+wait"));
     dispatch_us->assign(team_.n_local(), {});
     combine_us->assign(team_.n_local(), {});
+    if (halves_us)
+      for (int h = 0; h < 4; ++h) halves_us[h].assign(team_.n_local(), {});
     run_epcomm_batches(form, 0, opt_.warmup, false, nullptr, nullptr);
-    run_epcomm_batches(form, opt_.warmup, opt_.iters, true, dispatch_us, combine_us);
+    run_epcomm_batches(form, opt_.warmup, opt_.iters, true, dispatch_us, combine_us, halves_us);
   }
 
   CheckResult check_epcomm(Form form) {
