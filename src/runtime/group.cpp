@@ -413,10 +413,24 @@ static void check_usable(detail::GroupState& s, const char* op) {
   detail::check_cuda(cudaSetDevice(s.device), "cudaSetDevice");
 }
 
-static detail::DispatchParams dispatch_params(detail::GroupState& s) {
+// Kernel parameters of a dispatch: the send half uses `in`, the receive half `out` (either may be
+// null for the async / wait halves).
+static detail::DispatchParams dispatch_params(detail::GroupState& s, const DispatchInput* in,
+                                              const DispatchOutput* out) {
   detail::DispatchParams p{};
   p.g = s.view;
   p.scratch = s.scratch;
+  if (in) {
+    p.tokens = in->tokens;
+    p.topk_ids = in->topk_ids;
+    p.num_tokens = in->num_tokens;
+  }
+  if (out) {
+    p.out_tokens = out->tokens;
+    p.row_offsets = out->row_offsets;
+    p.expert_ids = out->expert_ids;
+    p.src_info = out->src_info;
+  }
   return p;
 }
 
@@ -451,15 +465,7 @@ void Group::dispatch(const DispatchInput& in, const DispatchOutput& out, cudaStr
   require(!s_->async_dispatch_pending, s_->rank, op, "a dispatch_async is waiting for its dispatch_wait");
   check_dispatch_input(*s_, in, op);
   check_dispatch_output(*s_, out, op);
-  detail::DispatchParams p = dispatch_params(*s_);
-  p.tokens = in.tokens;
-  p.topk_ids = in.topk_ids;
-  p.num_tokens = in.num_tokens;
-  p.out_tokens = out.tokens;
-  p.row_offsets = out.row_offsets;
-  p.expert_ids = out.expert_ids;
-  p.src_info = out.src_info;
-  detail::launch_dispatch(p, true, true, stream);
+  detail::launch_dispatch(dispatch_params(*s_, &in, &out), true, true, stream);
   after_launch(op);
   s_->dispatched = true;
 }
@@ -469,11 +475,7 @@ void Group::dispatch_async(const DispatchInput& in, cudaStream_t stream) {
   check_usable(*s_, op);
   require(!s_->async_dispatch_pending, s_->rank, op, "the previous dispatch_async has no dispatch_wait yet");
   check_dispatch_input(*s_, in, op);
-  detail::DispatchParams p = dispatch_params(*s_);
-  p.tokens = in.tokens;
-  p.topk_ids = in.topk_ids;
-  p.num_tokens = in.num_tokens;
-  detail::launch_dispatch(p, true, false, stream);
+  detail::launch_dispatch(dispatch_params(*s_, &in, nullptr), true, false, stream);
   after_launch(op);
   s_->async_dispatch_pending = true;
 }
@@ -483,12 +485,7 @@ void Group::dispatch_wait(const DispatchOutput& out, cudaStream_t stream) {
   check_usable(*s_, op);
   require(s_->async_dispatch_pending, s_->rank, op, "no dispatch_async to wait for");
   check_dispatch_output(*s_, out, op);
-  detail::DispatchParams p = dispatch_params(*s_);
-  p.out_tokens = out.tokens;
-  p.row_offsets = out.row_offsets;
-  p.expert_ids = out.expert_ids;
-  p.src_info = out.src_info;
-  detail::launch_dispatch(p, false, true, stream);
+  detail::launch_dispatch(dispatch_params(*s_, nullptr, &out), false, true, stream);
   after_launch(op);
   s_->async_dispatch_pending = false;
   s_->dispatched = true;

@@ -13,25 +13,6 @@ using namespace epcomm::testing;
 
 namespace {
 
-Config make_cfg(int hidden, int top_k, int n_experts, int max_tokens, int num_sms = 24,
-                double timeout = 10.0) {
-  Config c;
-  c.hidden = hidden;
-  c.top_k = top_k;
-  c.n_experts = n_experts;
-  c.max_tokens_per_rank = max_tokens;
-  c.num_sms = num_sms;
-  c.timeout_seconds = timeout;
-  return c;
-}
-
-std::vector<int32_t> random_counts(int n, int max_tokens, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::vector<int32_t> t(static_cast<size_t>(n));
-  for (auto& x : t) x = int32_t(rng() % uint64_t(max_tokens + 1));
-  return t;
-}
-
 struct Case {
   int n_ranks, hidden, top_k, n_experts, max_tokens;
   double mask_prob;

@@ -45,16 +45,6 @@ struct Runner {
   }
 };
 
-Config make_cfg(int hidden, int top_k, int n_experts, int max_tokens, double timeout = 10.0) {
-  Config c;
-  c.hidden = hidden;
-  c.top_k = top_k;
-  c.n_experts = n_experts;
-  c.max_tokens_per_rank = max_tokens;
-  c.timeout_seconds = timeout;
-  return c;
-}
-
 // One dispatch + combine round on this rank, checked against the reference.
 std::string round(Group& g, RankIO& io, const reference::Problem& p, bool async,
                   uint64_t expert_seed) {
@@ -91,13 +81,6 @@ std::string round(Group& g, RankIO& io, const reference::Problem& p, bool async,
   return "";
 }
 
-std::vector<int32_t> counts(int n, int max_t, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::vector<int32_t> t(static_cast<size_t>(n));
-  for (auto& x : t) x = int32_t(rng() % uint64_t(max_t + 1));
-  return t;
-}
-
 int run_gpu_tests(Bootstrap& bs) {
   const int n = bs.size(), rank = bs.rank();
   int local_gpus = gpu_count();
@@ -120,7 +103,7 @@ int run_gpu_tests(Bootstrap& bs) {
       RankIO io(*g);
       for (int it = 0; it < 6; ++it) {
         const uint64_t seed = 100 + uint64_t(it) + uint64_t(s.H);
-        const auto p = reference::make_problem(n, s.H, s.K, s.E, counts(n, s.T, seed), seed, 0.0,
+        const auto p = reference::make_problem(n, s.H, s.K, s.E, random_counts(n, s.T, seed), seed, 0.0,
                                                it % 2 ? 0.2 : 0.0);
         const std::string e = round(*g, io, p, it % 2 == 1, seed);
         if (!e.empty()) return "H " + std::to_string(s.H) + " iteration " + std::to_string(it) + ": " + e;
@@ -146,9 +129,9 @@ int run_gpu_tests(Bootstrap& bs) {
             [&]() -> std::string {
     const int missing = n - 1;
     {
-      auto g = Group::create(make_cfg(2048, 4, 8 * n, 64, 1.0), bs, device);
+      auto g = Group::create(make_cfg(2048, 4, 8 * n, 64, 24, 1.0), bs, device);
       RankIO io(*g);
-      const auto p = reference::make_problem(n, 2048, 4, 8 * n, counts(n, 64, 7), 7);
+      const auto p = reference::make_problem(n, 2048, 4, 8 * n, random_counts(n, 64, 7), 7);
       io.upload(p.ranks[size_t(rank)]);
       if (rank != missing) {
         g->dispatch(io.dispatch_input(), io.dispatch_output(), io.stream);
@@ -165,7 +148,7 @@ int run_gpu_tests(Bootstrap& bs) {
     }  // teardown on every rank
     auto g = Group::create(make_cfg(2048, 4, 8 * n, 64), bs, device);
     RankIO io(*g);
-    const auto p = reference::make_problem(n, 2048, 4, 8 * n, counts(n, 64, 8), 8);
+    const auto p = reference::make_problem(n, 2048, 4, 8 * n, random_counts(n, 64, 8), 8);
     return round(*g, io, p, false, 8);
   });
 

@@ -106,6 +106,25 @@ CombineOutput RankIO::combine_output(bool weighted) const {
   return CombineOutput{combine_out.get(), weighted ? weights.get<float>() : nullptr};
 }
 
+Config make_cfg(int hidden, int top_k, int n_experts, int max_tokens, int num_sms,
+                double timeout_seconds) {
+  Config c;
+  c.hidden = hidden;
+  c.top_k = top_k;
+  c.n_experts = n_experts;
+  c.max_tokens_per_rank = max_tokens;
+  c.num_sms = num_sms;
+  c.timeout_seconds = timeout_seconds;
+  return c;
+}
+
+std::vector<int32_t> random_counts(int n, int max_tokens, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<int32_t> t(static_cast<size_t>(n));
+  for (auto& x : t) x = int32_t(rng() % uint64_t(max_tokens + 1));
+  return t;
+}
+
 std::vector<uint16_t> expert_outputs(int rank, uint64_t seed, int64_t rows, int32_t hidden) {
   std::mt19937_64 rng(seed * 7919u + uint64_t(rank));
   return reference::make_tokens(rows * hidden, rng);

@@ -88,6 +88,12 @@ struct RankIO {
   std::vector<uint16_t> download_combine(bool weighted) const;
 };
 
+// A test configuration (bf16).
+Config make_cfg(int hidden, int top_k, int n_experts, int max_tokens, int num_sms = 24,
+                double timeout_seconds = 10.0);
+// Random token counts in [0, max_tokens] for n ranks.
+std::vector<int32_t> random_counts(int n, int max_tokens, uint64_t seed);
+
 // The random expert outputs RankIO::make_expert_out gives rank `rank` for `seed`: any process
 // can recompute every rank's.
 std::vector<uint16_t> expert_outputs(int rank, uint64_t seed, int64_t rows, int32_t hidden);
