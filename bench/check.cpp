@@ -4,84 +4,324 @@
 #include <cstdio>
 #include <cstring>
 #include <future>
+#include <stdexcept>
+
+#include "epcomm/bf16.h"
+#include "epcomm/formats/scale_layouts.h"
 
 namespace epbench {
 
 namespace ref = epcomm::reference;
 
 namespace {
-std::string hex16(uint16_t v) {
-  char buf[8];
-  std::snprintf(buf, sizeof buf, "0x%04x", unsigned(v));
+
+std::string hex(uint32_t v, int digits) {
+  char buf[16];
+  std::snprintf(buf, sizeof buf, "0x%0*x", digits, unsigned(v));
   return buf;
 }
+
+// f(0) .. f(n - 1), each on a thread of its own; rethrows the first exception.
+template <class F>
+void parallel_for(size_t n, const F& f) {
+  std::vector<std::future<void>> jobs;
+  for (size_t i = 0; i < n; ++i)
+    jobs.push_back(std::async(std::launch::async, [&f, i] { f(i); }));
+  for (auto& j : jobs)
+    j.get();
+}
+
+// The first of n bytes where a and b differ, or -1.
+int64_t first_difference(const uint8_t* a, const uint8_t* b, int64_t n) {
+  if (n <= 0 || std::memcmp(a, b, size_t(n)) == 0) return -1;
+  int64_t i = 0;
+  while (a[i] == b[i])
+    ++i;
+  return i;
+}
+
+// Weighted combine of every local rank; layouts[d] gives the rows of rank d's expert outputs.
+std::vector<std::vector<double>> combine_reference(
+    const ref::Problem& problem, const std::vector<ref::DispatchResult>& layouts,
+    const std::vector<std::vector<uint16_t>>& expert_out, const Team& team) {
+  std::vector<std::vector<double>> out(team.n_local());
+  parallel_for(team.n_local(), [&](size_t i) {
+    out[i] = ref::combine(problem, layouts, expert_out, team.local()[i].rank, true);
+  });
+  return out;
+}
+
+// Every rank's synthetic expert outputs, one per row of its layout (padding rows included).
+std::vector<std::vector<uint16_t>> synthetic_expert_outputs(
+    const std::vector<ref::DispatchResult>& layouts, int32_t hidden) {
+  std::vector<std::vector<uint16_t>> out(layouts.size());
+  parallel_for(layouts.size(), [&](size_t d) {
+    const int64_t rows = layouts[d].rows();
+    out[d].resize(size_t(rows) * size_t(hidden));
+    for (int64_t r = 0; r < rows; ++r)
+      for (int32_t c = 0; c < hidden; ++c)
+        out[d][size_t(r) * size_t(hidden) + size_t(c)] = synthetic_expert_value(int32_t(d), r, c);
+  });
+  return out;
+}
+
+// reference::dispatch's rows with every group padded to a multiple of `align` by rows
+// {-1, -1, -1} at its end: the rows of a quantised dispatch output, for the ranks whose
+// dispatch_quantized this process does not compute (checked equal to it on the local ranks).
+ref::DispatchResult padded_layout(const ref::DispatchResult& d, int32_t align) {
+  const int32_t groups = int32_t(d.expert_ids.size());
+  std::vector<int32_t> counts(static_cast<size_t>(groups));
+  for (int32_t g = 0; g < groups; ++g)
+    counts[size_t(g)] = int32_t(d.row_offsets[size_t(g) + 1] - d.row_offsets[size_t(g)]);
+  ref::DispatchResult p;
+  p.row_offsets.resize(size_t(groups) + 1);
+  epcomm::padded_row_offsets(counts.data(), groups, align, p.row_offsets.data());
+  p.expert_ids = d.expert_ids;
+  p.src_info.assign(p.row_offsets.back(), epcomm::SrcInfo{-1, -1, -1});
+  for (int32_t g = 0; g < groups; ++g)
+    std::copy(d.src_info.begin() + d.row_offsets[size_t(g)],
+              d.src_info.begin() + d.row_offsets[size_t(g) + 1],
+              p.src_info.begin() + p.row_offsets[size_t(g)]);
+  return p;
+}
+
+bool same_layout(const ref::DispatchResult& a, const ref::DispatchResult& b) {
+  return a.row_offsets == b.row_offsets && a.expert_ids == b.expert_ids &&
+         a.src_info.size() == b.src_info.size() &&
+         (a.src_info.empty() || std::memcmp(a.src_info.data(), b.src_info.data(),
+                                            a.src_info.size() * sizeof(epcomm::SrcInfo)) == 0);
+}
+
+// The messages of `rows` bf16 tokens as the reference encoders give them: [rows, m.row_bytes()],
+// each the row's codes, then its scales, then zeros.
+std::vector<uint8_t> encode_messages(const MessageFormat& m, const std::vector<uint16_t>& tokens,
+                                     int32_t rows) {
+  const int32_t h = m.hidden;
+  const size_t codes_bytes = size_t(m.codes_bytes()), scales_bytes = size_t(m.scales_bytes());
+  const size_t row_bytes = size_t(m.row_bytes());
+  std::vector<float> x(size_t(rows) * size_t(h));
+  std::transform(tokens.begin(), tokens.begin() + std::ptrdiff_t(x.size()), x.begin(),
+                 epcomm::bf16_to_float);
+  std::vector<uint8_t> codes(size_t(rows) * codes_bytes);
+  std::vector<uint8_t> scales(size_t(rows) * scales_bytes);  // row-major, as the encoders write
+  switch (m.format) {
+    case epcomm::TokenFormat::kBF16:
+      std::memcpy(codes.data(), tokens.data(), codes.size());
+      break;
+    case epcomm::TokenFormat::kFp8Blockwise: {
+      std::vector<float> s(scales.size() / sizeof(float));
+      ref::encode_fp8_blockwise(x.data(), rows, h, codes.data(), s.data());
+      std::memcpy(scales.data(), s.data(), scales.size());
+      break;
+    }
+    case epcomm::TokenFormat::kNvfp4:
+      ref::encode_nvfp4(x.data(), rows, h, m.nvfp4_global_scale, codes.data(), scales.data());
+      break;
+    case epcomm::TokenFormat::kMxfp8:
+      ref::encode_mxfp8(x.data(), rows, h, codes.data(), scales.data());
+      break;
+    case epcomm::TokenFormat::kMxfp4:
+      ref::encode_mxfp4(x.data(), rows, h, codes.data(), scales.data());
+      break;
+  }
+  std::vector<uint8_t> out(size_t(rows) * row_bytes, 0);
+  for (size_t r = 0; r < size_t(rows); ++r) {
+    std::memcpy(out.data() + r * row_bytes, codes.data() + r * codes_bytes, codes_bytes);
+    if (scales_bytes > 0)
+      std::memcpy(out.data() + r * row_bytes + codes_bytes, scales.data() + r * scales_bytes,
+                  scales_bytes);
+  }
+  return out;
+}
+
+// A quantised dispatch output's scales against reference::dispatch_quantized's where they are
+// defined: rows [0, rows) of blockwise FP8's columns and of MXFP4's rows; the whole swizzled array
+// (every byte is written, zero where no scale lands) and scales_offsets.
+std::string check_scales(const ref::QuantizedRows& want, int64_t rows,
+                         const epcomm::DispatchOutput& out, const epcomm::Sizes& sizes) {
+  const ref::QuantOutputShape& shape = want.shape;
+  const bool fp8 = shape.format == ref::QuantFormat::kFp8Blockwise;
+  const int64_t want_bytes = shape.scales_size() * (fp8 ? 4 : 1);
+  if (shape.rows != sizes.max_recv_rows || want_bytes != sizes.scales_bytes)
+    return "Sizes has max_recv_rows " + std::to_string(sizes.max_recv_rows) + " and scales_bytes " +
+           std::to_string(sizes.scales_bytes) + ", reference::dispatch_quantized's output " +
+           std::to_string(shape.rows) + " rows and " + std::to_string(want_bytes) +
+           " bytes of scales";
+  const std::vector<uint8_t> got =
+      download(static_cast<const uint8_t*>(out.scales), size_t(want_bytes));
+  const uint8_t* expected =
+      fp8 ? reinterpret_cast<const uint8_t*>(want.fp8_scales.data()) : want.scales.data();
+
+  if (fp8) {  // fp32 [H/128, max_recv_rows]: column k's rows [0, rows)
+    const epcomm::Fp8ScaleLayout layout = shape.fp8_layout();
+    for (int32_t k = 0; k < layout.cols(); ++k) {
+      const int64_t at = layout.offset(0, k) * 4;
+      const int64_t diff = first_difference(got.data() + at, expected + at, rows * 4);
+      if (diff < 0) continue;
+      const int64_t row = diff / 4;
+      uint32_t g = 0, e = 0;
+      std::memcpy(&g, got.data() + at + row * 4, 4);
+      std::memcpy(&e, expected + at + row * 4, 4);
+      return "fp32 scales[" + std::to_string(k) + "][" + std::to_string(row) + "] = " + hex(g, 8) +
+             ", reference " + hex(e, 8);
+    }
+    return "";
+  }
+  if (shape.format == ref::QuantFormat::kMxfp4) {  // e8m0 [max_recv_rows, H/32]: rows [0, rows)
+    const int32_t cols = shape.mxfp4_layout().cols();
+    const int64_t diff = first_difference(got.data(), expected, rows * cols);
+    if (diff < 0) return "";
+    return "e8m0 scales[" + std::to_string(diff / cols) + "][" + std::to_string(diff % cols) +
+           "] = " + hex(got[size_t(diff)], 2) + ", reference " + hex(expected[diff], 2);
+  }
+  // NVFP4, MXFP8: the whole swizzled array.
+  const int64_t diff = first_difference(got.data(), expected, want_bytes);
+  if (diff >= 0) {
+    // Undo SwizzledScaleLayout::offset: [row / 128, col / 4, row % 32, (row % 128) / 32, col % 4].
+    using Swizzled = epcomm::SwizzledScaleLayout;
+    const int64_t col_tiles = shape.swizzled_layout().col_tiles();
+    const int64_t tile = diff / Swizzled::kTileElems, in_tile = diff % Swizzled::kTileElems;
+    const int64_t scale_row = tile / col_tiles * Swizzled::kTileRows +
+                              (in_tile % 16) / 4 * Swizzled::kSubRows + in_tile / 16;
+    const int64_t scale_col = tile % col_tiles * Swizzled::kTileCols + in_tile % 4;
+    return "swizzled scales byte " + std::to_string(diff) + " (scale row " +
+           std::to_string(scale_row) + ", column " + std::to_string(scale_col) +
+           ") = " + hex(got[size_t(diff)], 2) + ", reference " + hex(expected[diff], 2);
+  }
+  const std::vector<uint32_t> offsets =
+      download(out.scales_offsets, size_t(std::max(sizes.num_scales_offsets, 0)));
+  for (size_t g = 0; g < want.scales_offsets.size(); ++g)
+    if (g >= offsets.size() || offsets[g] != want.scales_offsets[g])
+      return "scales_offsets[" + std::to_string(g) +
+             "] = " + (g < offsets.size() ? std::to_string(offsets[g]) : "missing") +
+             ", reference " + std::to_string(want.scales_offsets[g]);
+  return "";
+}
+
 }  // namespace
 
-Reference build_reference(const ref::Problem& problem, const Team& team) {
+Reference build_reference(const ref::Problem& problem, const Team& team,
+                          const MessageFormat& message, const epcomm::Sizes& sizes,
+                          bool with_nccl) {
   Reference r;
-  const int n = problem.n_ranks;
-  r.dispatch.resize(size_t(n));
-  std::vector<std::future<void>> jobs;
-  for (int rank = 0; rank < n; ++rank)
-    jobs.push_back(std::async(std::launch::async, [&, rank] {
-      r.dispatch[size_t(rank)] = ref::dispatch(problem, rank);
-    }));
-  for (auto& j : jobs)
-    j.get();
+  r.message = message;
+  const size_t n = size_t(problem.n_ranks);
+  r.dispatch.resize(n);
+  parallel_for(n, [&](size_t rank) { r.dispatch[rank] = ref::dispatch(problem, int32_t(rank)); });
+  if (!message.quantized()) {  // expert outputs = the dispatched tokens themselves
+    std::vector<std::vector<uint16_t>> expert_out;
+    for (const ref::DispatchResult& d : r.dispatch)
+      expert_out.push_back(d.tokens);
+    r.combine = combine_reference(problem, r.dispatch, expert_out, team);
+    return r;
+  }
 
-  std::vector<std::vector<uint16_t>> expert_out;
-  for (const ref::DispatchResult& d : r.dispatch)
-    expert_out.push_back(d.tokens);
-  r.combine.resize(team.n_local());
-  jobs.clear();
-  for (size_t i = 0; i < team.n_local(); ++i)
-    jobs.push_back(std::async(std::launch::async, [&, i] {
-      r.combine[i] = ref::combine(problem, r.dispatch, expert_out, team.local()[i].rank, true);
-    }));
-  for (auto& j : jobs)
-    j.get();
+  const size_t n_local = team.n_local();
+  r.quant_rows.resize(n_local);
+  r.quant_scales.resize(n_local);
+  parallel_for(n_local, [&](size_t i) {
+    ref::QuantDispatchResult q =
+        ref::dispatch_quantized(problem, team.local()[i].rank, ref::quant_format(message.format),
+                                message.nvfp4_global_scale, sizes.max_routed_rows);
+    ref::DispatchResult& rows = r.quant_rows[i];
+    rows.row_offsets = std::move(q.row_offsets);
+    rows.expert_ids = std::move(q.expert_ids);
+    rows.src_info = std::move(q.src_info);
+    const size_t codes_bytes = size_t(rows.rows()) * size_t(message.codes_bytes());
+    rows.tokens.resize(codes_bytes / 2);  // every format's row of codes is an even byte count
+    if (codes_bytes > 0) std::memcpy(rows.tokens.data(), q.out.codes.data(), codes_bytes);
+    q.out.codes = std::vector<uint8_t>();
+    r.quant_scales[i] = std::move(q.out);
+  });
+
+  // Every rank's output rows (combine reads them all); the local ranks' are dispatch_quantized's.
+  std::vector<ref::DispatchResult> padded(n);
+  for (size_t d = 0; d < n; ++d)
+    padded[d] = padded_layout(r.dispatch[d], epcomm::format_row_align(message.format));
+  for (size_t i = 0; i < n_local; ++i)
+    if (!same_layout(padded[size_t(team.local()[i].rank)], r.quant_rows[i]))
+      throw std::logic_error("epcomm_bench: padding reference::dispatch's rows does not give " +
+                             std::string("reference::dispatch_quantized's on rank ") +
+                             std::to_string(team.local()[i].rank));
+  r.combine =
+      combine_reference(problem, padded, synthetic_expert_outputs(padded, problem.hidden), team);
+  if (with_nccl) {
+    r.nccl_combine = combine_reference(problem, r.dispatch,
+                                       synthetic_expert_outputs(r.dispatch, problem.hidden), team);
+    r.messages.resize(n);
+    parallel_for(n, [&](size_t s) {
+      r.messages[s] =
+          encode_messages(message, problem.ranks[s].tokens, problem.ranks[s].num_tokens);
+    });
+  }
+  for (ref::DispatchResult& d : r.dispatch)
+    d.tokens = std::vector<uint16_t>();  // no longer needed: rows are checked as messages
   return r;
 }
 
-std::string check_dispatch(const ref::DispatchResult& ref, const epcomm::DispatchOutput& out,
-                           int32_t num_groups, int64_t max_recv_rows, int32_t hidden) {
-  const std::vector<uint32_t> row_offsets = download(out.row_offsets, size_t(num_groups) + 1);
-  const int64_t gpu_rows = row_offsets[size_t(num_groups)];
-  if (gpu_rows > max_recv_rows)
+std::string check_dispatch(const Reference& ref, size_t local_index, int32_t rank,
+                           const epcomm::DispatchOutput& out, const epcomm::Sizes& sizes) {
+  const bool quantized = ref.message.quantized();
+  const ref::DispatchResult& want =
+      quantized ? ref.quant_rows[local_index] : ref.dispatch[size_t(rank)];
+  const int32_t groups = sizes.num_groups;
+  const std::vector<uint32_t> row_offsets = download(out.row_offsets, size_t(groups) + 1);
+  const int64_t gpu_rows = row_offsets[size_t(groups)];
+  if (gpu_rows > sizes.max_recv_rows)
     return "row_offsets[G] = " + std::to_string(gpu_rows) +
-           " exceeds max_recv_rows = " + std::to_string(max_recv_rows);
+           " exceeds max_recv_rows = " + std::to_string(sizes.max_recv_rows);
   // Download enough rows for whichever of the two has more, so the comparison stays in bounds.
-  const size_t rows = size_t(std::max(gpu_rows, ref.rows()));
-  const std::vector<int32_t> expert_ids = download(out.expert_ids, size_t(num_groups));
+  const size_t rows = size_t(std::max(gpu_rows, want.rows()));
+  const std::vector<int32_t> expert_ids = download(out.expert_ids, size_t(groups));
   const std::vector<epcomm::SrcInfo> src_info = download(out.src_info, rows);
-  const std::vector<uint16_t> tokens =
-      download(static_cast<const uint16_t*>(out.tokens), rows * size_t(hidden));
-  return ref::compare_dispatch(ref, row_offsets.data(), expert_ids.data(), src_info.data(),
-                               tokens.data(), hidden);
+  // Codes are compared as 16-bit words (bf16: the tokens themselves).
+  if (sizes.token_bytes % 2 != 0) throw std::logic_error("epcomm_bench: odd Sizes::token_bytes");
+  const int64_t words = sizes.token_bytes / 2;
+  const std::vector<uint16_t> codes =
+      download(static_cast<const uint16_t*>(out.tokens), rows * size_t(words));
+  const std::string msg = ref::compare_dispatch(want, row_offsets.data(), expert_ids.data(),
+                                                src_info.data(), codes.data(), int32_t(words));
+  if (!msg.empty())
+    return quantized && msg.rfind("tokens[", 0) == 0 ? "codes, as 16-bit words: " + msg : msg;
+  return quantized ? check_scales(ref.quant_scales[local_index], want.rows(), out, sizes) : "";
 }
 
-std::string check_expert_major(const ref::DispatchResult& ref,
+std::string check_expert_major(const Reference& ref, int32_t rank,
                                const std::vector<uint32_t>& row_offsets,
-                               const std::vector<uint16_t>& tokens, int32_t hidden) {
-  for (size_t g = 0; g < ref.row_offsets.size(); ++g)
-    if (g >= row_offsets.size() || row_offsets[g] != ref.row_offsets[g])
+                               const std::vector<uint8_t>& rows) {
+  const ref::DispatchResult& layout = ref.dispatch[size_t(rank)];
+  for (size_t g = 0; g < layout.row_offsets.size(); ++g)
+    if (g >= row_offsets.size() || row_offsets[g] != layout.row_offsets[g])
       return "row_offsets[" + std::to_string(g) +
              "] = " + (g < row_offsets.size() ? std::to_string(row_offsets[g]) : "missing") +
-             ", reference " + std::to_string(ref.row_offsets[g]);
-  const size_t h = size_t(hidden);
-  if (tokens.size() < size_t(ref.rows()) * h) return "too few rows downloaded";
-  for (int64_t row = 0; row < ref.rows(); ++row) {
-    const uint16_t* got = tokens.data() + size_t(row) * h;
-    const uint16_t* want = ref.tokens.data() + size_t(row) * h;
-    if (std::memcmp(got, want, h * sizeof(uint16_t)) == 0) continue;
-    size_t col = 0;
-    while (got[col] == want[col])
-      ++col;
-    const epcomm::SrcInfo& s = ref.src_info[size_t(row)];
+             ", reference " + std::to_string(layout.row_offsets[g]);
+  const MessageFormat& m = ref.message;
+  const size_t row_bytes = size_t(m.row_bytes());
+  if (rows.size() < size_t(layout.rows()) * row_bytes) return "too few rows downloaded";
+  for (int64_t row = 0; row < layout.rows(); ++row) {
+    const epcomm::SrcInfo& s = layout.src_info[size_t(row)];
+    const uint8_t* got = rows.data() + size_t(row) * row_bytes;
+    const uint8_t* want =
+        m.quantized()
+            ? ref.messages[size_t(s.rank)].data() + size_t(s.token) * row_bytes
+            : reinterpret_cast<const uint8_t*>(layout.tokens.data()) + size_t(row) * row_bytes;
+    const int64_t b = first_difference(got, want, int64_t(row_bytes));
+    if (b < 0) continue;
+    std::string where;
+    if (!m.quantized()) {
+      uint16_t g = 0, w = 0;
+      std::memcpy(&g, got + b / 2 * 2, 2);
+      std::memcpy(&w, want + b / 2 * 2, 2);
+      where = "column " + std::to_string(b / 2) + ": got bf16 " + hex(g, 4) + ", reference " +
+              hex(w, 4);
+    } else {
+      where = b < m.codes_bytes() ? "codes byte " + std::to_string(b)
+              : b < m.bytes()     ? "scales byte " + std::to_string(b - m.codes_bytes())
+                                  : "padding byte " + std::to_string(b - m.bytes());
+      where += ": got " + hex(got[b], 2) + ", reference " + hex(want[b], 2);
+    }
     return "row " + std::to_string(row) + " (from rank " + std::to_string(s.rank) + " token " +
-           std::to_string(s.token) + " slot " + std::to_string(s.slot) + "), column " +
-           std::to_string(col) + ": got bf16 " + hex16(got[col]) + ", reference " +
-           hex16(want[col]);
+           std::to_string(s.token) + " slot " + std::to_string(s.slot) + "), " + where;
   }
   return "";
 }
@@ -92,9 +332,9 @@ std::string check_combine(const std::vector<double>& ref, const std::vector<uint
   return ref::compare_combine_bf16(ref, out.data(), int64_t(out.size()));
 }
 
-std::vector<double> logical_bytes(const ref::Problem& problem) {
+std::vector<double> messages_received(const ref::Problem& problem) {
   const int32_t n_local = problem.n_experts / problem.n_ranks;
-  std::vector<double> bytes(size_t(problem.n_ranks), 0.0);
+  std::vector<double> messages(size_t(problem.n_ranks), 0.0);
   std::vector<char> hit(size_t(problem.n_ranks));
   for (const ref::RankInput& in : problem.ranks)
     for (int32_t t = 0; t < in.num_tokens; ++t) {
@@ -104,9 +344,9 @@ std::vector<double> logical_bytes(const ref::Problem& problem) {
         if (e >= 0) hit[size_t(e / n_local)] = 1;
       }
       for (size_t r = 0; r < hit.size(); ++r)
-        if (hit[r]) bytes[r] += 2.0 * problem.hidden;
+        if (hit[r]) messages[r] += 1.0;
     }
-  return bytes;
+  return messages;
 }
 
 }  // namespace epbench

@@ -1,4 +1,10 @@
-// Checks against the CPU reference model (epcomm/reference.h), and the logical byte counts.
+// Checks against the CPU reference model (epcomm/reference.h, epcomm/formats/reference_codecs.h),
+// and the logical byte counts.
+//
+// Expert outputs (what combine reduces): for bf16 the dispatched tokens themselves; for a
+// quantised format, whose dispatch output is not bf16, synthetic_expert_value (formats.h) at the
+// row of the dispatch output that holds them (epcomm's rows, padding rows included, or the NCCL
+// baseline's own unpadded rows), the same on the host and on every device.
 #pragma once
 
 #include <cstdint>
@@ -6,33 +12,57 @@
 #include <vector>
 
 #include "common.h"
+#include "epcomm/config.h"
+#include "epcomm/formats/reference_codecs.h"
 #include "epcomm/group.h"
 #include "epcomm/reference.h"
+#include "formats.h"
 
 namespace epbench {
 
 struct Reference {
-  std::vector<epcomm::reference::DispatchResult> dispatch;  // every rank (combine needs them all)
-  std::vector<std::vector<double>> combine;  // per local rank: weighted [T, H], expert outputs =
-                                             // the dispatched tokens themselves
+  MessageFormat message;
+  // Every rank: reference::dispatch, bf16 rows without padding, which is the NCCL baseline's
+  // layout (combine needs every rank's). For a quantised format its bf16 tokens are dropped once
+  // used.
+  std::vector<epcomm::reference::DispatchResult> dispatch;
+  // Quantised formats, per local rank: what epcomm's dispatch must produce, from
+  // reference::dispatch_quantized. `quant_rows` holds its row_offsets, expert_ids and src_info
+  // (padding rows {-1, -1, -1}) and, in `tokens`, the codes of rows [0, row_offsets[G]) as 16-bit
+  // words; `quant_scales` its scales and scales_offsets (codes dropped).
+  std::vector<epcomm::reference::DispatchResult> quant_rows;
+  std::vector<epcomm::reference::QuantizedRows> quant_scales;
+  // Per local rank, weighted [T, H]: epcomm's combine, and the NCCL baseline's (quantised formats
+  // only: its expert outputs sit at other rows; for bf16 it is `combine`).
+  std::vector<std::vector<double>> combine;
+  std::vector<std::vector<double>> nccl_combine;
+  // Quantised formats with the NCCL baseline, per source rank: its tokens' messages as the
+  // reference encoders give them, [T, message.row_bytes()].
+  std::vector<std::vector<uint8_t>> messages;
 };
-Reference build_reference(const epcomm::reference::Problem& problem, const Team& team);
+// Sizes are those of epcomm's group (max_routed_rows sizes the quantised output's layout).
+// with_nccl: also build what the NCCL baseline's checks need.
+Reference build_reference(const epcomm::reference::Problem& problem, const Team& team,
+                          const MessageFormat& message, const epcomm::Sizes& sizes, bool with_nccl);
 
 // Each returns "" when the output matches, else the first mismatch.
-// epcomm's dispatch output of one rank, on the device.
-std::string check_dispatch(const epcomm::reference::DispatchResult& ref,
-                           const epcomm::DispatchOutput& out, int32_t num_groups,
-                           int64_t max_recv_rows, int32_t hidden);
-// An expert-major output without src_info (the NCCL baseline): same row_offsets, same rows in the
-// same order, bit for bit.
-std::string check_expert_major(const epcomm::reference::DispatchResult& ref,
+// epcomm's dispatch output of local rank `local_index` (rank `rank`), on the device: row_offsets,
+// expert_ids, src_info and the codes of rows [0, row_offsets[G]) exactly (bf16: the tokens); for
+// a quantised format also the scales where defined (blockwise FP8 and MXFP4: rows
+// [0, row_offsets[G]); NVFP4 and MXFP8: the whole swizzled array, and scales_offsets).
+std::string check_dispatch(const Reference& ref, size_t local_index, int32_t rank,
+                           const epcomm::DispatchOutput& out, const epcomm::Sizes& sizes);
+// An expert-major output without src_info (the NCCL baseline, rows of message.row_bytes() bytes):
+// reference::dispatch's row_offsets, and its rows in the same order byte for byte, each row being
+// its source token's bf16 row or, for a quantised format, its reference-encoded message.
+std::string check_expert_major(const Reference& ref, int32_t rank,
                                const std::vector<uint32_t>& row_offsets,
-                               const std::vector<uint16_t>& tokens, int32_t hidden);
+                               const std::vector<uint8_t>& rows);
 // A weighted combine output [T, H] bf16 (host copy).
 std::string check_combine(const std::vector<double>& ref, const std::vector<uint16_t>& out);
 
-// Per rank: bytes of every (source token, this rank) message received, local ones included,
-// counted once per distinct destination rank of a token: H * 2 bytes each.
-std::vector<double> logical_bytes(const epcomm::reference::Problem& problem);
+// Per rank: (source token, this rank) messages received, local ones included, one per distinct
+// destination rank of a token. Logical bytes are these times the bytes of one message.
+std::vector<double> messages_received(const epcomm::reference::Problem& problem);
 
 }  // namespace epbench

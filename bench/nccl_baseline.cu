@@ -1,5 +1,6 @@
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <cub/block/block_scan.cuh>
 #include <stdexcept>
 
@@ -140,6 +141,11 @@ __global__ void weighted_sum(const uint4* rows, const int32_t* entry_row, const 
   }
 }
 
+// Bytes of a row of the buffers both directions use: a dispatch message or a bf16 expert output.
+size_t wide_row_bytes(const BaselineShape& s) {
+  return size_t(std::max<int64_t>(s.message.row_bytes(), int64_t(s.hidden) * 2));
+}
+
 }  // namespace
 
 std::string nccl_version_string() {
@@ -172,14 +178,14 @@ NcclComms::~NcclComms() {
 }
 
 struct NcclBaseline::RankState {
-  RankState(int device, const BaselineShape& s, int32_t n_ranks)
+  RankState(int device, int rank, const BaselineShape& s, int32_t n_ranks)
       : counts(device, 2 * size_t(s.n_experts)),
         expert_offset(device, size_t(s.n_experts) + 1),
         pos_in_expert(device, size_t(s.tokens) * s.top_k),
         entry_row(device, size_t(s.tokens) * s.top_k),
-        send_rows(device, size_t(s.tokens) * s.top_k * s.hidden),
-        recv_rows(device, size_t(s.capacity_rows) * s.hidden),
-        expert_rows(device, size_t(s.capacity_rows) * s.hidden),
+        send_rows(device, size_t(s.tokens) * s.top_k * wide_row_bytes(s)),
+        recv_rows(device, size_t(s.capacity_rows) * wide_row_bytes(s)),
+        expert_rows(device, size_t(s.capacity_rows) * size_t(s.message.row_bytes())),
         seg_src(device, size_t(s.n_experts)),
         seg_dst(device, size_t(s.n_experts)),
         row_offsets(device, size_t(s.n_experts / n_ranks) + 1),
@@ -188,7 +194,15 @@ struct NcclBaseline::RankState {
         send_count(size_t(n_ranks)),
         send_offset(size_t(n_ranks)),
         recv_count(size_t(n_ranks)),
-        recv_offset(size_t(n_ranks)) {}
+        recv_offset(size_t(n_ranks)) {
+    if (!s.message.quantized()) return;
+    const size_t message_bytes = size_t(s.tokens) * size_t(s.message.row_bytes());
+    messages = DeviceArray<uint8_t>(device, message_bytes);
+    CHECK_CUDA(cudaMemset(messages.get(), 0, message_bytes));  // padding bytes stay zero
+    expert_out = DeviceArray<uint16_t>(device, size_t(s.capacity_rows) * s.hidden);
+    fill_synthetic_expert_out(expert_out.get(), rank, s.capacity_rows, s.hidden, nullptr);
+    CHECK_CUDA(cudaDeviceSynchronize());  // before the rank's non-blocking stream uses them
+  }
 
   // Rows sent to / received from each peer, from the counts the host just read.
   void set_split_sizes(int32_t n_experts, int32_t n_ranks, int64_t capacity_rows) {
@@ -215,9 +229,11 @@ struct NcclBaseline::RankState {
   DeviceArray<int32_t> expert_offset;  // [E + 1]: first send row of each expert
   DeviceArray<int32_t> pos_in_expert;  // [T * K]
   DeviceArray<int32_t> entry_row;      // [T * K]: send row of (t, k), -1 = masked
-  DeviceArray<uint16_t> send_rows;     // [T * K, H] sorted by expert; combine receives here
-  DeviceArray<uint16_t> recv_rows;     // [capacity, H] source-major; combine sends from here
-  DeviceArray<uint16_t> expert_rows;   // [capacity, H] expert-major: the dispatch output
+  DeviceArray<uint8_t> messages;       // quantised: [T, row_bytes], each token's message
+  DeviceArray<uint8_t> send_rows;      // [T * K] wide rows sorted by expert; combine receives here
+  DeviceArray<uint8_t> recv_rows;      // [capacity] wide rows, source-major; combine sends these
+  DeviceArray<uint8_t> expert_rows;    // [capacity, row_bytes] expert-major: the dispatch output
+  DeviceArray<uint16_t> expert_out;    // quantised: [capacity, H] bf16, the expert outputs
   DeviceArray<int32_t> seg_src;        // [n_ranks * n_local]
   DeviceArray<int32_t> seg_dst;        // [n_ranks * n_local]
   DeviceArray<uint32_t> row_offsets;   // [G + 1]
@@ -232,30 +248,35 @@ NcclBaseline::NcclBaseline(const Team& team, const NcclComms& comms, const Basel
   if (shape.n_experts > kListThreads || shape.n_experts % team.n_ranks() != 0)
     throw std::invalid_argument("NCCL baseline: n_experts must divide by n_ranks and be <= 1024");
   n_local_experts_ = shape.n_experts / team.n_ranks();
-  for (const LocalRank& r : team.local())
-    ranks_.push_back(std::make_unique<RankState>(r.device, shape, team.n_ranks()));
+  if (shape.message.hidden != shape.hidden || shape.message.row_bytes() % 16 != 0)
+    throw std::invalid_argument("NCCL baseline: message format does not match the shape");
+  for (const LocalRank& r : team.local()) {
+    set_device(r.device);
+    ranks_.push_back(std::make_unique<RankState>(r.device, r.rank, shape, team.n_ranks()));
+  }
 }
 
 NcclBaseline::~NcclBaseline() = default;
 
-void NcclBaseline::exchange_rows(bool to_experts) {
-  const size_t h = size_t(shape_.hidden);
+// Rows of `row_bytes` bytes (a dispatch message or a bf16 expert output), sent as bytes.
+void NcclBaseline::exchange_rows(bool to_experts, int64_t row_bytes) {
+  const size_t h = size_t(row_bytes);
   CHECK_NCCL(ncclGroupStart());
   for_each_rank(team_, [&](size_t i, const LocalRank& r) {
     RankState& st = *ranks_[i];
     // Dispatch sends the expert-sorted rows and receives source-major rows; combine the reverse.
-    uint16_t* send_base = to_experts ? st.send_rows.get() : st.recv_rows.get();
-    uint16_t* recv_base = to_experts ? st.recv_rows.get() : st.send_rows.get();
+    uint8_t* send_base = to_experts ? st.send_rows.get() : st.recv_rows.get();
+    uint8_t* recv_base = to_experts ? st.recv_rows.get() : st.send_rows.get();
     const auto& send_count = to_experts ? st.send_count : st.recv_count;
     const auto& send_offset = to_experts ? st.send_offset : st.recv_offset;
     const auto& recv_count = to_experts ? st.recv_count : st.send_count;
     const auto& recv_offset = to_experts ? st.recv_offset : st.send_offset;
     for (int p = 0; p < team_.n_ranks(); ++p) {
       if (send_count[p] > 0)
-        CHECK_NCCL(ncclSend(send_base + send_offset[p] * h, send_count[p] * h, ncclBfloat16, p,
+        CHECK_NCCL(ncclSend(send_base + send_offset[p] * h, send_count[p] * h, ncclUint8, p,
                             comms_[i], r.stream));
       if (recv_count[p] > 0)
-        CHECK_NCCL(ncclRecv(recv_base + recv_offset[p] * h, recv_count[p] * h, ncclBfloat16, p,
+        CHECK_NCCL(ncclRecv(recv_base + recv_offset[p] * h, recv_count[p] * h, ncclUint8, p,
                             comms_[i], r.stream));
     }
   });
@@ -264,17 +285,24 @@ void NcclBaseline::exchange_rows(bool to_experts) {
 
 void NcclBaseline::dispatch(const std::vector<DeviceInputs>& inputs, const TimingHooks& hooks) {
   const int32_t n_experts = shape_.n_experts, top_k = shape_.top_k;
-  const int32_t entries = shape_.tokens * top_k, row_vecs = shape_.hidden / 8;
+  const int64_t row_bytes = shape_.message.row_bytes();
+  const int32_t entries = shape_.tokens * top_k, row_vecs = int32_t(row_bytes / 16);
   const int gather_blocks = std::max(1, std::min((entries + 7) / 8, 4096));
   for_each_rank(team_, [&](size_t i, const LocalRank& r) {
     RankState& st = *ranks_[i];
     hooks.begin(i);
+    const void* rows = inputs[i].tokens;  // bf16: the tokens are the messages
+    if (shape_.message.quantized()) {
+      quantize_messages(shape_.message, inputs[i].tokens, shape_.tokens, st.messages.get(),
+                        r.stream);
+      rows = st.messages.get();
+    }
     rank_in_expert<<<n_experts, kScanThreads, 0, r.stream>>>(
         inputs[i].topk_ids, shape_.tokens, top_k, st.pos_in_expert.get(), st.counts.get());
     exclusive_offsets<<<1, kListThreads, 0, r.stream>>>(st.counts.get(), n_experts,
                                                         st.expert_offset.get());
     gather_send_rows<<<gather_blocks, 256, 0, r.stream>>>(
-        static_cast<const uint4*>(inputs[i].tokens), inputs[i].topk_ids, st.pos_in_expert.get(),
+        static_cast<const uint4*>(rows), inputs[i].topk_ids, st.pos_in_expert.get(),
         st.expert_offset.get(), entries, top_k, row_vecs,
         reinterpret_cast<uint4*>(st.send_rows.get()), st.entry_row.get());
     CHECK_CUDA(cudaGetLastError());
@@ -305,7 +333,7 @@ void NcclBaseline::dispatch(const std::vector<DeviceInputs>& inputs, const Timin
     ranks_[i]->set_split_sizes(n_experts, team_.n_ranks(), shape_.capacity_rows);
   });
 
-  exchange_rows(true);
+  exchange_rows(true, row_bytes);
   for_each_rank(team_, [&](size_t i, const LocalRank& r) {
     RankState& st = *ranks_[i];
     const int32_t* recv_count = st.counts.get() + n_experts;
@@ -322,17 +350,19 @@ void NcclBaseline::dispatch(const std::vector<DeviceInputs>& inputs, const Timin
 }
 
 void NcclBaseline::combine(const std::vector<DeviceInputs>& inputs, const TimingHooks& hooks) {
-  const int32_t n_experts = shape_.n_experts, row_vecs = shape_.hidden / 8;
+  const int32_t n_experts = shape_.n_experts, row_vecs = shape_.hidden / 8;  // bf16 rows
   for_each_rank(team_, [&](size_t i, const LocalRank& r) {
     RankState& st = *ranks_[i];
     hooks.begin(i);
+    const void* expert_out = shape_.message.quantized()
+                                 ? static_cast<const void*>(st.expert_out.get())
+                                 : static_cast<const void*>(st.expert_rows.get());
     copy_segments<<<dim3(unsigned(n_experts), kCopySplit), kCopyThreads, 0, r.stream>>>(
-        reinterpret_cast<const uint4*>(st.expert_rows.get()),
-        reinterpret_cast<uint4*>(st.recv_rows.get()), st.counts.get() + n_experts, st.seg_src.get(),
-        st.seg_dst.get(), row_vecs, false);
+        static_cast<const uint4*>(expert_out), reinterpret_cast<uint4*>(st.recv_rows.get()),
+        st.counts.get() + n_experts, st.seg_src.get(), st.seg_dst.get(), row_vecs, false);
     CHECK_CUDA(cudaGetLastError());
   });
-  exchange_rows(false);
+  exchange_rows(false, int64_t(shape_.hidden) * 2);
   for_each_rank(team_, [&](size_t i, const LocalRank& r) {
     RankState& st = *ranks_[i];
     if (shape_.tokens > 0)
@@ -349,8 +379,8 @@ std::vector<uint32_t> NcclBaseline::row_offsets(size_t i) const {
   return ranks_[i]->row_offsets.download(size_t(n_local_experts_) + 1);
 }
 
-std::vector<uint16_t> NcclBaseline::dispatch_tokens(size_t i, int64_t rows) const {
-  return ranks_[i]->expert_rows.download(size_t(rows) * size_t(shape_.hidden));
+std::vector<uint8_t> NcclBaseline::dispatch_rows(size_t i, int64_t rows) const {
+  return ranks_[i]->expert_rows.download(size_t(rows) * size_t(shape_.message.row_bytes()));
 }
 
 std::vector<uint16_t> NcclBaseline::combine_out(size_t i) const {

@@ -1,7 +1,11 @@
 // The NCCL baseline: dispatch and combine the way users do them without an EP library (PERF.md),
-// one row per (token, k), no deduplication per destination rank. Per rank:
+// one row per (token, k), no deduplication per destination rank. A row is the token's message in
+// the dispatch format (MessageFormat: bf16, or codes then scales, zero-padded to 16 bytes). Per
+// rank:
 //
 // dispatch
+//   0. quantised formats: quantise every token once into its message (quantize_messages, the same
+//      block quantisers as epcomm's dispatch and the reference encoders);
 //   1. rank every (token, k) row within its expert, stably in token order (one block per expert),
 //      and gather the rows into a send buffer sorted by expert, hence by destination rank;
 //   2. exchange the per-expert counts (grouped ncclSend/ncclRecv), copy them to the host and wait
@@ -13,7 +17,9 @@
 // combine
 //   the inverse permutation, grouped ncclSend/ncclRecv of the rows back to their source, then the
 //   weighted sum of each token's rows in fp32 (k ascending) into [T, H] bf16. No host wait: the
-//   split sizes are those of the dispatch.
+//   split sizes are those of the dispatch. Rows are bf16 expert outputs in every format: the
+//   dispatch output itself for bf16, synthetic_expert_value at the dispatch output's rows for a
+//   quantised format (filled once at set-up).
 #pragma once
 
 #include <nccl.h>
@@ -25,6 +31,7 @@
 #include <vector>
 
 #include "common.h"
+#include "formats.h"
 
 namespace epbench {
 
@@ -63,6 +70,7 @@ struct BaselineShape {
   int32_t top_k = 0;
   int32_t n_experts = 0;
   int64_t capacity_rows = 0;  // rows a rank can receive (worst case)
+  MessageFormat message;      // the dispatch rows' format (message.hidden == hidden)
 };
 
 // Where the benchmark puts its gate and events inside an operation.
@@ -84,13 +92,14 @@ class NcclBaseline {
   void combine(const std::vector<DeviceInputs>& inputs, const TimingHooks& hooks);
 
   // Results of local rank i (its stream synchronised).
-  std::vector<uint32_t> row_offsets(size_t i) const;                    // [G + 1]
-  std::vector<uint16_t> dispatch_tokens(size_t i, int64_t rows) const;  // expert-major rows
-  std::vector<uint16_t> combine_out(size_t i) const;                    // [T, H]
+  std::vector<uint32_t> row_offsets(size_t i) const;  // [G + 1]
+  // The first `rows` expert-major dispatch rows, message.row_bytes() bytes each.
+  std::vector<uint8_t> dispatch_rows(size_t i, int64_t rows) const;
+  std::vector<uint16_t> combine_out(size_t i) const;  // [T, H]
 
  private:
   struct RankState;
-  void exchange_rows(bool to_experts);
+  void exchange_rows(bool to_experts, int64_t row_bytes);
 
   const Team& team_;
   const NcclComms& comms_;

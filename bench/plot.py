@@ -4,8 +4,8 @@
     python3 bench/plot.py out.png a.json [b.json ...]
 
 Each JSON file is one `epcomm_bench --json` run; runs with different --tokens give the points of
-a curve. Curves are told apart by implementation and by shape (H, K, experts, routing), so
-workloads of different shapes never share a line.
+a curve. Curves are told apart by implementation and by shape (dispatch format, H, K, experts,
+routing), so workloads of different shapes never share a line.
 """
 import json
 import sys
@@ -27,8 +27,9 @@ def load_points(paths):
             if not w.get("ran"):
                 continue
             routing = "zipf %.2g" % w["zipf_s"] if w["zipf_s"] > 0 else "uniform"
-            shape = "H=%d K=%d E=%d %s, %d SMs" % (w["hidden"], w["top_k"], w["experts"], routing,
-                                                   w["num_sms"])
+            shape = "%s H=%d K=%d E=%d %s, %d SMs" % (w.get("format", "bf16"), w["hidden"],
+                                                      w["top_k"], w["experts"], routing,
+                                                      w["num_sms"])
             for r in w["results"]:
                 if r["op"] in OPS:
                     points[(r["op"], r["impl"], shape)][w["tokens"]] = r["median_us"]

@@ -48,6 +48,13 @@ const OpResult* WorkloadResult::find(const std::string& op, const std::string& i
   return nullptr;
 }
 
+double WorkloadResult::bytes_per_rank(const std::string& op) const {
+  double mean = 0;
+  for (double m : messages)
+    mean += m / double(messages.size());
+  return mean * (op.rfind("dispatch", 0) == 0 ? dispatch_message_bytes : combine_message_bytes);
+}
+
 bool WorkloadResult::failed() const {
   for (const CheckResult& c : checks)
     if (!c.pass) return true;
@@ -192,7 +199,16 @@ void write_workload(JsonWriter& j, const WorkloadResult& r) {
   j.value("num_sms", r.num_sms);
   j.value("ran", r.skipped.empty());
   if (!r.skipped.empty()) j.value("skipped", r.skipped);
-  j.numbers("logical_bytes_per_rank", r.logical_bytes);
+  // Logical bytes count one message per (token, destination rank) of these sizes: dispatch, the
+  // format's codes + scales of one token (bf16 2H; blockwise FP8 H + 4 H/128; MXFP4 H/2 + H/32);
+  // combine, bf16 (2H). Each result's bytes_per_rank is the one its GB/s uses.
+  j.value("dispatch_message_bytes", r.dispatch_message_bytes);
+  j.value("combine_message_bytes", r.combine_message_bytes);
+  j.numbers("messages_per_rank", r.messages);
+  std::vector<double> dispatch_bytes;
+  for (double m : r.messages)
+    dispatch_bytes.push_back(m * r.dispatch_message_bytes);
+  j.numbers("logical_bytes_per_rank", dispatch_bytes);  // dispatch's
   j.begin_array("checks");
   for (const CheckResult& c : r.checks) {
     j.begin_object();
@@ -247,8 +263,10 @@ void print_preamble(const RunInfo& info) {
       info.iters, info.warmup, double(info.l2_flush_bytes) / (1 << 20), info.input_sets);
   std::printf(
       "Times in us: median = max over ranks of the per-rank median, min/max over all ranks and "
-      "iterations.\nGB/s = logical bytes received per rank (one message per (token, rank), local "
-      "ones included, x H x 2) / median. NCCL: %s%s.\n\n",
+      "iterations.\nGB/s = logical bytes received per rank / median, one message per (token, "
+      "rank), local ones included: a dispatch message is the format's codes + scales of one token "
+      "(bf16 2H, FP8 blockwise H + 4H/128, MXFP4 H/2 + H/32), a combine message bf16 (2H).\n"
+      "NCCL: %s%s.\n\n",
       info.nccl_version.empty() ? "not run" : "send/recv baseline, NCCL ",
       info.nccl_version.c_str());
   std::fflush(stdout);
@@ -281,7 +299,9 @@ void print_workload(const WorkloadResult& r) {
   for (const CheckResult& c : r.checks)
     line += "  " + c.what + ": " + (c.pass ? "PASS" : "FAIL") +
             (c.detail.empty() ? "" : " (" + c.detail + ")");
-  std::printf("%-12s check:%s\n", "", line.empty() ? "  skipped (--no-check)" : line.c_str());
+  std::printf("%-12s %s dispatch, %.0f B per (token, rank) message; check:%s\n", "",
+              r.workload.format.c_str(), r.dispatch_message_bytes,
+              line.empty() ? "  skipped (--no-check)" : line.c_str());
   std::fflush(stdout);
 }
 

@@ -31,12 +31,17 @@ struct CheckResult {
 struct WorkloadResult {
   Workload workload;  // with the overrides applied
   int num_sms = 0;
-  std::string skipped;                // why it did not run; empty if it ran
-  std::vector<double> logical_bytes;  // per rank: distinct (token, rank) messages received x H x 2
+  std::string skipped;  // why it did not run; empty if it ran
+  // Logical bytes: one message per (token, destination rank), of these sizes.
+  double dispatch_message_bytes = 0;  // the dispatch format's codes + scales of one token
+  double combine_message_bytes = 0;   // bf16: 2H
+  std::vector<double> messages;       // per rank: messages received (mean over input sets)
   std::vector<OpResult> ops;
   std::vector<CheckResult> checks;
 
   const OpResult* find(const std::string& op, const std::string& impl) const;
+  // Logical bytes received per rank, mean over ranks, by an op named "dispatch..." or "combine...".
+  double bytes_per_rank(const std::string& op) const;
   bool failed() const;
 };
 

@@ -8,16 +8,19 @@
 // - Warm-up iterations run the same way, ungated (first calls may set things up on the host).
 // - Input set `it % kInputSets` is used by iteration `it`; every check runs set 0 once more
 //   after the timed loops, so state left by a hundred calls is checked too.
+// - Expert outputs (combine's input): bf16 workloads use the dispatched tokens themselves; the
+//   quantised ones a bf16 array of synthetic values (formats.h) filled once at set-up, read at
+//   the rows the dispatch just wrote (padding rows included; combine skips those).
 #include "run.h"
 
 #include <functional>
 
 #include <cstdio>
-#include <numeric>
 
 #include "check.h"
 #include "epcomm/group.h"
 #include "epcomm/reference.h"
+#include "formats.h"
 
 namespace epbench {
 namespace {
@@ -38,13 +41,16 @@ struct RankInputs {  // one input set of one rank, on its device
   DeviceInputs view() const { return DeviceInputs{tokens.get(), topk_ids.get(), weights.get()}; }
 };
 
-struct RankBuffers {  // epcomm's inputs and outputs on one local rank
+struct RankBuffers {  // epcomm's inputs and outputs on one local rank (sizes from Group::sizes())
   std::vector<RankInputs> sets;
-  DeviceArray<uint16_t> out_tokens;       // [max_recv_rows, H]
-  DeviceArray<uint32_t> row_offsets;      // [G + 1]
-  DeviceArray<int32_t> expert_ids;        // [G]
-  DeviceArray<epcomm::SrcInfo> src_info;  // [max_recv_rows]
-  DeviceArray<uint16_t> combine_out;      // [T, H]
+  DeviceArray<uint8_t> out_tokens;          // [max_recv_rows, token_bytes]
+  DeviceArray<uint8_t> scales;              // [scales_bytes]; quantised formats only
+  DeviceArray<uint32_t> scales_offsets;     // [num_scales_offsets]; NVFP4 and MXFP8 only
+  DeviceArray<uint32_t> row_offsets;        // [G + 1]
+  DeviceArray<int32_t> expert_ids;          // [G]
+  DeviceArray<epcomm::SrcInfo> src_info;    // [max_recv_rows]
+  DeviceArray<uint16_t> synthetic_experts;  // quantised: [max_recv_rows, H] bf16 expert outputs
+  DeviceArray<uint16_t> combine_out;        // [T, H]
 
   epcomm::DispatchOutput dispatch_output() const {
     epcomm::DispatchOutput out;
@@ -52,7 +58,14 @@ struct RankBuffers {  // epcomm's inputs and outputs on one local rank
     out.row_offsets = row_offsets.get();
     out.expert_ids = expert_ids.get();
     out.src_info = src_info.get();
+    out.scales = scales.get();
+    out.scales_offsets = scales_offsets.get();
     return out;
+  }
+  // Combine's input rows: the dispatched bf16 tokens, or the synthetic ones.
+  const void* expert_out() const {
+    return synthetic_experts.get() ? static_cast<const void*>(synthetic_experts.get())
+                                   : static_cast<const void*>(out_tokens.get());
   }
 };
 
@@ -75,7 +88,16 @@ class WorkloadRun {
       result_.skipped = "not supported by this build (format " + w_.format + ")";
       return result_;
     }
+    if (w_.hidden % epcomm::format_hidden_multiple(*format) != 0) {
+      result_.skipped = "H = " + std::to_string(w_.hidden) + " is not a multiple of " +
+                        std::to_string(epcomm::format_hidden_multiple(*format)) + " (format " +
+                        w_.format + ")";
+      return result_;
+    }
     cfg_.format = *format;
+    message_ = MessageFormat{cfg_.format, w_.hidden, cfg_.nvfp4_global_scale};
+    result_.dispatch_message_bytes = double(message_.bytes());
+    result_.combine_message_bytes = 2.0 * w_.hidden;
     make_inputs();
     create_groups();
     upload_inputs();
@@ -107,14 +129,14 @@ class WorkloadRun {
   void make_inputs() {
     env_.progress.phase(label("generating inputs"));
     const int n = team_.n_ranks();
-    result_.logical_bytes.assign(size_t(n), 0.0);
+    result_.messages.assign(size_t(n), 0.0);
     for (int s = 0; s < kInputSets; ++s) {
       problems_.push_back(ref::make_problem(n, w_.hidden, w_.top_k, w_.experts,
                                             std::vector<int32_t>(size_t(n), w_.tokens),
                                             kSeed + uint64_t(s), w_.zipf_s));
-      const std::vector<double> bytes = logical_bytes(problems_.back());
+      const std::vector<double> messages = messages_received(problems_.back());
       for (int r = 0; r < n; ++r)
-        result_.logical_bytes[size_t(r)] += bytes[size_t(r)] / kInputSets;
+        result_.messages[size_t(r)] += messages[size_t(r)] / kInputSets;
     }
   }
 
@@ -137,8 +159,12 @@ class WorkloadRun {
   }
 
   void upload_inputs() {
-    const epcomm::Sizes& sizes = groups_.front()->sizes();
-    const size_t h = size_t(w_.hidden), rows = size_t(sizes.max_recv_rows);
+    sizes_ = groups_.front()->sizes();
+    if (sizes_.token_bytes != message_.codes_bytes())
+      throw std::runtime_error("Group::sizes().token_bytes = " +
+                               std::to_string(sizes_.token_bytes) + ", the benchmark expects " +
+                               std::to_string(message_.codes_bytes()) + " for " + w_.format);
+    const size_t h = size_t(w_.hidden), rows = size_t(sizes_.max_recv_rows);
     for_each_rank(team_, [&](size_t, const LocalRank& r) {
       RankBuffers b;
       for (const ref::Problem& p : problems_) {
@@ -147,22 +173,32 @@ class WorkloadRun {
                                     DeviceArray<int32_t>(r.device, in.topk_ids),
                                     DeviceArray<float>(r.device, in.weights)});
       }
-      b.out_tokens = DeviceArray<uint16_t>(r.device, rows * h);
-      b.row_offsets = DeviceArray<uint32_t>(r.device, size_t(sizes.num_groups) + 1);
-      b.expert_ids = DeviceArray<int32_t>(r.device, size_t(sizes.num_groups));
+      b.out_tokens = DeviceArray<uint8_t>(r.device, rows * size_t(sizes_.token_bytes));
+      if (sizes_.scales_bytes > 0)
+        b.scales = DeviceArray<uint8_t>(r.device, size_t(sizes_.scales_bytes));
+      if (sizes_.num_scales_offsets > 0)
+        b.scales_offsets = DeviceArray<uint32_t>(r.device, size_t(sizes_.num_scales_offsets));
+      b.row_offsets = DeviceArray<uint32_t>(r.device, size_t(sizes_.num_groups) + 1);
+      b.expert_ids = DeviceArray<int32_t>(r.device, size_t(sizes_.num_groups));
       b.src_info = DeviceArray<epcomm::SrcInfo>(r.device, rows);
+      if (message_.quantized()) {  // on the stream every later call of this rank uses
+        b.synthetic_experts = DeviceArray<uint16_t>(r.device, rows * h);
+        fill_synthetic_expert_out(b.synthetic_experts.get(), r.rank, int64_t(rows), w_.hidden,
+                                  r.stream);
+      }
       b.combine_out = DeviceArray<uint16_t>(r.device, size_t(w_.tokens) * h);
       buffers_.push_back(std::move(b));
       events_.emplace_back(r.device, kEventsPerIter * kBatch);
     });
-    num_groups_ = sizes.num_groups;
-    max_recv_rows_ = sizes.max_recv_rows;
   }
 
   void free_epcomm_outputs() {
     for (RankBuffers& b : buffers_) {
-      b.out_tokens = DeviceArray<uint16_t>();
+      b.out_tokens = DeviceArray<uint8_t>();
+      b.scales = DeviceArray<uint8_t>();
+      b.scales_offsets = DeviceArray<uint32_t>();
       b.src_info = DeviceArray<epcomm::SrcInfo>();
+      b.synthetic_experts = DeviceArray<uint16_t>();
     }
   }
 
@@ -194,11 +230,10 @@ class WorkloadRun {
     }
   }
 
-  // Expert outputs = the dispatched tokens themselves.
   void issue_combine(size_t i, int set, Form form, const std::function<void()>& between = {}) {
     const RankBuffers& b = buffers_[i];
     epcomm::CombineInput input;
-    input.expert_out = b.out_tokens.get();
+    input.expert_out = b.expert_out();
     input.row_offsets = b.row_offsets.get();
     input.src_info = b.src_info.get();
     input.hidden = w_.hidden;
@@ -283,8 +318,7 @@ class WorkloadRun {
     std::vector<std::string> failures(team_.n_local());
     for_each_rank(team_, [&](size_t i, const LocalRank& r) {
       groups_[i]->synchronize(stream(i));
-      std::string msg = check_dispatch(ref.dispatch[size_t(r.rank)], buffers_[i].dispatch_output(),
-                                       num_groups_, max_recv_rows_, w_.hidden);
+      std::string msg = check_dispatch(ref, i, r.rank, buffers_[i].dispatch_output(), sizes_);
       if (!msg.empty()) {
         failures[i] = "dispatch: " + msg;
         return;
@@ -304,7 +338,8 @@ class WorkloadRun {
     shape.hidden = w_.hidden;
     shape.top_k = w_.top_k;
     shape.n_experts = w_.experts;
-    shape.capacity_rows = max_recv_rows_;
+    shape.capacity_rows = sizes_.max_routed_rows;  // no format padding: one row per (token, k)
+    shape.message = message_;
     NcclBaseline nccl(team_, *env_.comms, shape);
     env_.progress.phase(label("NCCL baseline"));
     Samples dispatch_us(team_.n_local()), combine_us(team_.n_local());
@@ -365,14 +400,15 @@ class WorkloadRun {
     wait_all();
     std::vector<std::string> failures(team_.n_local());
     for_each_rank(team_, [&](size_t i, const LocalRank& r) {
-      const ref::DispatchResult& want = ref.dispatch[size_t(r.rank)];
-      std::string msg = check_expert_major(want, nccl.row_offsets(i),
-                                           nccl.dispatch_tokens(i, want.rows()), w_.hidden);
+      const int64_t rows = ref.dispatch[size_t(r.rank)].rows();
+      std::string msg =
+          check_expert_major(ref, r.rank, nccl.row_offsets(i), nccl.dispatch_rows(i, rows));
       if (!msg.empty()) {
         failures[i] = "dispatch: " + msg;
         return;
       }
-      msg = check_combine(ref.combine[i], nccl.combine_out(i));
+      msg = check_combine(message_.quantized() ? ref.nccl_combine[i] : ref.combine[i],
+                          nccl.combine_out(i));
       if (!msg.empty()) failures[i] = "combine: " + msg;
     });
     return verdict("nccl", failures);
@@ -383,7 +419,8 @@ class WorkloadRun {
   const Reference& reference() {
     if (!reference_) {
       env_.progress.phase(label("computing the CPU reference"));
-      reference_ = std::make_unique<Reference>(build_reference(problems_.front(), team_));
+      reference_ = std::make_unique<Reference>(
+          build_reference(problems_.front(), team_, message_, sizes_, env_.comms != nullptr));
     }
     return *reference_;
   }
@@ -421,8 +458,7 @@ class WorkloadRun {
     r.impl = impl;
     for (size_t k = 0; k + 2 < all.size(); k += 3)
       r.ranks.push_back({all[k], all[k + 1], all[k + 2]});
-    const std::vector<double>& bytes = result_.logical_bytes;
-    r.bytes_per_rank = std::accumulate(bytes.begin(), bytes.end(), 0.0) / double(bytes.size());
+    r.bytes_per_rank = result_.bytes_per_rank(op);
     return r;
   }
 
@@ -431,9 +467,9 @@ class WorkloadRun {
   Workload w_;
   const Options& opt_;
   epcomm::Config cfg_;
-  int32_t num_groups_ = 0;
-  int64_t max_recv_rows_ = 0;
-  std::vector<ref::Problem> problems_;                  // one per input set
+  MessageFormat message_;               // the dispatch format's per-token message
+  epcomm::Sizes sizes_;                 // of the group (kept after the group is freed)
+  std::vector<ref::Problem> problems_;  // one per input set
   std::vector<std::unique_ptr<epcomm::Group>> groups_;  // per local rank
   std::vector<RankBuffers> buffers_;                    // per local rank
   std::vector<Events> events_;                          // per local rank: 4 per batch iteration

@@ -15,6 +15,9 @@ send/recv baseline, timed and checked against the CPU reference.
   --list                  print the workload table and exit
   --tokens N  --hidden N  --topk N  --experts N
                           override the workload's T, H, K and expert count
+  --format NAME           override the dispatch format: bf16, fp8-blockwise, nvfp4, mxfp8,
+                          mxfp4 (H must suit it: a multiple of 128 for fp8-blockwise, of 32
+                          for the others)
   --sms N                 Config::num_sms (default 24)
   --iters N               timed iterations (default 100)
   --warmup N              warm-up iterations (default 10)
@@ -60,8 +63,9 @@ const std::vector<Workload>& all_workloads() {
 }
 
 std::optional<epcomm::TokenFormat> build_format(const std::string& format) {
-  if (format == "bf16") return epcomm::TokenFormat::kBF16;
-  return std::nullopt;  // fp8-blockwise, mxfp4: not in epcomm::TokenFormat yet
+  for (int32_t f = 0; f < epcomm::kNumTokenFormats; ++f)
+    if (format == epcomm::token_format_name(epcomm::TokenFormat(f))) return epcomm::TokenFormat(f);
+  return std::nullopt;
 }
 
 Options parse_options(int argc, char** argv) {
@@ -94,6 +98,11 @@ Options parse_options(int argc, char** argv) {
       opt.top_k = parse_int(flag, next(), 1);
     } else if (flag == "--experts") {
       opt.experts = parse_int(flag, next(), 1);
+    } else if (flag == "--format") {
+      opt.format = next();
+      if (!build_format(*opt.format))
+        throw std::invalid_argument("--format: unknown format '" + *opt.format +
+                                    "' (bf16, fp8-blockwise, nvfp4, mxfp8, mxfp4)");
     } else if (flag == "--sms") {
       opt.num_sms = parse_int(flag, next(), 1);
     } else if (flag == "--iters") {
@@ -145,6 +154,7 @@ std::vector<Workload> select_workloads(const Options& opt) {
     w.hidden = opt.hidden.value_or(w.hidden);
     w.top_k = opt.top_k.value_or(w.top_k);
     w.experts = opt.experts.value_or(w.experts);
+    w.format = opt.format.value_or(w.format);
   }
   return selected;
 }

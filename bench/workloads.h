@@ -22,12 +22,14 @@ struct Workload {
 
 // Every PERF.md workload, in its order, supported by this build or not.
 const std::vector<Workload>& all_workloads();
-// The epcomm format of a PERF.md format name, if this build implements it.
+// The epcomm format of a PERF.md format name (epcomm::token_format_name: bf16, fp8-blockwise,
+// nvfp4, mxfp8, mxfp4), if this build implements it.
 std::optional<epcomm::TokenFormat> build_format(const std::string& format);
 
 struct Options {
   std::vector<std::string> workloads;  // empty: every workload this build supports
   std::optional<int32_t> tokens, hidden, top_k, experts, num_sms;
+  std::optional<std::string> format;  // dispatch format override (a build_format name)
   int iters = 100;
   int warmup = 10;
   std::string json_path;

@@ -38,11 +38,28 @@ struct DispatchInput {
 };
 
 // Outputs of dispatch on this rank (sizes from Group::sizes()). Device pointers.
+//
+// Rows are expert-major: group g is rows [row_offsets[g], row_offsets[g + 1]), and within a group
+// by source rank, then source token. The quantised formats (Config::format, SPEC §5):
+//   tokens          [max_recv_rows, token_bytes] codes (e4m3, or two e2m1 per byte with element
+//                   2i in the low nibble of byte i)
+//   scales          kFp8Blockwise: fp32 [H/128, max_recv_rows] (scale k of row r at
+//                   k * max_recv_rows + r, Fp8ScaleLayout); every group's row count is padded to
+//                   a multiple of 4 and row_offsets include the padding. A padding row has
+//                   src_info {-1, -1, -1}, zero codes and zero scales.
+//                   kNvfp4, kMxfp8: the 128x4 swizzled layout (SwizzledScaleLayout::make(H,
+//                   group, max_routed_rows, G), scales_bytes bytes), every group starting a fresh
+//                   128-row tile; every byte is written on every call, zero where no row's scale
+//                   lands. scales_offsets[g] = tile_start[g] - row_offsets[g] / 128.
+//                   kMxfp4: e8m0 row-major [max_recv_rows, H/32] (Mxfp4ScaleLayout).
+// Codes and scales are those of reference::dispatch_quantized, bit for bit.
 struct DispatchOutput {
-  void* tokens = nullptr;           // [max_recv_rows, H] bf16, expert-major
-  uint32_t* row_offsets = nullptr;  // [G + 1]
-  int32_t* expert_ids = nullptr;    // [G]
-  SrcInfo* src_info = nullptr;      // [max_recv_rows]
+  void* tokens = nullptr;              // [max_recv_rows, token_bytes], expert-major
+  uint32_t* row_offsets = nullptr;     // [G + 1]
+  int32_t* expert_ids = nullptr;       // [G]
+  SrcInfo* src_info = nullptr;         // [max_recv_rows]
+  void* scales = nullptr;              // [scales_bytes] (quantised formats; 16-byte aligned)
+  uint32_t* scales_offsets = nullptr;  // [G] (NVFP4, MXFP8)
 };
 
 // Inputs of combine on the expert side: the expert outputs in dispatch row order and the

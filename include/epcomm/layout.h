@@ -6,15 +6,10 @@
 #include <cstddef>
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define EPCOMM_HD __host__ __device__ __forceinline__
-#else
-#define EPCOMM_HD inline
-#endif
+#include "epcomm/hd.h"
+#include "epcomm/token_format.h"
 
 namespace epcomm {
-
-EPCOMM_HD constexpr int64_t align_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
 
 // What combine needs to send a dispatched row home. One per dispatch output row.
 struct SrcInfo {
@@ -58,13 +53,22 @@ struct MessageHeader {
   MessageEntry entries[1];  // really n_entries (<= top_k)
 };
 
+//   payload: the token's codes in the format (bf16: the token itself), then for the quantised
+//   formats its scales in row order (fp32 or one byte each), each part 16-byte aligned.
 struct MessageLayout {
   int32_t hidden;
   int32_t top_k;
+  TokenFormat format;
 
   EPCOMM_HD int64_t header_bytes() const { return align_up(8 + 8 * int64_t(top_k), 16); }
-  EPCOMM_HD int64_t payload_bytes() const { return align_up(int64_t(hidden) * 2, 16); }
+  EPCOMM_HD int64_t codes_bytes() const { return align_up(format_row_bytes(format, hidden), 16); }
+  EPCOMM_HD int64_t scales_bytes() const {
+    return align_up(int64_t(format_scales_per_row(format, hidden)) * format_scale_bytes(format),
+                    16);
+  }
   EPCOMM_HD int64_t payload_offset() const { return header_bytes(); }
+  EPCOMM_HD int64_t scales_offset() const { return header_bytes() + codes_bytes(); }
+  EPCOMM_HD int64_t payload_bytes() const { return codes_bytes() + scales_bytes(); }
   EPCOMM_HD int64_t bytes() const { return header_bytes() + payload_bytes(); }
 };
 
@@ -114,8 +118,9 @@ struct WindowLayout {
   int32_t top_k;
   int32_t n_experts;
   int32_t max_tokens;
+  TokenFormat format;
 
-  EPCOMM_HD MessageLayout msg() const { return MessageLayout{hidden, top_k}; }
+  EPCOMM_HD MessageLayout msg() const { return MessageLayout{hidden, top_k, format}; }
   EPCOMM_HD DispatchRecvLayout dispatch_recv() const { return DispatchRecvLayout{msg(), max_tokens}; }
   EPCOMM_HD MetaLayout meta() const { return MetaLayout{n_experts / n_ranks}; }
   EPCOMM_HD CombineRecvLayout combine_recv() const {

@@ -21,9 +21,12 @@
 //           the local dispatch_seq.
 #include <cub/block/block_scan.cuh>
 
+#include <type_traits>
+
 #include "epcomm/config.h"
 #include "epcomm/detail/device.cuh"
 #include "kernels/kernels.h"
+#include "kernels/quant_unit.cuh"
 
 namespace epcomm {
 namespace detail {
@@ -34,10 +37,38 @@ constexpr int kWarps = kThreads / kWarpSize;
 constexpr int kUnitTokens = kWarps * kWarpSize;  // tokens ranked together by one block
 constexpr int kUnroll = 4;                       // 16-byte vectors in flight per lane
 
-__device__ __forceinline__ int64_t max_recv_rows(const GroupView& g) {
-  const int32_t per_token = g.top_k < g.n_local() ? g.top_k : g.n_local();
-  return int64_t(g.max_tokens) * g.n_ranks * per_token;
+// Copies n_vec 16-byte vectors from `src` to each of the n_dst rows `dst(j)`, loaded once: the
+// warp's lanes take vectors lane, lane + 32, ... with kUnroll loads in flight. `load` is the
+// load to use (ld_nc_v4 for inputs no one writes during the kernel, ld_v4 for peers' data).
+template <class Load, class Dst>
+__device__ __forceinline__ void copy_vectors(const char* src, int32_t n_vec, int32_t n_dst,
+                                             Load load, Dst dst) {
+  const int lane = threadIdx.x % kWarpSize;
+  for (int32_t v0 = 0; v0 < n_vec; v0 += kWarpSize * kUnroll) {
+    uint4 buf[kUnroll];
+#pragma unroll
+    for (int i = 0; i < kUnroll; ++i) {
+      const int32_t v = v0 + i * kWarpSize + lane;
+      if (v < n_vec) buf[i] = load(src + int64_t(v) * 16);
+    }
+    for (int32_t j = 0; j < n_dst; ++j) {
+      char* d = dst(j);
+      if (d == nullptr) continue;
+#pragma unroll
+      for (int i = 0; i < kUnroll; ++i) {
+        const int32_t v = v0 + i * kWarpSize + lane;
+        if (v < n_vec) st_v4(d + int64_t(v) * 16, buf[i]);
+      }
+    }
+  }
 }
+
+struct LoadNc {
+  __device__ uint4 operator()(const char* p) const { return ld_nc_v4(p); }
+};
+struct LoadCoherent {
+  __device__ uint4 operator()(const char* p) const { return ld_v4(p); }
+};
 
 // ---- 1. ranking -----------------------------------------------------------------------------
 
@@ -173,6 +204,47 @@ __device__ void send_meta(const DispatchParams& p, unsigned long long seq, bool 
 
 // ---- 3. messages ------------------------------------------------------------------------------
 
+// Quantises one bf16 row of `hidden` values into the payload of each of n_dest messages: codes
+// (unit u's 8 codes at byte u * 8 or u * 4), then the row's scales (scale b at scales_offset + b
+// * scale bytes). All 32 lanes step together (lanes past the row's end carry zeros), so the
+// shuffles of a block's amax never sit in a loop whose trip count differs by lane.
+template <TokenFormat F>
+__device__ void quantize_to(const uint16_t* row, int32_t hidden, float gs, const MessageLayout& ml,
+                            char* const* payload, int32_t n_dest) {
+  using Quant = typename BlockQuantOf<F>::type;
+  constexpr int32_t kLanes = Quant::kGroup / kLaneValues;  // lanes per scale block
+  const int lane = threadIdx.x % kWarpSize;
+  const int32_t units = hidden / kLaneValues;
+  const int64_t scales_at = ml.scales_offset() - ml.payload_offset();
+  for (int32_t base = 0; base < units; base += kWarpSize * kUnroll) {
+    uint4 raw[kUnroll];
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+      const int32_t unit = base + k * kWarpSize + lane;
+      raw[k] = unit < units ? ld_nc_v4(row + int64_t(unit) * kLaneValues) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+      if (base + k * kWarpSize >= units) break;  // the same for every lane
+      const int32_t unit = base + k * kWarpSize + lane;
+      float z[kLaneValues];
+      unpack_bf16x8(raw[k], z);
+      const Quant q = BlockQuantOf<F>::make(lanes_amax<kLanes>(z), gs);
+      if (unit >= units) continue;
+      const auto code = encode_unit(q, z);
+      using Code = std::remove_const_t<decltype(code)>;
+      const auto scale = stored_scale(q);
+      using Scale = std::remove_const_t<decltype(scale)>;
+      for (int32_t j = 0; j < n_dest; ++j) {
+        reinterpret_cast<Code*>(payload[j])[unit] = code;
+        if (unit % kLanes == 0)
+          reinterpret_cast<Scale*>(payload[j] + scales_at)[unit / kLanes] = scale;
+      }
+    }
+  }
+}
+
+template <TokenFormat F>
 __device__ void send_messages(const DispatchParams& p, int32_t num_tokens) {
   const GroupView& g = p.g;
   const ExpertMap em = g.experts();
@@ -181,7 +253,7 @@ __device__ void send_messages(const DispatchParams& p, int32_t num_tokens) {
   const MessageLayout ml = wl.msg();
   const DispatchRecvLayout rl = wl.dispatch_recv();
   const int lane = threadIdx.x % kWarpSize;
-  const int32_t n_vec = g.hidden / 8;  // 16-byte vectors per token
+  const int32_t n_vec = g.hidden / 8;  // 16-byte vectors per bf16 token
   const int32_t warps_total = gridDim.x * kWarps;
   const char* tokens = static_cast<const char*>(p.tokens);
 
@@ -222,24 +294,16 @@ __device__ void send_messages(const DispatchParams& p, int32_t num_tokens) {
       payload[n_dest++] = msg + ml.payload_offset();
     }
     const char* src = tokens + int64_t(t) * g.hidden * 2;
-    for (int32_t v0 = 0; v0 < n_vec; v0 += kWarpSize * kUnroll) {
-      uint4 buf[kUnroll];
-#pragma unroll
-      for (int i = 0; i < kUnroll; ++i) {
-        const int32_t v = v0 + i * kWarpSize + lane;
-        if (v < n_vec) buf[i] = ld_nc_v4(src + int64_t(v) * 16);
-      }
-      for (int32_t j = 0; j < n_dest; ++j) {
-#pragma unroll
-        for (int i = 0; i < kUnroll; ++i) {
-          const int32_t v = v0 + i * kWarpSize + lane;
-          if (v < n_vec) st_v4(payload[j] + int64_t(v) * 16, buf[i]);
-        }
-      }
+    if constexpr (F == TokenFormat::kBF16) {
+      copy_vectors(src, n_vec, n_dest, LoadNc{}, [&](int32_t j) { return payload[j]; });
+    } else {
+      quantize_to<F>(reinterpret_cast<const uint16_t*>(src), g.hidden, g.nvfp4_global_scale, ml,
+                     payload, n_dest);
     }
   }
 }
 
+template <TokenFormat F>
 __device__ void dispatch_send(const DispatchParams& p, unsigned long long seq, char* smem) {
   const GroupView& g = p.g;
   const int32_t nk = g.experts().num_keys();
@@ -262,21 +326,87 @@ __device__ void dispatch_send(const DispatchParams& p, unsigned long long seq, c
                          kWaitAck, [&](int32_t) { return seq - 1; }))
     return;
   if (blockIdx.x == gridDim.x - 1) send_meta(p, seq, bad);
-  send_messages(p, num_tokens);
+  send_messages<F>(p, num_tokens);
   block_signal_all(g, WindowLayout::kDispatchArrived);
 }
 
 // ---- 4. receive -------------------------------------------------------------------------------
 
-__device__ void expand_messages(const DispatchParams& p, int32_t src, int32_t count,
-                                const int32_t* base) {
+// The receiver's view of this call's groups, in shared memory (filled by dispatch_recv).
+struct RecvGroups {
+  int32_t* counts;        // [n_ranks][n_local]: tokens source s sends to group g
+  int32_t* base;          // [n_ranks][n_local]: first output row of source s in group g
+  int32_t* stream_count;  // [n_ranks]: messages from source s
+  int32_t* row_offset;    // [n_local + 1]: row_offsets (FP8: padded group counts)
+  int32_t* rows;          // [n_local]: rows that arrive in group g (m_g, unpadded)
+  int32_t* tile_start;    // [n_local + 1]: swizzled formats: first scale tile of group g
+
+  __host__ __device__ static int64_t smem_words(int32_t n_ranks, int32_t n_local) {
+    return 3 * int64_t(n_ranks) * n_local + n_ranks + 3 * int64_t(n_local) + 2;
+  }
+  __device__ static RecvGroups carve(char* smem, int32_t n_ranks, int32_t n_local) {
+    int32_t* w = reinterpret_cast<int32_t*>(smem);
+    RecvGroups r;
+    r.counts = w;
+    r.base = r.counts + n_ranks * n_local;
+    r.stream_count = r.base + n_ranks * n_local;
+    r.row_offset = r.stream_count + n_ranks;
+    r.rows = r.row_offset + n_local + 1;
+    r.tile_start = r.rows + n_local;
+    return r;
+  }
+};
+
+// Writes the scales of one message into output row `row` of group `grp`, in the format's output
+// layout. Called by the whole warp.
+template <TokenFormat F>
+__device__ void place_scales(const DispatchParams& p, const RecvGroups& rg, const char* scales,
+                             int32_t grp, int64_t row) {
+  const GroupView& g = p.g;
+  const DispatchOutputLayout out = g.output();
+  const int lane = threadIdx.x % kWarpSize;
+  const int32_t cols = format_scales_per_row(F, g.hidden);
+  if constexpr (F == TokenFormat::kFp8Blockwise) {
+    const Fp8ScaleLayout l = out.fp8();
+    float* dst = static_cast<float*>(p.out_scales);
+    for (int32_t c = lane; c < cols; c += kWarpSize)
+      dst[l.offset(row, c)] = reinterpret_cast<const float*>(scales)[c];
+  } else if constexpr (F == TokenFormat::kMxfp4) {
+    const Mxfp4ScaleLayout l = out.mxfp4();
+    uint8_t* dst = static_cast<uint8_t*>(p.out_scales);
+    for (int32_t c = lane; c < cols; c += kWarpSize)
+      dst[l.offset(row, c)] = reinterpret_cast<const uint8_t*>(scales)[c];
+  } else {  // swizzled: four scale columns per aligned 32-bit word; columns past cols are zero
+    const SwizzledScaleLayout l = out.swizzled();
+    const int64_t scale_row = int64_t(rg.tile_start[grp]) * SwizzledScaleLayout::kTileRows +
+                              (row - rg.row_offset[grp]);
+    uint8_t* dst = static_cast<uint8_t*>(p.out_scales);
+    const uint8_t* src = reinterpret_cast<const uint8_t*>(scales);
+    for (int32_t w = lane; w < l.col_tiles(); w += kWarpSize) {
+      uint32_t word = 0;
+#pragma unroll
+      for (int i = 0; i < SwizzledScaleLayout::kTileCols; ++i) {
+        const int32_t c = w * SwizzledScaleLayout::kTileCols + i;
+        if (c < cols) word |= uint32_t(src[c]) << (8 * i);
+      }
+      *reinterpret_cast<uint32_t*>(dst + l.offset(scale_row, w * SwizzledScaleLayout::kTileCols)) =
+          word;
+    }
+  }
+}
+
+template <TokenFormat F>
+__device__ void expand_messages(const DispatchParams& p, const RecvGroups& rg, int32_t src,
+                                int32_t count) {
   const GroupView& g = p.g;
   const WindowLayout wl = g.layout();
   const MessageLayout ml = wl.msg();
   const DispatchRecvLayout rl = wl.dispatch_recv();
   const int lane = threadIdx.x % kWarpSize;
-  const int32_t n_vec = g.hidden / 8, n_local = g.n_local();
-  const int64_t row_limit = max_recv_rows(g);
+  const int32_t n_local = g.n_local();
+  const int64_t row_bytes = format_row_bytes(F, g.hidden);  // a multiple of 16 (Config)
+  const int32_t n_vec = int32_t(row_bytes / 16);
+  const int64_t row_limit = g.output().rows;
   char* out = static_cast<char*>(p.out_tokens);
 
   for (int32_t m = blockIdx.x * kWarps + threadIdx.x / kWarpSize; m < count;
@@ -286,44 +416,88 @@ __device__ void expand_messages(const DispatchParams& p, int32_t src, int32_t co
     const int32_t token = h->token;
     const int32_t n = min(h->n_entries, g.top_k);
     int64_t row = -1;
+    int32_t grp = -1;
     if (lane < n) {
       const MessageEntry e = h->entries[lane];
-      const int32_t grp = e.group();
-      if (grp < n_local) row = int64_t(base[src * n_local + grp]) + e.pos;
+      grp = e.group();
+      if (grp < n_local) row = int64_t(rg.base[src * n_local + grp]) + e.pos;
       if (row >= row_limit) row = -1;  // never write outside the output
       if (row >= 0) p.src_info[row] = SrcInfo{token, int16_t(src), int16_t(e.slot())};
     }
-    const char* payload = msg + ml.payload_offset();
-    for (int32_t v0 = 0; v0 < n_vec; v0 += kWarpSize * kUnroll) {
-      uint4 buf[kUnroll];
-#pragma unroll
-      for (int i = 0; i < kUnroll; ++i) {
-        const int32_t v = v0 + i * kWarpSize + lane;
-        if (v < n_vec) buf[i] = ld_v4(payload + int64_t(v) * 16);
-      }
+    // The shuffles below sit in loops every lane runs the same number of times (n and n_vec
+    // are the warp's).
+    copy_vectors(msg + ml.payload_offset(), n_vec, n, LoadCoherent{}, [&](int32_t j) {
+      const int64_t r = __shfl_sync(0xffffffffu, row, j);
+      return r < 0 ? nullptr : out + r * row_bytes;
+    });
+    if constexpr (F != TokenFormat::kBF16) {
       for (int32_t j = 0; j < n; ++j) {
         const int64_t r = __shfl_sync(0xffffffffu, row, j);
-        if (r < 0) continue;
-        char* dst = out + r * g.hidden * 2;
-#pragma unroll
-        for (int i = 0; i < kUnroll; ++i) {
-          const int32_t v = v0 + i * kWarpSize + lane;
-          if (v < n_vec) st_v4(dst + int64_t(v) * 16, buf[i]);
-        }
+        const int32_t gj = __shfl_sync(0xffffffffu, grp, j);
+        if (r >= 0) place_scales<F>(p, rg, msg + ml.scales_offset(), gj, r);
       }
     }
   }
 }
 
+// Output slots no message fills, written before any data arrives (they depend only on the
+// counts): FP8's padding rows (src_info {-1,-1,-1}, zero codes, zero scales), and the swizzled
+// layouts' unused scale slots (the rest of each group's last tile, and the tiles no group uses).
+// Spread over every warp of the grid.
+template <TokenFormat F>
+__device__ void fill_padding(const DispatchParams& p, const RecvGroups& rg) {
+  const GroupView& g = p.g;
+  const DispatchOutputLayout out = g.output();
+  const int32_t n_local = g.n_local();
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t warp = int64_t(blockIdx.x) * kWarps + threadIdx.x / kWarpSize;
+  const int64_t warps = int64_t(gridDim.x) * kWarps;
+  if constexpr (F == TokenFormat::kFp8Blockwise) {
+    constexpr int32_t kPad = Fp8ScaleLayout::kRowAlign - 1;  // padding rows per group, at most
+    const Fp8ScaleLayout l = out.fp8();
+    const int64_t row_bytes = out.row_bytes();
+    for (int64_t i = warp; i < int64_t(n_local) * kPad; i += warps) {
+      const int32_t grp = int32_t(i / kPad);
+      const int64_t row = int64_t(rg.row_offset[grp]) + rg.rows[grp] + i % kPad;
+      if (row >= rg.row_offset[grp + 1]) continue;
+      if (lane == 0) p.src_info[row] = SrcInfo{-1, -1, -1};
+      char* codes = static_cast<char*>(p.out_tokens) + row * row_bytes;
+      for (int64_t v = lane; v < row_bytes / 16; v += kWarpSize)
+        st_v4(codes + v * 16, make_uint4(0, 0, 0, 0));
+      for (int32_t c = lane; c < l.cols(); c += kWarpSize)
+        static_cast<float*>(p.out_scales)[l.offset(row, c)] = 0.0f;
+    }
+  } else if constexpr (format_swizzled(F)) {
+    constexpr int64_t kTileRows = SwizzledScaleLayout::kTileRows;
+    const SwizzledScaleLayout l = out.swizzled();
+    uint8_t* scales = static_cast<uint8_t*>(p.out_scales);
+    // The rest of every group's last tile: scale rows past its m_g rows.
+    for (int64_t i = warp; i < int64_t(n_local) * kTileRows; i += warps) {
+      const int32_t grp = int32_t(i / kTileRows);
+      const int64_t r = i % kTileRows;  // row inside the group's last tile
+      const int64_t tiles = rg.tile_start[grp + 1] - rg.tile_start[grp];
+      if (tiles == 0 || (tiles - 1) * kTileRows + r < rg.rows[grp]) continue;
+      const int64_t scale_row = (rg.tile_start[grp] + tiles - 1) * kTileRows + r;
+      for (int32_t w = lane; w < l.col_tiles(); w += kWarpSize)
+        *reinterpret_cast<uint32_t*>(scales + l.offset(scale_row, w * SwizzledScaleLayout::kTileCols)) =
+            0u;
+    }
+    // Whole tiles past the last group's.
+    const int64_t used = rg.tile_start[n_local] < l.row_tiles ? rg.tile_start[n_local] : l.row_tiles;
+    const int64_t begin = l.tile_offset(used, 0) / 16, end = l.size() / 16;
+    for (int64_t v = begin + int64_t(blockIdx.x) * kThreads + threadIdx.x; v < end;
+         v += int64_t(gridDim.x) * kThreads)
+      st_v4(scales + v * 16, make_uint4(0, 0, 0, 0));
+  }
+}
+
+template <TokenFormat F>
 __device__ void dispatch_recv(const DispatchParams& p, unsigned long long seq, char* smem) {
   const GroupView& g = p.g;
   const WindowLayout wl = g.layout();
   const MetaLayout ml = wl.meta();
   const int32_t n_local = g.n_local(), n_ranks = g.n_ranks;
-  int32_t* counts = reinterpret_cast<int32_t*>(smem);   // [n_ranks][n_local]
-  int32_t* base = counts + n_ranks * n_local;           // [n_ranks][n_local]
-  int32_t* stream_count = base + n_ranks * n_local;     // [n_ranks]
-  int32_t* totals = stream_count + n_ranks;             // [n_local + 1]
+  const RecvGroups rg = RecvGroups::carve(smem, n_ranks, n_local);
 
   auto meta_at = [&](int32_t s) { return window_at(g, g.rank, wl.meta_offset(s)); };
   if (!block_wait(
@@ -335,39 +509,58 @@ __device__ void dispatch_recv(const DispatchParams& p, unsigned long long seq, c
     return;
   for (int32_t i = threadIdx.x; i < n_ranks * n_local; i += kThreads) {
     const int32_t s = i / n_local, j = i % n_local;
-    counts[i] = reinterpret_cast<const volatile int32_t*>(meta_at(s) + ml.counts_offset())[j];
+    rg.counts[i] = reinterpret_cast<const volatile int32_t*>(meta_at(s) + ml.counts_offset())[j];
   }
   if (threadIdx.x < n_ranks)
-    stream_count[threadIdx.x] =
+    rg.stream_count[threadIdx.x] =
         *reinterpret_cast<const volatile int32_t*>(meta_at(threadIdx.x) + ml.stream_count_offset());
   __syncthreads();
 
-  // row_offsets: exclusive scan of the group totals (n_local <= 1024 = 2 per thread).
-  const GroupRows rows{counts, n_ranks, n_local};
+  // row_offsets: exclusive scan of the group totals, each padded to the format's row alignment;
+  // the swizzled formats also scan each group's scale tiles (n_local <= 1024 = 2 per thread).
+  const GroupRows rows{rg.counts, n_ranks, n_local};
+  constexpr int32_t kAlign = format_row_align(F);
+  constexpr int32_t kTileRows = SwizzledScaleLayout::kTileRows;
   using Scan = cub::BlockScan<int32_t, kThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
-  int32_t item[2], total = 0;
+  int32_t item[2], tiles[2], total = 0, total_tiles = 0;
   for (int i = 0; i < 2; ++i) {
     const int32_t grp = threadIdx.x * 2 + i;
-    item[i] = grp < n_local ? rows.group_total(grp) : 0;
+    const int32_t m = grp < n_local ? rows.group_total(grp) : 0;
+    if (grp < n_local) rg.rows[grp] = m;
+    item[i] = int32_t(align_up(m, kAlign));
+    tiles[i] = (m + kTileRows - 1) / kTileRows;
   }
   Scan(scan_tmp).ExclusiveSum(item, item, total);
+  if constexpr (format_swizzled(F)) {
+    __syncthreads();  // scan_tmp is reused
+    Scan(scan_tmp).ExclusiveSum(tiles, tiles, total_tiles);
+  }
   for (int i = 0; i < 2; ++i) {
     const int32_t grp = threadIdx.x * 2 + i;
-    if (grp < n_local) totals[grp] = item[i];
+    if (grp < n_local) {
+      rg.row_offset[grp] = item[i];
+      rg.tile_start[grp] = tiles[i];
+    }
   }
-  if (threadIdx.x == 0) totals[n_local] = total;
+  if (threadIdx.x == 0) {
+    rg.row_offset[n_local] = total;
+    rg.tile_start[n_local] = total_tiles;
+  }
   __syncthreads();
   for (int32_t grp = threadIdx.x; grp < n_local; grp += kThreads)
     for (int32_t s = 0; s < n_ranks; ++s)
-      base[s * n_local + grp] = totals[grp] + rows.source_offset(s, grp);
+      rg.base[s * n_local + grp] = rg.row_offset[grp] + rows.source_offset(s, grp);
   if (blockIdx.x == 0) {
     for (int32_t grp = threadIdx.x; grp <= n_local; grp += kThreads) {
-      p.row_offsets[grp] = uint32_t(totals[grp]);
+      p.row_offsets[grp] = uint32_t(rg.row_offset[grp]);
       if (grp < n_local) p.expert_ids[grp] = grp;
+      if (format_swizzled(F) && grp < n_local)
+        p.scales_offsets[grp] = uint32_t(rg.tile_start[grp] - rg.row_offset[grp] / kTileRows);
     }
   }
   __syncthreads();
+  fill_padding<F>(p, rg);
 
   for (int32_t i = 0; i < n_ranks; ++i) {
     const int32_t s = (g.rank + i) % n_ranks;
@@ -375,7 +568,7 @@ __device__ void dispatch_recv(const DispatchParams& p, unsigned long long seq, c
                            kWaitData,
                            [&](int32_t) { return seq * (unsigned long long)g.num_blocks; }))
       return;
-    expand_messages(p, s, stream_count[s], base);
+    expand_messages<F>(p, rg, s, rg.stream_count[s]);
   }
 
   if (last_block_done(g, &g.state->dispatch_done) && threadIdx.x == 0) {
@@ -385,13 +578,34 @@ __device__ void dispatch_recv(const DispatchParams& p, unsigned long long seq, c
   }
 }
 
-template <bool kSend, bool kRecv>
+template <bool kSend, bool kRecv, TokenFormat F>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams p) {
   extern __shared__ __align__(16) char smem[];
   if (block_aborted(p.g)) return;
   const unsigned long long seq = p.g.state->dispatch_seq + 1;
-  if (kSend) dispatch_send(p, seq, smem);
-  if (kRecv && !block_aborted(p.g)) dispatch_recv(p, seq, smem);
+  if (kSend) dispatch_send<F>(p, seq, smem);
+  if (kRecv && !block_aborted(p.g)) dispatch_recv<F>(p, seq, smem);
+}
+
+// The three forms (fused, send, receive) of format F.
+template <TokenFormat F>
+struct DispatchKernels {
+  static constexpr void (*fused)(DispatchParams) = dispatch_kernel<true, true, F>;
+  static constexpr void (*send)(DispatchParams) = dispatch_kernel<true, false, F>;
+  static constexpr void (*recv)(DispatchParams) = dispatch_kernel<false, true, F>;
+};
+
+// Calls f(DispatchKernels<F>{}) for the group's format.
+template <class Fn>
+void with_format(TokenFormat f, Fn fn) {
+  switch (f) {
+    case TokenFormat::kBF16: return fn(DispatchKernels<TokenFormat::kBF16>{});
+    case TokenFormat::kFp8Blockwise: return fn(DispatchKernels<TokenFormat::kFp8Blockwise>{});
+    case TokenFormat::kNvfp4: return fn(DispatchKernels<TokenFormat::kNvfp4>{});
+    case TokenFormat::kMxfp8: return fn(DispatchKernels<TokenFormat::kMxfp8>{});
+    case TokenFormat::kMxfp4: return fn(DispatchKernels<TokenFormat::kMxfp4>{});
+  }
+  throw Error(ErrorCode::kInvalidArgument, "dispatch: unknown token format");
 }
 
 }  // namespace
@@ -399,8 +613,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams p)
 size_t dispatch_smem_bytes(const GroupView& g) {
   const size_t nk = size_t(g.experts().num_keys());
   const size_t send = kWarps * nk * (sizeof(uint32_t) + sizeof(uint16_t));
-  const size_t recv = sizeof(int32_t) * (2 * size_t(g.n_ranks) * g.n_local() + g.n_ranks +
-                                         g.n_local() + 1);
+  const size_t recv = sizeof(int32_t) * size_t(RecvGroups::smem_words(g.n_ranks, g.n_local()));
   return align_up(int64_t(send > recv ? send : recv), 16);
 }
 
@@ -409,30 +622,24 @@ int dispatch_unit_tokens() { return kUnitTokens; }
 
 void launch_dispatch(const DispatchParams& p, bool send, bool recv, cudaStream_t stream) {
   const size_t smem = dispatch_smem_bytes(p.g);
-  if (send && recv) {
-    launch_cooperative(dispatch_kernel<true, true>, p.g.num_blocks, kThreads, smem, stream, p);
-  } else if (send) {
-    launch_cooperative(dispatch_kernel<true, false>, p.g.num_blocks, kThreads, smem, stream, p);
-  } else {
-    launch_cooperative(dispatch_kernel<false, true>, p.g.num_blocks, kThreads, smem, stream, p);
-  }
+  with_format(p.g.format, [&](auto k) {
+    using K = decltype(k);
+    auto kernel = send && recv ? K::fused : (send ? K::send : K::recv);
+    launch_cooperative(kernel, p.g.num_blocks, kThreads, smem, stream, p);
+  });
 }
 
 void prepare_dispatch_kernels(const GroupView& g) {
   const int smem = int(dispatch_smem_bytes(g));
-  check_cuda(cudaFuncSetAttribute(dispatch_kernel<true, true>,
-                                  cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-             "cudaFuncSetAttribute(dispatch)");
-  check_cuda(cudaFuncSetAttribute(dispatch_kernel<true, false>,
-                                  cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-             "cudaFuncSetAttribute(dispatch_async)");
-  check_cuda(cudaFuncSetAttribute(dispatch_kernel<false, true>,
-                                  cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-             "cudaFuncSetAttribute(dispatch_wait)");
   int per_sm = 0;
-  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, dispatch_kernel<true, true>,
-                                                           kThreads, smem),
-             "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+  with_format(g.format, [&](auto k) {
+    using K = decltype(k);
+    for (auto kernel : {K::fused, K::send, K::recv})
+      check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+                 "cudaFuncSetAttribute(dispatch)");  // also loads the kernel (lazy loading)
+    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, K::fused, kThreads, smem),
+               "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+  });
   int sms = 0, dev = 0;
   check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
   check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev),

@@ -32,6 +32,7 @@
 #include "epcomm/formats/codecs.h"
 #include "epcomm/formats/scale_layouts.h"
 #include "epcomm/silu.h"
+#include "kernels/quant_unit.cuh"
 
 namespace epcomm {
 namespace detail {
@@ -39,9 +40,7 @@ namespace {
 
 constexpr int kSiluThreads = 256;
 constexpr int kSiluWarps = kSiluThreads / kWarpSize;
-constexpr int kLaneValues = 8;  // z values per lane per step: one 16-byte vector of bf16
 constexpr int kUnroll = 2;      // steps whose loads a lane has in flight together
-constexpr uint32_t kFullMask = 0xffffffffu;
 
 // What every variant reads.
 struct SiluRows {
@@ -148,54 +147,6 @@ __device__ __forceinline__ void for_each_row(const SiluRows& in, Row row) {
        r += warps) {
     row(r);
   }
-}
-
-// ---- scale blocks ---------------------------------------------------------------------------
-
-// The amax of the scale block this lane's unit belongs to: kLanes adjacent lanes (aligned).
-template <int kLanes>
-__device__ __forceinline__ float lanes_amax(const float (&z)[kLaneValues]) {
-  float amax = 0.0f;
-#pragma unroll
-  for (int i = 0; i < kLaneValues; ++i)
-    amax = abs_max(amax, z[i]);
-#pragma unroll
-  for (int m = 1; m < kLanes; m *= 2)
-    amax = abs_max(amax, __shfl_xor_sync(kFullMask, amax, m));
-  return amax;
-}
-
-template <class Quant>
-__device__ __forceinline__ Quant unit_quant(const float (&z)[kLaneValues]) {
-  return Quant::from_amax(lanes_amax<Quant::kGroup / kLaneValues>(z));
-}
-
-// One unit's codes: 8 e4m3 bytes (FP8) or 8 e2m1 nibbles (NVFP4, MXFP4).
-__device__ __forceinline__ uint2 encode_unit(const Fp8BlockQuant& q,
-                                             const float (&z)[kLaneValues]) {
-  uint32_t w[2] = {0u, 0u};
-#pragma unroll
-  for (int i = 0; i < kLaneValues; ++i)
-    w[i / 4] |= uint32_t(q.encode(z[i])) << (8 * (i % 4));
-  return make_uint2(w[0], w[1]);
-}
-
-template <class Quant>
-__device__ __forceinline__ uint32_t encode_unit(const Quant& q, const float (&z)[kLaneValues]) {
-  uint32_t w = 0u;
-#pragma unroll
-  for (int i = 0; i < kLaneValues / 2; ++i)
-    w |= uint32_t(pack_e2m1x2(q.encode(z[2 * i]), q.encode(z[2 * i + 1]))) << (8 * i);
-  return w;
-}
-
-// The scale a block stores: FP8's fp32 s, the others' code.
-__device__ __forceinline__ float stored_scale(const Fp8BlockQuant& q) {
-  return q.scale;
-}
-template <class Quant>
-__device__ __forceinline__ uint8_t stored_scale(const Quant& q) {
-  return q.scale_code;
 }
 
 // Row r of a format that stores block b's scale at layout.offset(r, b) (FP8, MXFP4).

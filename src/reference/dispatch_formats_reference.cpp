@@ -44,28 +44,32 @@ void check_global_scales(const char* what, const QuantOutputShape& shape,
 
 // ---- shapes ---------------------------------------------------------------------------------
 
-int32_t QuantOutputShape::group() const {
-  switch (format) {
-    case QuantFormat::kFp8Blockwise:
-      return Fp8BlockQuant::kGroup;
-    case QuantFormat::kNvfp4:
-      return Nvfp4BlockQuant::kGroup;
-    case QuantFormat::kMxfp8:
-      return Mxfp8BlockQuant::kGroup;
-    case QuantFormat::kMxfp4:
-      return Mxfp4BlockQuant::kGroup;
+TokenFormat token_format(QuantFormat f) {
+  switch (f) {
+    case QuantFormat::kFp8Blockwise: return TokenFormat::kFp8Blockwise;
+    case QuantFormat::kNvfp4: return TokenFormat::kNvfp4;
+    case QuantFormat::kMxfp8: return TokenFormat::kMxfp8;
+    case QuantFormat::kMxfp4: return TokenFormat::kMxfp4;
   }
-  invalid("QuantOutputShape: unknown format " + std::to_string(int32_t(format)));
+  invalid("token_format: unknown QuantFormat " + std::to_string(int32_t(f)));
 }
 
-int32_t QuantOutputShape::row_align() const {
-  return format == QuantFormat::kFp8Blockwise ? Fp8ScaleLayout::kRowAlign : 1;
+QuantFormat quant_format(TokenFormat f) {
+  switch (f) {
+    case TokenFormat::kFp8Blockwise: return QuantFormat::kFp8Blockwise;
+    case TokenFormat::kNvfp4: return QuantFormat::kNvfp4;
+    case TokenFormat::kMxfp8: return QuantFormat::kMxfp8;
+    case TokenFormat::kMxfp4: return QuantFormat::kMxfp4;
+    default: break;
+  }
+  invalid(std::string("quant_format: ") + token_format_name(f) + " is not a quantised format");
 }
 
-int64_t QuantOutputShape::row_bytes() const {
-  const bool packed = format == QuantFormat::kNvfp4 || format == QuantFormat::kMxfp4;
-  return packed ? hidden / 2 : hidden;
-}
+int32_t QuantOutputShape::group() const { return format_scale_group(token_format(format)); }
+
+int32_t QuantOutputShape::row_align() const { return format_row_align(token_format(format)); }
+
+int64_t QuantOutputShape::row_bytes() const { return format_row_bytes(token_format(format), hidden); }
 
 int64_t QuantOutputShape::scales_size() const {
   if (format == QuantFormat::kFp8Blockwise) return fp8_layout().size();
@@ -85,8 +89,8 @@ QuantOutputShape dispatch_output_shape(QuantFormat format, int32_t hidden, int64
     invalid("dispatch_output_shape: max_routed_rows " + std::to_string(max_routed_rows) +
             ", groups " + std::to_string(groups));
   }
-  if (format == QuantFormat::kFp8Blockwise)
-    shape.rows = Fp8ScaleLayout::max_rows(max_routed_rows, groups);
+  shape.rows =
+      DispatchOutputLayout::make(token_format(format), hidden, max_routed_rows, groups).rows;
   return shape;
 }
 

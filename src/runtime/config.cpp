@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "epcomm/error.h"
+#include "epcomm/formats/scale_layouts.h"
 
 namespace epcomm {
 
@@ -27,6 +28,10 @@ const char* error_code_name(ErrorCode code) {
 const char* token_format_name(TokenFormat f) {
   switch (f) {
     case TokenFormat::kBF16: return "bf16";
+    case TokenFormat::kFp8Blockwise: return "fp8-blockwise";
+    case TokenFormat::kNvfp4: return "nvfp4";
+    case TokenFormat::kMxfp8: return "mxfp8";
+    case TokenFormat::kMxfp4: return "mxfp4";
   }
   return "unknown";
 }
@@ -44,7 +49,13 @@ void require(bool ok, const std::string& field, const std::string& rule, long lo
 void Config::validate(int n_ranks) const {
   require(n_ranks >= 1 && n_ranks <= kMaxRanks, "n_ranks",
           "between 1 and " + std::to_string(kMaxRanks) + " GPUs of one node", n_ranks);
-  require(hidden > 0 && hidden % 8 == 0, "hidden", "a positive multiple of 8 (bf16)", hidden);
+  require(int32_t(format) >= 0 && int32_t(format) < kNumTokenFormats, "format",
+          "one of TokenFormat's values", int(format));
+  const int32_t multiple = format_hidden_multiple(format);
+  require(hidden > 0 && hidden % multiple == 0, "hidden",
+          std::string("a positive multiple of ") + std::to_string(multiple) + " (" +
+              token_format_name(format) + ")",
+          hidden);
   require(top_k >= 1 && top_k <= kMaxTopK, "top_k", "between 1 and 16", top_k);
   require(n_experts >= 1 && n_experts <= kMaxExperts, "n_experts", "between 1 and 1024",
           n_experts);
@@ -52,7 +63,11 @@ void Config::validate(int n_ranks) const {
           "a multiple of n_ranks = " + std::to_string(n_ranks), n_experts);
   require(max_tokens_per_rank >= 1 && max_tokens_per_rank <= (1 << 20), "max_tokens_per_rank",
           "between 1 and 2^20", max_tokens_per_rank);
-  require(format == TokenFormat::kBF16, "format", "only bf16 is implemented", int(format));
+  if (format == TokenFormat::kNvfp4 &&
+      !(nvfp4_global_scale > 0.0f && std::isfinite(nvfp4_global_scale)))
+    throw Error(ErrorCode::kInvalidArgument,
+                "epcomm config: nvfp4_global_scale = " + std::to_string(nvfp4_global_scale) +
+                    " is invalid: a positive finite number");
   require(num_sms >= 1 && num_sms <= 1024, "num_sms", "between 1 and 1024", num_sms);
   if (!(timeout_seconds > 0 && timeout_seconds <= 3600))
     throw Error(ErrorCode::kInvalidArgument,
@@ -77,6 +92,7 @@ void check_configs_match(const Config* configs, int n_ranks) {
     field("n_experts", a.n_experts, b.n_experts);
     field("max_tokens_per_rank", a.max_tokens_per_rank, b.max_tokens_per_rank);
     field("format", double(a.format), double(b.format));
+    field("nvfp4_global_scale", a.nvfp4_global_scale, b.nvfp4_global_scale);
     field("num_sms", a.num_sms, b.num_sms);
     field("timeout_seconds", a.timeout_seconds, b.timeout_seconds);
   }
@@ -88,8 +104,13 @@ Sizes compute_sizes(const Config& cfg, int n_ranks) {
   s.n_local_experts = cfg.n_experts / n_ranks;
   s.num_groups = s.n_local_experts;
   const int64_t per_token = std::min<int64_t>(cfg.top_k, s.n_local_experts);
-  s.max_recv_rows = int64_t(cfg.max_tokens_per_rank) * n_ranks * per_token;
-  s.token_bytes = int64_t(cfg.hidden) * 2;
+  s.max_routed_rows = int64_t(cfg.max_tokens_per_rank) * n_ranks * per_token;
+  const DispatchOutputLayout out =
+      DispatchOutputLayout::make(cfg.format, cfg.hidden, s.max_routed_rows, s.num_groups);
+  s.max_recv_rows = out.rows;
+  s.token_bytes = out.row_bytes();
+  s.scales_bytes = out.scales_bytes();
+  s.num_scales_offsets = format_swizzled(cfg.format) ? s.num_groups : 0;
   return s;
 }
 

@@ -94,7 +94,8 @@ void GroupState::setup(const Config& config, Bootstrap& bs, int dev) {
   check_cuda(cudaGetDeviceProperties(&prop, dev), "cudaGetDeviceProperties");
   std::memcpy(me.uuid, prop.uuid.bytes, 16);
 
-  const WindowLayout wl{n_ranks, cfg.hidden, cfg.top_k, cfg.n_experts, cfg.max_tokens_per_rank};
+  const WindowLayout wl{n_ranks, cfg.hidden, cfg.top_k, cfg.n_experts, cfg.max_tokens_per_rank,
+                        cfg.format};
   if (local_error.empty()) {
     size_t free_b = 0, total_b = 0;
     check_cuda(cudaMemGetInfo(&free_b, &total_b), "cudaMemGetInfo");
@@ -203,6 +204,8 @@ void GroupState::setup(const Config& config, Bootstrap& bs, int dev) {
   view.n_experts = cfg.n_experts;
   view.max_tokens = cfg.max_tokens_per_rank;
   view.num_blocks = cfg.num_sms;
+  view.format = cfg.format;
+  view.nvfp4_global_scale = cfg.nvfp4_global_scale;
   view.timeout_ns = (unsigned long long)(cfg.timeout_seconds * 1e9);
   view.state = state;
   view.error = error_dev;
@@ -430,6 +433,8 @@ static detail::DispatchParams dispatch_params(detail::GroupState& s, const Dispa
     p.row_offsets = out->row_offsets;
     p.expert_ids = out->expert_ids;
     p.src_info = out->src_info;
+    p.out_scales = out->scales;
+    p.scales_offsets = out->scales_offsets;
   }
   return p;
 }
@@ -457,6 +462,14 @@ static void check_dispatch_output(detail::GroupState& s, const DispatchOutput& o
   require_ptr(out.src_info, s.rank, op, "src_info", false);
   require((reinterpret_cast<uintptr_t>(out.src_info) & 7u) == 0, s.rank, op,
           "src_info is not 8-byte aligned");
+  if (s.cfg.format != TokenFormat::kBF16)
+    require_ptr(out.scales, s.rank, op,
+                (std::string("scales (") + token_format_name(s.cfg.format) + ")").c_str(), true);
+  if (format_swizzled(s.cfg.format)) {
+    require_ptr(out.scales_offsets, s.rank, op, "scales_offsets", false);
+    require((reinterpret_cast<uintptr_t>(out.scales_offsets) & 3u) == 0, s.rank, op,
+            "scales_offsets is not 4-byte aligned");
+  }
 }
 
 void Group::dispatch(const DispatchInput& in, const DispatchOutput& out, cudaStream_t stream) {

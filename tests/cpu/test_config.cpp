@@ -69,6 +69,51 @@ TEST(Config, RejectsEachBadField) {
   expect_bad(c, 8, "timeout_seconds");
   expect_bad(good(), 9, "n_ranks");
   expect_bad(good(), 0, "n_ranks");
+  c = good();
+  c.format = TokenFormat(7);
+  expect_bad(c, 8, "format");
+  c = good();
+  c.format = TokenFormat::kFp8Blockwise;
+  c.hidden = 2880;  // not whole 128-value scale blocks
+  expect_bad(c, 8, "hidden");
+  c.format = TokenFormat::kMxfp4;
+  c.hidden = 2880 + 16;  // not whole 32-value blocks
+  expect_bad(c, 8, "hidden");
+  c = good();
+  c.format = TokenFormat::kNvfp4;
+  c.nvfp4_global_scale = 0.0f;
+  expect_bad(c, 8, "nvfp4_global_scale");
+  c.nvfp4_global_scale = 1.0f / 0.0f;
+  expect_bad(c, 8, "nvfp4_global_scale");
+}
+
+TEST(Config, AcceptsEveryFormatAtItsHiddenSizes) {
+  for (TokenFormat f : {TokenFormat::kFp8Blockwise, TokenFormat::kNvfp4, TokenFormat::kMxfp8,
+                        TokenFormat::kMxfp4}) {
+    Config c = good();
+    c.format = f;
+    for (int h : {2048, 7168}) {
+      c.hidden = h;
+      EXPECT_NO_THROW(c.validate(8)) << token_format_name(f) << " H=" << h;
+    }
+    c.hidden = 2880;
+    if (f == TokenFormat::kFp8Blockwise) {
+      EXPECT_THROW(c.validate(8), Error);
+    } else {
+      EXPECT_NO_THROW(c.validate(8)) << token_format_name(f);
+    }
+  }
+}
+
+TEST(Config, MismatchedGlobalScaleIsNamed) {
+  Config cs[2] = {good(), good()};
+  cs[1].nvfp4_global_scale = 2.0f;
+  try {
+    check_configs_match(cs, 2);
+    FAIL() << "no mismatch reported";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("nvfp4_global_scale"), std::string::npos) << e.what();
+  }
 }
 
 TEST(Config, MismatchNamesFieldAndRanks) {
@@ -98,4 +143,45 @@ TEST(Config, SizesCoverTheWorstCase) {
   Config c = good();
   c.n_experts = 16;  // 2 local experts: a token lands in at most 2 rows of a rank
   EXPECT_EQ(compute_sizes(c, 8).max_recv_rows, 128 * 8 * 2);
+}
+
+// Every format's output sizes: rows with FP8's per-group padding, code bytes, scale bytes.
+TEST(Config, SizesOfEachFormat) {
+  Config c = good();  // 128 tokens, 8 ranks, K 8, 32 groups: 8192 routed rows
+  const int64_t routed = 128 * 8 * 8;
+  Sizes s = compute_sizes(c, 8);
+  EXPECT_EQ(s.max_routed_rows, routed);
+  EXPECT_EQ(s.token_bytes, 7168 * 2);
+  EXPECT_EQ(s.scales_bytes, 0);
+  EXPECT_EQ(s.num_scales_offsets, 0);
+
+  c.format = TokenFormat::kFp8Blockwise;
+  s = compute_sizes(c, 8);
+  const int64_t fp8_rows = (routed + 3 * 32 + 3) / 4 * 4;  // up to 3 padding rows per group
+  EXPECT_EQ(s.max_recv_rows, fp8_rows);
+  EXPECT_EQ(s.token_bytes, 7168);
+  EXPECT_EQ(s.scales_bytes, int64_t(7168 / 128) * fp8_rows * 4);
+  EXPECT_EQ(s.num_scales_offsets, 0);
+
+  c.format = TokenFormat::kNvfp4;
+  s = compute_sizes(c, 8);
+  EXPECT_EQ(s.max_recv_rows, routed);
+  EXPECT_EQ(s.token_bytes, 7168 / 2);
+  // (routed + 128 G) / 128 tiles of 128 rows x 4 scale columns, 7168 / 16 / 4 column tiles.
+  EXPECT_EQ(s.scales_bytes, (routed + 128 * 32) / 128 * (7168 / 64) * 512);
+  EXPECT_EQ(s.num_scales_offsets, 32);
+
+  c.format = TokenFormat::kMxfp8;
+  c.hidden = 2880;  // 90 scales per row: 23 column tiles, the last one half padding
+  s = compute_sizes(c, 8);
+  EXPECT_EQ(s.token_bytes, 2880);
+  EXPECT_EQ(s.scales_bytes, (routed + 128 * 32) / 128 * 23 * 512);
+  EXPECT_EQ(s.num_scales_offsets, 32);
+
+  c.format = TokenFormat::kMxfp4;
+  s = compute_sizes(c, 8);
+  EXPECT_EQ(s.max_recv_rows, routed);
+  EXPECT_EQ(s.token_bytes, 1440);
+  EXPECT_EQ(s.scales_bytes, routed * 90);
+  EXPECT_EQ(s.num_scales_offsets, 0);
 }

@@ -24,7 +24,7 @@ TEST(Layout, ExpertMapOwnershipAndKeys) {
 TEST(Layout, MessageIsAlignedAndHoldsHeader) {
   for (int K : {1, 4, 8, 16}) {
     for (int H : {8, 2048, 2880, 7168}) {
-      const MessageLayout m{H, K};
+      const MessageLayout m{H, K, TokenFormat::kBF16};
       EXPECT_EQ(m.header_bytes() % 16, 0);
       EXPECT_GE(m.header_bytes(), 8 + 8 * K);
       EXPECT_LT(m.header_bytes(), 8 + 8 * K + 16);
@@ -33,6 +33,22 @@ TEST(Layout, MessageIsAlignedAndHoldsHeader) {
       EXPECT_EQ(m.bytes(), m.header_bytes() + H * 2);
     }
   }
+  // Quantised payloads: codes, then the row's scales, each part 16-byte aligned.
+  const MessageLayout fp8{7168, 8, TokenFormat::kFp8Blockwise};
+  EXPECT_EQ(fp8.codes_bytes(), 7168);
+  EXPECT_EQ(fp8.scales_bytes(), 56 * 4);
+  EXPECT_EQ(fp8.scales_offset(), fp8.header_bytes() + 7168);
+  EXPECT_EQ(fp8.bytes(), fp8.header_bytes() + 7168 + 224);
+  const MessageLayout mxfp4{2880, 4, TokenFormat::kMxfp4};
+  EXPECT_EQ(mxfp4.codes_bytes(), 1440);
+  EXPECT_EQ(mxfp4.scales_bytes(), 96);  // 90 e8m0 bytes, padded to 16
+  EXPECT_EQ(mxfp4.scales_offset() % 16, 0);
+  const MessageLayout nvfp4{2048, 8, TokenFormat::kNvfp4};
+  EXPECT_EQ(nvfp4.codes_bytes(), 1024);
+  EXPECT_EQ(nvfp4.scales_bytes(), 128);
+  const MessageLayout mxfp8{2880, 8, TokenFormat::kMxfp8};
+  EXPECT_EQ(mxfp8.codes_bytes(), 2880);
+  EXPECT_EQ(mxfp8.scales_bytes(), 96);
   const MessageEntry e = MessageEntry::make(511, 15, 123456);
   EXPECT_EQ(e.group(), 511);
   EXPECT_EQ(e.slot(), 15);
@@ -40,7 +56,7 @@ TEST(Layout, MessageIsAlignedAndHoldsHeader) {
 }
 
 TEST(Layout, DispatchRecvSlotsAreDisjoint) {
-  const DispatchRecvLayout l{MessageLayout{2880, 4}, 5};
+  const DispatchRecvLayout l{MessageLayout{2880, 4, TokenFormat::kBF16}, 5};
   std::set<int64_t> seen;
   for (int s = 0; s < 3; ++s)
     for (int i = 0; i < 5; ++i) {
@@ -61,7 +77,7 @@ TEST(Layout, CombineRecvSlotsCoverBuffer) {
 }
 
 TEST(Layout, WindowRegionsDoNotOverlap) {
-  const WindowLayout w{8, 7168, 8, 256, 4096};
+  const WindowLayout w{8, 7168, 8, 256, 4096, TokenFormat::kBF16};
   // signals < meta < dispatch recv < combine recv, each 256-aligned
   EXPECT_EQ(w.signal_offset(WindowLayout::kDispatchArrived, 0), 0);
   EXPECT_EQ(w.signal_offset(WindowLayout::kCombineAck, 7) + 8,

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "epcomm/formats/reference_codecs.h"
 #include "epcomm/group.h"
 #include "epcomm/reference.h"
 
@@ -53,18 +54,23 @@ class DeviceBuffer {
   size_t bytes_ = 0;
 };
 
-// One rank's buffers, sized for the group's worst case.
+// One rank's buffers, sized for the group's worst case (Group::sizes(), in the group's format).
 struct RankIO {
   RankIO(const Group& g, uint64_t expert_seed = 99);
   ~RankIO();
 
   int rank, device;
   int32_t hidden, top_k, max_tokens;
-  int64_t max_rows;
+  int64_t max_rows;  // sizes().max_recv_rows
   int32_t n_groups;
+  TokenFormat format;        // config().format
+  float nvfp4_global_scale;  // config().nvfp4_global_scale
+  int64_t max_routed_rows;   // sizes().max_routed_rows
+  int64_t token_bytes;       // sizes().token_bytes
   cudaStream_t stream = nullptr;
   DeviceBuffer tokens, topk, weights;                           // inputs
   DeviceBuffer out_tokens, row_offsets, expert_ids, src_info;   // dispatch outputs
+  DeviceBuffer scales, scales_offsets;  // dispatch outputs of the quantised formats, else empty
   DeviceBuffer expert_out;                                      // combine input
   DeviceBuffer combine_out;                                     // [T, K, H] bf16 (fits [T, H])
   int32_t num_tokens = 0;
@@ -72,18 +78,28 @@ struct RankIO {
   uint64_t expert_seed;
 
   void upload(const reference::RankInput& in);
-  void poison();  // every output byte 0xff: bf16 NaN, src_info rank -1, row_offsets 2^32-1
+  // Every output byte 0xff: bf16 / e4m3 / e8m0 / fp32 NaN, src_info rank -1, row_offsets 2^32-1.
+  void poison();
   DispatchInput dispatch_input() const;
-  DispatchOutput dispatch_output() const;
+  DispatchOutput dispatch_output() const;  // scales / scales_offsets null where the format has none
   CombineInput combine_input() const;
   CombineOutput combine_output(bool weighted) const;
   // Random expert outputs for `rows` rows (fresh per call), uploaded to expert_out.
   void make_expert_out(int64_t rows);
-  // Downloads the dispatch outputs and compares them with the reference ("" = equal).
+  // bf16: downloads the dispatch outputs and compares them with the reference ("" = equal).
   std::string check_dispatch(const reference::DispatchResult& ref) const;
+  // Quantised formats. The dispatch outputs as the reference holds them: row_offsets, expert_ids,
+  // src_info of rows [0, min(row_offsets[G], max_rows)), and the whole codes and scales buffers
+  // (shape = dispatch_output_shape for this group) and scales_offsets.
+  reference::QuantDispatchResult download_dispatch_quantized() const;
+  // Compares with reference::dispatch_quantized exactly ("" = equal, else the first mismatch with
+  // its row and column): row_offsets, expert_ids, src_info (padding rows included), codes of rows
+  // [0, row_offsets[G]), FP8 scales of those rows in every column, the whole swizzled scale array
+  // and scales_offsets (NVFP4, MXFP8), MXFP4 scales of those rows.
+  std::string check_dispatch_quantized(const reference::QuantDispatchResult& ref) const;
   // Downloads the combine output and compares it: weighted -> bf16 tolerance, else exact.
   std::string check_combine(const std::vector<double>& ref, bool weighted) const;
-  // Raw downloads, for bit-identity checks.
+  // Raw downloads, for bit-identity checks (dispatch tokens: bf16).
   std::vector<uint16_t> download_dispatch_tokens(int64_t rows) const;
   std::vector<uint16_t> download_combine(bool weighted) const;
 };
@@ -100,6 +116,19 @@ std::vector<uint16_t> expert_outputs(int rank, uint64_t seed, int64_t rows, int3
 
 // The reference's view of every rank's dispatch, and the combine reference of one rank.
 std::vector<reference::DispatchResult> reference_dispatch_all(const reference::Problem& p);
+// The same for a quantised group: reference::dispatch_quantized of every rank in cfg's format,
+// with the group's max_routed_rows (so the scale arrays have the device outputs' shape).
+std::vector<reference::QuantDispatchResult> reference_dispatch_quantized_all(
+    const reference::Problem& p, const Config& cfg, const Sizes& sizes);
+// The rows of a quantised dispatch as reference::combine reads them (row_offsets, expert_ids,
+// src_info; no tokens): combine walks src_info row by row, and a padding row's rank -1 matches
+// no rank, so padding rows contribute nothing while the expert outputs stay indexed by the
+// quantised output's rows.
+reference::DispatchResult combine_layout(const reference::QuantDispatchResult& q);
+// The comparison behind RankIO::check_dispatch_quantized, of a downloaded output (`got`, sized
+// as download_dispatch_quantized sizes it) with the reference: "" or the first mismatch.
+std::string compare_dispatch_quantized(const reference::QuantDispatchResult& ref,
+                                       const reference::QuantDispatchResult& got);
 
 // A one-process group on the first n GPUs with per-rank buffers.
 struct LocalGroup {
@@ -116,13 +145,16 @@ struct LocalGroup {
 
 enum class Form { kFused, kAsyncWait };
 
-// One full round on a LocalGroup: upload a problem, poison, dispatch, check exactly, make expert
-// outputs, combine (weighted and/or un-reduced), check. Returns "" or the first failure.
+// One full round on a LocalGroup: upload a problem, poison, dispatch, check exactly (in the
+// group's format: reference::dispatch for bf16, reference::dispatch_quantized otherwise), make
+// expert outputs for every output row (padding rows included), combine (weighted and/or
+// un-reduced), check. Returns "" or the first failure.
 struct RoundOptions {
   Form form = Form::kFused;
   bool weighted = true;
   bool unreduced = false;
   bool busy_work_between = false;  // launch unrelated GPU work between async and wait
+  bool poison = true;  // false: dispatch over whatever the previous round left in the outputs
 };
 std::string run_round(LocalGroup& lg, const reference::Problem& p, const RoundOptions& o);
 

@@ -50,8 +50,7 @@ __device__ inline void combine_send(const CombineParams& p, unsigned long long s
   const CombineRecvLayout cl = wl.combine_recv();
   const int lane = threadIdx.x % kWarpSize;
   const int32_t n_vec = g.hidden / 8;
-  const int32_t per_token = g.top_k < g.n_local() ? g.top_k : g.n_local();
-  const int64_t row_limit = int64_t(g.max_tokens) * g.n_ranks * per_token;
+  const int64_t row_limit = g.output().rows;  // padding rows included
   int64_t rows = int64_t(p.row_offsets[g.n_local()]);
   if (rows > row_limit) rows = row_limit;
   const char* in = static_cast<const char*>(p.expert_out);

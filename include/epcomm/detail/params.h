@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "epcomm/formats/scale_layouts.h"
 #include "epcomm/layout.h"
 
 namespace epcomm {
@@ -61,6 +62,8 @@ struct GroupView {
   int32_t n_experts;
   int32_t max_tokens;
   int32_t num_blocks;     // grid size of every epcomm kernel
+  TokenFormat format;     // the dispatch output's format
+  float nvfp4_global_scale;
   int32_t pad_;
   unsigned long long timeout_ns;
   char* window[WindowLayout::kMaxPeers];  // every rank's symmetric window, as seen from here
@@ -68,7 +71,15 @@ struct GroupView {
   DeviceErrorRecord* error;  // host-mapped
 
   EPCOMM_HD WindowLayout layout() const {
-    return WindowLayout{n_ranks, hidden, top_k, n_experts, max_tokens};
+    return WindowLayout{n_ranks, hidden, top_k, n_experts, max_tokens, format};
+  }
+  // Rows a dispatch can deliver here, and the output's rows and scale layouts.
+  EPCOMM_HD int64_t max_routed_rows() const {
+    const int32_t per_token = top_k < n_local() ? top_k : n_local();
+    return int64_t(max_tokens) * n_ranks * per_token;
+  }
+  EPCOMM_HD DispatchOutputLayout output() const {
+    return DispatchOutputLayout::make(format, hidden, max_routed_rows(), n_local());
   }
   EPCOMM_HD ExpertMap experts() const { return ExpertMap{n_experts, n_ranks}; }
   EPCOMM_HD int32_t n_local() const { return n_experts / n_ranks; }
@@ -95,6 +106,8 @@ struct DispatchParams {
   uint32_t* row_offsets;
   int32_t* expert_ids;
   SrcInfo* src_info;
+  void* out_scales;          // quantised formats: the output scales (DispatchOutputLayout)
+  uint32_t* scales_offsets;  // NVFP4, MXFP8: [G]
 };
 
 struct CombineParams {

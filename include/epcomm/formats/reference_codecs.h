@@ -81,6 +81,11 @@ enum class QuantFormat : int32_t {
   kMxfp4 = 3,         // packed e2m1, e8m0 scale per 32 ("even"), row-major scales
 };
 
+// The library's TokenFormat of a QuantFormat (its format facts live in token_format.h).
+TokenFormat token_format(QuantFormat f);
+// The QuantFormat of a quantised TokenFormat; throws Error(kInvalidArgument) for kBF16.
+QuantFormat quant_format(TokenFormat f);
+
 // The shapes of one quantised output with room for `rows` rows (row padding included) in
 // `groups` groups of `hidden` values per row:
 //   codes   [rows, row_bytes()]: row_bytes = hidden (e4m3) or hidden / 2 (two e2m1 per byte,

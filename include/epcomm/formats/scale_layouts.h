@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "epcomm/layout.h"  // EPCOMM_HD, align_up
+#include "epcomm/token_format.h"
 
 namespace epcomm {
 
@@ -146,6 +147,41 @@ struct Mxfp4ScaleLayout {
   EPCOMM_HD int32_t cols() const { return hidden / kGroup; }
   EPCOMM_HD int64_t offset(int64_t row, int32_t col) const { return row * cols() + col; }
   EPCOMM_HD int64_t size() const { return rows * cols(); }
+};
+
+// ---- the dispatch output of a format --------------------------------------------------------
+// Rows, codes and scales of a dispatch output with room for `routed_rows` routed rows in `groups`
+// groups: rows adds blockwise FP8's per-group padding (Fp8ScaleLayout::max_rows); the swizzled
+// layouts pad scale tiles, not rows. The kernels, Sizes and the tests all size from this.
+struct DispatchOutputLayout {
+  TokenFormat format;
+  int32_t hidden;
+  int32_t groups;
+  int64_t routed_rows;  // max_routed_rows
+  int64_t rows;         // max_recv_rows
+
+  EPCOMM_HD static DispatchOutputLayout make(TokenFormat f, int32_t hidden, int64_t routed_rows,
+                                             int32_t groups) {
+    const int64_t rows = f == TokenFormat::kFp8Blockwise
+                             ? Fp8ScaleLayout::max_rows(routed_rows, groups)
+                             : routed_rows;
+    return DispatchOutputLayout{f, hidden, groups, routed_rows, rows};
+  }
+  EPCOMM_HD int64_t row_bytes() const { return format_row_bytes(format, hidden); }
+  EPCOMM_HD Fp8ScaleLayout fp8() const { return Fp8ScaleLayout{hidden, rows}; }
+  EPCOMM_HD SwizzledScaleLayout swizzled() const {
+    return SwizzledScaleLayout::make(hidden, format_scale_group(format), routed_rows, groups);
+  }
+  EPCOMM_HD Mxfp4ScaleLayout mxfp4() const { return Mxfp4ScaleLayout{hidden, rows}; }
+  EPCOMM_HD int64_t scales_bytes() const {
+    switch (format) {
+      case TokenFormat::kFp8Blockwise: return fp8().size() * 4;
+      case TokenFormat::kNvfp4:
+      case TokenFormat::kMxfp8: return swizzled().size();
+      case TokenFormat::kMxfp4: return mxfp4().size();
+      default: return 0;
+    }
+  }
 };
 
 }  // namespace epcomm
