@@ -85,7 +85,7 @@ ref::DispatchResult padded_layout(const ref::DispatchResult& d, int32_t align) {
   return p;
 }
 
-bool same_layout(const ref::DispatchResult& a, const ref::DispatchResult& b) {
+bool same_layout(const ref::DispatchResult& a, const ref::QuantDispatchResult& b) {
   return a.row_offsets == b.row_offsets && a.expert_ids == b.expert_ids &&
          a.src_info.size() == b.src_info.size() &&
          (a.src_info.empty() || std::memcmp(a.src_info.data(), b.src_info.data(),
@@ -134,68 +134,27 @@ std::vector<uint8_t> encode_messages(const MessageFormat& m, const std::vector<u
   return out;
 }
 
-// A quantised dispatch output's scales against reference::dispatch_quantized's where they are
-// defined: rows [0, rows) of blockwise FP8's columns and of MXFP4's rows; the whole swizzled array
-// (every byte is written, zero where no scale lands) and scales_offsets.
-std::string check_scales(const ref::QuantizedRows& want, int64_t rows,
-                         const epcomm::DispatchOutput& out, const epcomm::Sizes& sizes) {
-  const ref::QuantOutputShape& shape = want.shape;
-  const bool fp8 = shape.format == ref::QuantFormat::kFp8Blockwise;
-  const int64_t want_bytes = shape.scales_size() * (fp8 ? 4 : 1);
-  if (shape.rows != sizes.max_recv_rows || want_bytes != sizes.scales_bytes)
-    return "Sizes has max_recv_rows " + std::to_string(sizes.max_recv_rows) + " and scales_bytes " +
-           std::to_string(sizes.scales_bytes) + ", reference::dispatch_quantized's output " +
-           std::to_string(shape.rows) + " rows and " + std::to_string(want_bytes) +
-           " bytes of scales";
-  const std::vector<uint8_t> got =
-      download(static_cast<const uint8_t*>(out.scales), size_t(want_bytes));
-  const uint8_t* expected =
-      fp8 ? reinterpret_cast<const uint8_t*>(want.fp8_scales.data()) : want.scales.data();
-
-  if (fp8) {  // fp32 [H/128, max_recv_rows]: column k's rows [0, rows)
-    const epcomm::Fp8ScaleLayout layout = shape.fp8_layout();
-    for (int32_t k = 0; k < layout.cols(); ++k) {
-      const int64_t at = layout.offset(0, k) * 4;
-      const int64_t diff = first_difference(got.data() + at, expected + at, rows * 4);
-      if (diff < 0) continue;
-      const int64_t row = diff / 4;
-      uint32_t g = 0, e = 0;
-      std::memcpy(&g, got.data() + at + row * 4, 4);
-      std::memcpy(&e, expected + at + row * 4, 4);
-      return "fp32 scales[" + std::to_string(k) + "][" + std::to_string(row) + "] = " + hex(g, 8) +
-             ", reference " + hex(e, 8);
-    }
-    return "";
-  }
-  if (shape.format == ref::QuantFormat::kMxfp4) {  // e8m0 [max_recv_rows, H/32]: rows [0, rows)
-    const int32_t cols = shape.mxfp4_layout().cols();
-    const int64_t diff = first_difference(got.data(), expected, rows * cols);
-    if (diff < 0) return "";
-    return "e8m0 scales[" + std::to_string(diff / cols) + "][" + std::to_string(diff % cols) +
-           "] = " + hex(got[size_t(diff)], 2) + ", reference " + hex(expected[diff], 2);
-  }
-  // NVFP4, MXFP8: the whole swizzled array.
-  const int64_t diff = first_difference(got.data(), expected, want_bytes);
-  if (diff >= 0) {
-    // Undo SwizzledScaleLayout::offset: [row / 128, col / 4, row % 32, (row % 128) / 32, col % 4].
-    using Swizzled = epcomm::SwizzledScaleLayout;
-    const int64_t col_tiles = shape.swizzled_layout().col_tiles();
-    const int64_t tile = diff / Swizzled::kTileElems, in_tile = diff % Swizzled::kTileElems;
-    const int64_t scale_row = tile / col_tiles * Swizzled::kTileRows +
-                              (in_tile % 16) / 4 * Swizzled::kSubRows + in_tile / 16;
-    const int64_t scale_col = tile % col_tiles * Swizzled::kTileCols + in_tile % 4;
-    return "swizzled scales byte " + std::to_string(diff) + " (scale row " +
-           std::to_string(scale_row) + ", column " + std::to_string(scale_col) +
-           ") = " + hex(got[size_t(diff)], 2) + ", reference " + hex(expected[diff], 2);
-  }
-  const std::vector<uint32_t> offsets =
+// epcomm's quantised dispatch output on the device, downloaded as far as
+// reference::compare_dispatch_quantized reads it (the buffers' sizes are Sizes'), compared with it.
+std::string check_dispatch_quantized(const ref::QuantDispatchResult& want,
+                                     const epcomm::DispatchOutput& out,
+                                     const epcomm::Sizes& sizes) {
+  const size_t groups = size_t(sizes.num_groups);
+  const std::vector<uint32_t> row_offsets = download(out.row_offsets, groups + 1);
+  const size_t rows = size_t(std::min<int64_t>(row_offsets[groups], sizes.max_recv_rows));
+  const std::vector<int32_t> expert_ids = download(out.expert_ids, groups);
+  const std::vector<epcomm::SrcInfo> src_info = download(out.src_info, rows);
+  const std::vector<uint8_t> codes =
+      download(static_cast<const uint8_t*>(out.tokens), rows * size_t(sizes.token_bytes));
+  const std::vector<uint8_t> scales =
+      download(static_cast<const uint8_t*>(out.scales), size_t(sizes.scales_bytes));
+  const std::vector<uint32_t> scales_offsets =
       download(out.scales_offsets, size_t(std::max(sizes.num_scales_offsets, 0)));
-  for (size_t g = 0; g < want.scales_offsets.size(); ++g)
-    if (g >= offsets.size() || offsets[g] != want.scales_offsets[g])
-      return "scales_offsets[" + std::to_string(g) +
-             "] = " + (g < offsets.size() ? std::to_string(offsets[g]) : "missing") +
-             ", reference " + std::to_string(want.scales_offsets[g]);
-  return "";
+  return ref::compare_dispatch_quantized(
+      want, ref::QuantizedDispatchView{sizes.num_groups, sizes.max_recv_rows, sizes.token_bytes,
+                                       sizes.scales_bytes, sizes.num_scales_offsets,
+                                       row_offsets.data(), expert_ids.data(), src_info.data(),
+                                       codes.data(), scales.data(), scales_offsets.data()});
 }
 
 }  // namespace
@@ -217,21 +176,13 @@ Reference build_reference(const ref::Problem& problem, const Team& team,
   }
 
   const size_t n_local = team.n_local();
-  r.quant_rows.resize(n_local);
-  r.quant_scales.resize(n_local);
+  r.quant.resize(n_local);
   parallel_for(n_local, [&](size_t i) {
-    ref::QuantDispatchResult q =
-        ref::dispatch_quantized(problem, team.local()[i].rank, ref::quant_format(message.format),
+    ref::QuantDispatchResult& q = r.quant[i];
+    q = ref::dispatch_quantized(problem, team.local()[i].rank, ref::quant_format(message.format),
                                 message.nvfp4_global_scale, sizes.max_routed_rows);
-    ref::DispatchResult& rows = r.quant_rows[i];
-    rows.row_offsets = std::move(q.row_offsets);
-    rows.expert_ids = std::move(q.expert_ids);
-    rows.src_info = std::move(q.src_info);
-    const size_t codes_bytes = size_t(rows.rows()) * size_t(message.codes_bytes());
-    rows.tokens.resize(codes_bytes / 2);  // every format's row of codes is an even byte count
-    if (codes_bytes > 0) std::memcpy(rows.tokens.data(), q.out.codes.data(), codes_bytes);
-    q.out.codes = std::vector<uint8_t>();
-    r.quant_scales[i] = std::move(q.out);
+    q.out.codes.resize(size_t(q.rows() * q.out.shape.row_bytes()));  // the rows in use
+    q.out.codes.shrink_to_fit();
   });
 
   // Every rank's output rows (combine reads them all); the local ranks' are dispatch_quantized's.
@@ -239,7 +190,7 @@ Reference build_reference(const ref::Problem& problem, const Team& team,
   for (size_t d = 0; d < n; ++d)
     padded[d] = padded_layout(r.dispatch[d], epcomm::format_row_align(message.format));
   for (size_t i = 0; i < n_local; ++i)
-    if (!same_layout(padded[size_t(team.local()[i].rank)], r.quant_rows[i]))
+    if (!same_layout(padded[size_t(team.local()[i].rank)], r.quant[i]))
       throw std::logic_error("epcomm_bench: padding reference::dispatch's rows does not give " +
                              std::string("reference::dispatch_quantized's on rank ") +
                              std::to_string(team.local()[i].rank));
@@ -261,9 +212,8 @@ Reference build_reference(const ref::Problem& problem, const Team& team,
 
 std::string check_dispatch(const Reference& ref, size_t local_index, int32_t rank,
                            const epcomm::DispatchOutput& out, const epcomm::Sizes& sizes) {
-  const bool quantized = ref.message.quantized();
-  const ref::DispatchResult& want =
-      quantized ? ref.quant_rows[local_index] : ref.dispatch[size_t(rank)];
+  if (ref.message.quantized()) return check_dispatch_quantized(ref.quant[local_index], out, sizes);
+  const ref::DispatchResult& want = ref.dispatch[size_t(rank)];
   const int32_t groups = sizes.num_groups;
   const std::vector<uint32_t> row_offsets = download(out.row_offsets, size_t(groups) + 1);
   const int64_t gpu_rows = row_offsets[size_t(groups)];
@@ -274,16 +224,11 @@ std::string check_dispatch(const Reference& ref, size_t local_index, int32_t ran
   const size_t rows = size_t(std::max(gpu_rows, want.rows()));
   const std::vector<int32_t> expert_ids = download(out.expert_ids, size_t(groups));
   const std::vector<epcomm::SrcInfo> src_info = download(out.src_info, rows);
-  // Codes are compared as 16-bit words (bf16: the tokens themselves).
-  if (sizes.token_bytes % 2 != 0) throw std::logic_error("epcomm_bench: odd Sizes::token_bytes");
-  const int64_t words = sizes.token_bytes / 2;
-  const std::vector<uint16_t> codes =
-      download(static_cast<const uint16_t*>(out.tokens), rows * size_t(words));
-  const std::string msg = ref::compare_dispatch(want, row_offsets.data(), expert_ids.data(),
-                                                src_info.data(), codes.data(), int32_t(words));
-  if (!msg.empty())
-    return quantized && msg.rfind("tokens[", 0) == 0 ? "codes, as 16-bit words: " + msg : msg;
-  return quantized ? check_scales(ref.quant_scales[local_index], want.rows(), out, sizes) : "";
+  const int32_t hidden = ref.message.hidden;
+  const std::vector<uint16_t> tokens =
+      download(static_cast<const uint16_t*>(out.tokens), rows * size_t(hidden));
+  return ref::compare_dispatch(want, row_offsets.data(), expert_ids.data(), src_info.data(),
+                               tokens.data(), hidden);
 }
 
 std::string check_expert_major(const Reference& ref, int32_t rank,

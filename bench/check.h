@@ -26,12 +26,10 @@ struct Reference {
   // layout (combine needs every rank's). For a quantised format its bf16 tokens are dropped once
   // used.
   std::vector<epcomm::reference::DispatchResult> dispatch;
-  // Quantised formats, per local rank: what epcomm's dispatch must produce, from
-  // reference::dispatch_quantized. `quant_rows` holds its row_offsets, expert_ids and src_info
-  // (padding rows {-1, -1, -1}) and, in `tokens`, the codes of rows [0, row_offsets[G]) as 16-bit
-  // words; `quant_scales` its scales and scales_offsets (codes dropped).
-  std::vector<epcomm::reference::DispatchResult> quant_rows;
-  std::vector<epcomm::reference::QuantizedRows> quant_scales;
+  // Quantised formats, per local rank: what epcomm's dispatch must produce,
+  // reference::dispatch_quantized, its codes cut to the rows in use [0, row_offsets[G]) (all
+  // that reference::compare_dispatch_quantized reads of them).
+  std::vector<epcomm::reference::QuantDispatchResult> quant;
   // Per local rank, weighted [T, H]: epcomm's combine, and the NCCL baseline's (quantised formats
   // only: its expert outputs sit at other rows; for bf16 it is `combine`).
   std::vector<std::vector<double>> combine;
@@ -46,10 +44,11 @@ Reference build_reference(const epcomm::reference::Problem& problem, const Team&
                           const MessageFormat& message, const epcomm::Sizes& sizes, bool with_nccl);
 
 // Each returns "" when the output matches, else the first mismatch.
-// epcomm's dispatch output of local rank `local_index` (rank `rank`), on the device: row_offsets,
-// expert_ids, src_info and the codes of rows [0, row_offsets[G]) exactly (bf16: the tokens); for
-// a quantised format also the scales where defined (blockwise FP8 and MXFP4: rows
-// [0, row_offsets[G]); NVFP4 and MXFP8: the whole swizzled array, and scales_offsets).
+// epcomm's dispatch output of local rank `local_index` (rank `rank`), on the device: bf16,
+// row_offsets, expert_ids, src_info and the tokens of rows [0, row_offsets[G]) exactly
+// (reference::compare_dispatch); a quantised format, downloaded and compared by
+// reference::compare_dispatch_quantized (its sizes, row_offsets, expert_ids, src_info, codes,
+// scales where defined and scales_offsets).
 std::string check_dispatch(const Reference& ref, size_t local_index, int32_t rank,
                            const epcomm::DispatchOutput& out, const epcomm::Sizes& sizes);
 // An expert-major output without src_info (the NCCL baseline, rows of message.row_bytes() bytes):

@@ -84,17 +84,33 @@ struct DispatchRecvLayout {
   EPCOMM_HD int64_t bytes(int32_t n_ranks) const { return int64_t(n_ranks) * max_tokens * msg.bytes(); }
 };
 
-// What a source tells each destination before its tokens: how many messages it sends and how
-// many of them land in each local group. `seq` is written last (release) and marks the record
-// valid for that call.
+// Tokens are sent in chunks of kChunkTokens consecutive tokens: chunk c is tokens
+// [c * kChunkTokens, (c + 1) * kChunkTokens). A chunk's messages to one destination are
+// consecutive in its stream (streams are in token order), and the sender raises the chunk's
+// arrival flag in the destination once they are all stored, so the destination can expand a
+// chunk while later ones are still on the way.
+constexpr int32_t kChunkTokens = 16;
+EPCOMM_HD constexpr int32_t num_chunks(int32_t tokens) {
+  return (tokens + kChunkTokens - 1) / kChunkTokens;
+}
+
+// What a source tells each destination before its tokens: how many messages it sends, how many
+// of them land in each local group, and where each chunk's messages start in its stream. `seq`
+// is written last (release) and marks the record valid for that call.
 struct MetaLayout {
   int32_t n_local;
+  int32_t max_chunks;  // num_chunks(max_tokens)
 
-  // u64 seq, i32 stream_count, i32 pad, i32 counts[n_local]
-  EPCOMM_HD int64_t bytes() const { return align_up(16 + 4 * int64_t(n_local), 16); }
+  // u64 seq, i32 stream_count, i32 n_chunks, i32 counts[n_local],
+  // i32 chunk_start[n_chunks + 1] (chunk_start[n_chunks] = stream_count)
+  EPCOMM_HD int64_t bytes() const {
+    return align_up(16 + 4 * int64_t(n_local) + 4 * (int64_t(max_chunks) + 1), 16);
+  }
   EPCOMM_HD static int64_t seq_offset() { return 0; }
   EPCOMM_HD static int64_t stream_count_offset() { return 8; }
+  EPCOMM_HD static int64_t n_chunks_offset() { return 12; }
   EPCOMM_HD static int64_t counts_offset() { return 16; }
+  EPCOMM_HD int64_t chunk_start_offset() const { return 16 + 4 * int64_t(n_local); }
 };
 
 // The combine receive buffer of one rank: one row per (token, top-k slot).
@@ -111,7 +127,8 @@ struct CombineRecvLayout {
 };
 
 // The symmetric window every rank allocates and every peer maps: the same offsets on all ranks.
-// Signals (monotonic u64 counters, zeroed once at set-up) come first so one memset clears them.
+// Signals and chunk flags (monotonic u64 counters, zeroed once at set-up) and the meta records
+// come first so one memset clears them.
 struct WindowLayout {
   int32_t n_ranks;
   int32_t hidden;
@@ -122,14 +139,14 @@ struct WindowLayout {
 
   EPCOMM_HD MessageLayout msg() const { return MessageLayout{hidden, top_k, format}; }
   EPCOMM_HD DispatchRecvLayout dispatch_recv() const { return DispatchRecvLayout{msg(), max_tokens}; }
-  EPCOMM_HD MetaLayout meta() const { return MetaLayout{n_experts / n_ranks}; }
+  EPCOMM_HD MetaLayout meta() const { return MetaLayout{n_experts / n_ranks, num_chunks(max_tokens)}; }
   EPCOMM_HD CombineRecvLayout combine_recv() const {
     return CombineRecvLayout{hidden, top_k, max_tokens};
   }
 
   // Signal words, each u64 indexed by peer rank.
   enum Signal : int32_t {
-    kDispatchArrived = 0,  // [src]: blocks of src that finished sending to me (cumulative)
+    kDispatchArrived = 0,  // unused (dispatch data arrival is per chunk: chunk_flag_offset)
     kDispatchAck = 1,      // [dst]: last call whose receive buffer dst has finished reading
     kCombineArrived = 2,   // [src]: blocks of src that finished sending combine rows to me
     kCombineAck = 3,       // [dst]: last call whose combine buffer dst has finished reading
@@ -139,9 +156,16 @@ struct WindowLayout {
     return (int64_t(s) * kMaxPeers + peer) * 8;
   }
   EPCOMM_HD int64_t signals_bytes() const { return align_up(int64_t(kNumSignals) * kMaxPeers * 8, 256); }
-  EPCOMM_HD int64_t meta_offset(int32_t src) const { return signals_bytes() + src * meta().bytes(); }
+  // Chunk arrival flags: u64 [src][chunk] = the last call whose chunk of src has arrived.
+  EPCOMM_HD int64_t chunk_flag_offset(int32_t src, int32_t chunk) const {
+    return signals_bytes() + (int64_t(src) * num_chunks(max_tokens) + chunk) * 8;
+  }
+  EPCOMM_HD int64_t chunk_flags_end() const {
+    return align_up(chunk_flag_offset(n_ranks, 0), 256);
+  }
+  EPCOMM_HD int64_t meta_offset(int32_t src) const { return chunk_flags_end() + src * meta().bytes(); }
   EPCOMM_HD int64_t meta_region_end() const {
-    return align_up(signals_bytes() + int64_t(n_ranks) * meta().bytes(), 256);
+    return align_up(chunk_flags_end() + int64_t(n_ranks) * meta().bytes(), 256);
   }
   EPCOMM_HD int64_t dispatch_recv_offset() const { return meta_region_end(); }
   EPCOMM_HD int64_t combine_recv_offset() const {

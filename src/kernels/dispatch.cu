@@ -37,39 +37,6 @@ constexpr int kWarps = kThreads / kWarpSize;
 constexpr int kUnitTokens = kWarps * kWarpSize;  // tokens ranked together by one block
 constexpr int kUnroll = 4;                       // 16-byte vectors in flight per lane
 
-// Copies n_vec 16-byte vectors from `src` to each of the n_dst rows `dst(j)`, loaded once: the
-// warp's lanes take vectors lane, lane + 32, ... with kUnroll loads in flight. `load` is the
-// load to use (ld_nc_v4 for inputs no one writes during the kernel, ld_v4 for peers' data).
-template <class Load, class Dst>
-__device__ __forceinline__ void copy_vectors(const char* src, int32_t n_vec, int32_t n_dst,
-                                             Load load, Dst dst) {
-  const int lane = threadIdx.x % kWarpSize;
-  for (int32_t v0 = 0; v0 < n_vec; v0 += kWarpSize * kUnroll) {
-    uint4 buf[kUnroll];
-#pragma unroll
-    for (int i = 0; i < kUnroll; ++i) {
-      const int32_t v = v0 + i * kWarpSize + lane;
-      if (v < n_vec) buf[i] = load(src + int64_t(v) * 16);
-    }
-    for (int32_t j = 0; j < n_dst; ++j) {
-      char* d = dst(j);
-      if (d == nullptr) continue;
-#pragma unroll
-      for (int i = 0; i < kUnroll; ++i) {
-        const int32_t v = v0 + i * kWarpSize + lane;
-        if (v < n_vec) st_v4(d + int64_t(v) * 16, buf[i]);
-      }
-    }
-  }
-}
-
-struct LoadNc {
-  __device__ uint4 operator()(const char* p) const { return ld_nc_v4(p); }
-};
-struct LoadCoherent {
-  __device__ uint4 operator()(const char* p) const { return ld_v4(p); }
-};
-
 // ---- 1. ranking -----------------------------------------------------------------------------
 
 // Validates token t's ids (recording the first problem) and returns them with bad ids masked.
@@ -151,6 +118,20 @@ __device__ void rank_units(const DispatchParams& p, unsigned long long seq, uint
             (rank_mask >> r) & 1u ? wp[key] + __popc(bm[key] & lt) : -1;
       }
     }
+    // Each chunk's first position in each destination stream, relative to the unit: the tokens
+    // of earlier warps, plus the first half of this warp's for a chunk in its second half.
+    constexpr int32_t kChunksPerUnit = kUnitTokens / kChunkTokens;
+    static_assert(kWarpSize % kChunkTokens == 0, "a chunk lies inside one warp's tokens");
+    for (int32_t i = threadIdx.x; i < kChunksPerUnit * g.n_ranks; i += kThreads) {
+      const int32_t h = i / g.n_ranks, r = i % g.n_ranks;
+      const int32_t chunk = u * kChunksPerUnit + h;
+      if (chunk * kChunkTokens >= p.num_tokens) continue;
+      const int32_t w = h * kChunkTokens / kWarpSize, lane0 = h * kChunkTokens % kWarpSize;
+      const int32_t key = em.rank_key(r);
+      const uint32_t below = lane0 == 0 ? 0u : (1u << lane0) - 1u;
+      p.scratch.chunk_pos[int64_t(chunk) * g.n_ranks + r] =
+          warp_prefix[w * nk + key] + __popc(bitmap[w * nk + key] & below);
+    }
     __syncthreads();
     if (valid) {  // clear only the words this lane set
 #pragma unroll
@@ -191,9 +172,19 @@ __device__ void send_meta(const DispatchParams& p, unsigned long long seq, bool 
     int32_t* counts = reinterpret_cast<int32_t*>(meta + ml.counts_offset());
     for (int32_t j = lane; j < n_local; j += kWarpSize)
       counts[j] = bad ? 0 : totals[d * n_local + j];
-    if (lane == 0)
-      *reinterpret_cast<int32_t*>(meta + ml.stream_count_offset()) =
-          bad ? 0 : totals[em.rank_key(d)];
+    const int32_t n_chunks = bad ? 0 : num_chunks(p.num_tokens);
+    const int32_t stream_count = bad ? 0 : totals[em.rank_key(d)];
+    if (lane == 0) {
+      *reinterpret_cast<int32_t*>(meta + ml.stream_count_offset()) = stream_count;
+      *reinterpret_cast<int32_t*>(meta + ml.n_chunks_offset()) = n_chunks;
+    }
+    int32_t* chunk_start = reinterpret_cast<int32_t*>(meta + ml.chunk_start_offset());
+    for (int32_t c = lane; c <= n_chunks; c += kWarpSize) {
+      const int32_t unit = c * kChunkTokens / kUnitTokens;
+      chunk_start[c] = c == n_chunks ? stream_count
+                                     : p.scratch.unit_prefix[int64_t(unit) * nk + em.rank_key(d)] +
+                                           p.scratch.chunk_pos[int64_t(c) * g.n_ranks + d];
+    }
     __syncwarp();
     if (lane == 0) {
       __threadfence_system();
@@ -204,8 +195,19 @@ __device__ void send_meta(const DispatchParams& p, unsigned long long seq, bool 
 
 // ---- 3. messages ------------------------------------------------------------------------------
 
+// The codes of this lane's unit and the next ones, gathered into the 16 bytes the first lane of
+// each pack stores (the other lanes' results are unused). Called by all 32 lanes.
+__device__ __forceinline__ uint4 pack_codes16(uint2 c) {  // e4m3: 2 units
+  return make_uint4(c.x, c.y, __shfl_down_sync(0xffffffffu, c.x, 1),
+                    __shfl_down_sync(0xffffffffu, c.y, 1));
+}
+__device__ __forceinline__ uint4 pack_codes16(uint32_t c) {  // e2m1: 4 units
+  return make_uint4(c, __shfl_down_sync(0xffffffffu, c, 1), __shfl_down_sync(0xffffffffu, c, 2),
+                    __shfl_down_sync(0xffffffffu, c, 3));
+}
+
 // Quantises one bf16 row of `hidden` values into the payload of each of n_dest messages: codes
-// (unit u's 8 codes at byte u * 8 or u * 4), then the row's scales (scale b at scales_offset + b
+// (unit u's 8 codes at byte u * 8 or u * 4, stored 16 bytes at a time), then the row's scales (scale b at scales_offset + b
 // * scale bytes). All 32 lanes step together (lanes past the row's end carry zeros), so the
 // shuffles of a block's amax never sit in a loop whose trip count differs by lane.
 template <TokenFormat F>
@@ -230,13 +232,15 @@ __device__ void quantize_to(const uint16_t* row, int32_t hidden, float gs, const
       float z[kLaneValues];
       unpack_bf16x8(raw[k], z);
       const Quant q = BlockQuantOf<F>::make(lanes_amax<kLanes>(z), gs);
+      // The codes of 16 / sizeof(code) adjacent units (2 for e4m3, 4 for e2m1) go out as one
+      // 16-byte store by the first lane of each pack (units per row are a multiple of 4).
+      const uint4 packed = pack_codes16(encode_unit(q, z));
+      constexpr int kPack = int(16 / sizeof(encode_unit(q, z)));
       if (unit >= units) continue;
-      const auto code = encode_unit(q, z);
-      using Code = std::remove_const_t<decltype(code)>;
       const auto scale = stored_scale(q);
       using Scale = std::remove_const_t<decltype(scale)>;
       for (int32_t j = 0; j < n_dest; ++j) {
-        reinterpret_cast<Code*>(payload[j])[unit] = code;
+        if (lane % kPack == 0) st_v4(payload[j] + int64_t(unit / kPack) * 16, packed);
         if (unit % kLanes == 0)
           reinterpret_cast<Scale*>(payload[j] + scales_at)[unit / kLanes] = scale;
       }
@@ -244,8 +248,22 @@ __device__ void quantize_to(const uint16_t* row, int32_t hidden, float gs, const
   }
 }
 
+// Raises chunk c's arrival flag in every destination once the block's stores of it are done.
+__device__ inline void signal_chunk(const GroupView& g, int32_t chunk, unsigned long long seq) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    const WindowLayout wl = g.layout();
+    for (int32_t d = 0; d < g.n_ranks; ++d)
+      st_release_sys(reinterpret_cast<unsigned long long*>(
+                         window_at(g, d, wl.chunk_flag_offset(g.rank, chunk))),
+                     seq);
+  }
+}
+
+// One token: its headers, then its payload, to every destination rank it goes to. Whole warp.
 template <TokenFormat F>
-__device__ void send_messages(const DispatchParams& p, int32_t num_tokens) {
+__device__ void send_token(const DispatchParams& p, int32_t t) {
   const GroupView& g = p.g;
   const ExpertMap em = g.experts();
   const int32_t nk = em.num_keys(), K = g.top_k;
@@ -254,11 +272,8 @@ __device__ void send_messages(const DispatchParams& p, int32_t num_tokens) {
   const DispatchRecvLayout rl = wl.dispatch_recv();
   const int lane = threadIdx.x % kWarpSize;
   const int32_t n_vec = g.hidden / 8;  // 16-byte vectors per bf16 token
-  const int32_t warps_total = gridDim.x * kWarps;
   const char* tokens = static_cast<const char*>(p.tokens);
-
-  for (int32_t t = blockIdx.x * kWarps + threadIdx.x / kWarpSize; t < num_tokens;
-       t += warps_total) {
+  {  // (one scope: the token's routing)
     const int32_t* prefix = p.scratch.unit_prefix + int64_t(t / kUnitTokens) * nk;
     // Lane k: top-k slot k. Lane r: destination rank r.
     int32_t id = -1, dest = -1, pos = 0;
@@ -303,8 +318,24 @@ __device__ void send_messages(const DispatchParams& p, int32_t num_tokens) {
   }
 }
 
+// Sender block `sender` of n_senders takes chunks sender, sender + n_senders, ...: warp w sends
+// the chunk's token w, then the block raises the chunk's flag.
 template <TokenFormat F>
-__device__ void dispatch_send(const DispatchParams& p, unsigned long long seq, char* smem) {
+__device__ void send_messages(const DispatchParams& p, int32_t num_tokens, int32_t sender,
+                              int32_t n_senders, unsigned long long seq) {
+  static_assert(kChunkTokens == kWarps, "one token of a chunk per warp");
+  for (int32_t chunk = sender; chunk < num_chunks(num_tokens); chunk += n_senders) {
+    const int32_t t = chunk * kChunkTokens + threadIdx.x / kWarpSize;
+    if (t < num_tokens) send_token<F>(p, t);
+    signal_chunk(p.g, chunk, seq);
+  }
+}
+
+// Ranking uses every block; then blocks [0, n_senders) send (the others go on to receive, in
+// the fused kernel).
+template <TokenFormat F>
+__device__ bool dispatch_send(const DispatchParams& p, unsigned long long seq, char* smem,
+                              int32_t n_senders) {
   const GroupView& g = p.g;
   const int32_t nk = g.experts().num_keys();
   uint32_t* bitmap = reinterpret_cast<uint32_t*>(smem);
@@ -313,9 +344,10 @@ __device__ void dispatch_send(const DispatchParams& p, unsigned long long seq, c
   __syncthreads();
 
   rank_units(p, seq, bitmap, warp_prefix);
-  if (!grid_barrier(g)) return;
+  if (!grid_barrier(g)) return false;
   scan_units(p);
-  if (!grid_barrier(g)) return;
+  if (!grid_barrier(g)) return false;
+  if (int32_t(blockIdx.x) >= n_senders) return true;
 
   const bool bad = *reinterpret_cast<volatile unsigned long long*>(&g.state->bad_input) == seq;
   const int32_t num_tokens = bad ? 0 : p.num_tokens;
@@ -324,10 +356,10 @@ __device__ void dispatch_send(const DispatchParams& p, unsigned long long seq, c
   // The destinations must have finished reading the previous call's messages.
   if (!block_wait_signal(g, all_ranks_mask(g), WindowLayout::kDispatchAck, kOpDispatchSend,
                          kWaitAck, [&](int32_t) { return seq - 1; }))
-    return;
-  if (blockIdx.x == gridDim.x - 1) send_meta(p, seq, bad);
-  send_messages<F>(p, num_tokens);
-  block_signal_all(g, WindowLayout::kDispatchArrived);
+    return false;
+  if (int32_t(blockIdx.x) == n_senders - 1) send_meta(p, seq, bad);
+  send_messages<F>(p, num_tokens, blockIdx.x, n_senders, seq);
+  return true;
 }
 
 // ---- 4. receive -------------------------------------------------------------------------------
@@ -340,9 +372,10 @@ struct RecvGroups {
   int32_t* row_offset;    // [n_local + 1]: row_offsets (FP8: padded group counts)
   int32_t* rows;          // [n_local]: rows that arrive in group g (m_g, unpadded)
   int32_t* tile_start;    // [n_local + 1]: swizzled formats: first scale tile of group g
+  int32_t* n_chunks;      // [n_ranks]: chunks source s sends
 
   __host__ __device__ static int64_t smem_words(int32_t n_ranks, int32_t n_local) {
-    return 3 * int64_t(n_ranks) * n_local + n_ranks + 3 * int64_t(n_local) + 2;
+    return 3 * int64_t(n_ranks) * n_local + 2 * int64_t(n_ranks) + 3 * int64_t(n_local) + 2;
   }
   __device__ static RecvGroups carve(char* smem, int32_t n_ranks, int32_t n_local) {
     int32_t* w = reinterpret_cast<int32_t*>(smem);
@@ -353,6 +386,7 @@ struct RecvGroups {
     r.row_offset = r.stream_count + n_ranks;
     r.rows = r.row_offset + n_local + 1;
     r.tile_start = r.rows + n_local;
+    r.n_chunks = r.tile_start + n_local + 1;
     return r;
   }
 };
@@ -395,47 +429,45 @@ __device__ void place_scales(const DispatchParams& p, const RecvGroups& rg, cons
   }
 }
 
+// Expands message m of source src into its rows (one wire copy, up to K output rows). Called by
+// the whole warp.
 template <TokenFormat F>
-__device__ void expand_messages(const DispatchParams& p, const RecvGroups& rg, int32_t src,
-                                int32_t count) {
+__device__ void expand_message(const DispatchParams& p, const RecvGroups& rg, int32_t src,
+                               int32_t m) {
   const GroupView& g = p.g;
   const WindowLayout wl = g.layout();
   const MessageLayout ml = wl.msg();
-  const DispatchRecvLayout rl = wl.dispatch_recv();
   const int lane = threadIdx.x % kWarpSize;
   const int32_t n_local = g.n_local();
   const int64_t row_bytes = format_row_bytes(F, g.hidden);  // a multiple of 16 (Config)
-  const int32_t n_vec = int32_t(row_bytes / 16);
   const int64_t row_limit = g.output().rows;
   char* out = static_cast<char*>(p.out_tokens);
 
-  for (int32_t m = blockIdx.x * kWarps + threadIdx.x / kWarpSize; m < count;
-       m += gridDim.x * kWarps) {
-    const char* msg = window_at(g, g.rank, wl.dispatch_recv_offset() + rl.offset(src, m));
-    const MessageHeader* h = reinterpret_cast<const MessageHeader*>(msg);
-    const int32_t token = h->token;
-    const int32_t n = min(h->n_entries, g.top_k);
-    int64_t row = -1;
-    int32_t grp = -1;
-    if (lane < n) {
-      const MessageEntry e = h->entries[lane];
-      grp = e.group();
-      if (grp < n_local) row = int64_t(rg.base[src * n_local + grp]) + e.pos;
-      if (row >= row_limit) row = -1;  // never write outside the output
-      if (row >= 0) p.src_info[row] = SrcInfo{token, int16_t(src), int16_t(e.slot())};
-    }
-    // The shuffles below sit in loops every lane runs the same number of times (n and n_vec
-    // are the warp's).
-    copy_vectors(msg + ml.payload_offset(), n_vec, n, LoadCoherent{}, [&](int32_t j) {
+  const char* msg = window_at(g, g.rank, wl.dispatch_recv_offset() + wl.dispatch_recv().offset(src, m));
+  const MessageHeader* h = reinterpret_cast<const MessageHeader*>(msg);
+  const int32_t token = h->token;
+  const int32_t n = min(h->n_entries, g.top_k);
+  int64_t row = -1;
+  int32_t grp = -1;
+  if (lane < n) {
+    const MessageEntry e = h->entries[lane];
+    grp = e.group();
+    if (grp < n_local) row = int64_t(rg.base[src * n_local + grp]) + e.pos;
+    if (row >= row_limit) row = -1;  // never write outside the output
+    if (row >= 0) p.src_info[row] = SrcInfo{token, int16_t(src), int16_t(e.slot())};
+  }
+  // The shuffles below sit in loops every lane runs the same number of times (n and the vector
+  // count are the warp's).
+  copy_vectors(msg + ml.payload_offset(), int32_t(row_bytes / 16), n, LoadCoherent{},
+               [&](int32_t j) {
+                 const int64_t r = __shfl_sync(0xffffffffu, row, j);
+                 return r < 0 ? nullptr : out + r * row_bytes;
+               });
+  if constexpr (F != TokenFormat::kBF16) {
+    for (int32_t j = 0; j < n; ++j) {
       const int64_t r = __shfl_sync(0xffffffffu, row, j);
-      return r < 0 ? nullptr : out + r * row_bytes;
-    });
-    if constexpr (F != TokenFormat::kBF16) {
-      for (int32_t j = 0; j < n; ++j) {
-        const int64_t r = __shfl_sync(0xffffffffu, row, j);
-        const int32_t gj = __shfl_sync(0xffffffffu, grp, j);
-        if (r >= 0) place_scales<F>(p, rg, msg + ml.scales_offset(), gj, r);
-      }
+      const int32_t gj = __shfl_sync(0xffffffffu, grp, j);
+      if (r >= 0) place_scales<F>(p, rg, msg + ml.scales_offset(), gj, r);
     }
   }
 }
@@ -445,13 +477,14 @@ __device__ void expand_messages(const DispatchParams& p, const RecvGroups& rg, i
 // layouts' unused scale slots (the rest of each group's last tile, and the tiles no group uses).
 // Spread over every warp of the grid.
 template <TokenFormat F>
-__device__ void fill_padding(const DispatchParams& p, const RecvGroups& rg) {
+__device__ void fill_padding(const DispatchParams& p, const RecvGroups& rg, int32_t rb,
+                             int32_t n_rb) {
   const GroupView& g = p.g;
   const DispatchOutputLayout out = g.output();
   const int32_t n_local = g.n_local();
   const int lane = threadIdx.x % kWarpSize;
-  const int64_t warp = int64_t(blockIdx.x) * kWarps + threadIdx.x / kWarpSize;
-  const int64_t warps = int64_t(gridDim.x) * kWarps;
+  const int64_t warp = int64_t(rb) * kWarps + threadIdx.x / kWarpSize;
+  const int64_t warps = int64_t(n_rb) * kWarps;
   if constexpr (F == TokenFormat::kFp8Blockwise) {
     constexpr int32_t kPad = Fp8ScaleLayout::kRowAlign - 1;  // padding rows per group, at most
     const Fp8ScaleLayout l = out.fp8();
@@ -485,14 +518,43 @@ __device__ void fill_padding(const DispatchParams& p, const RecvGroups& rg) {
     // Whole tiles past the last group's.
     const int64_t used = rg.tile_start[n_local] < l.row_tiles ? rg.tile_start[n_local] : l.row_tiles;
     const int64_t begin = l.tile_offset(used, 0) / 16, end = l.size() / 16;
-    for (int64_t v = begin + int64_t(blockIdx.x) * kThreads + threadIdx.x; v < end;
-         v += int64_t(gridDim.x) * kThreads)
+    for (int64_t v = begin + int64_t(rb) * kThreads + threadIdx.x; v < end;
+         v += int64_t(n_rb) * kThreads)
       st_v4(scales + v * 16, make_uint4(0, 0, 0, 0));
   }
 }
 
+// Every block of a fused or receive kernel arrives here once; the last one to arrive releases
+// kDispatchAck[me] = seq in every source (its receive buffer is free again) and bumps the local
+// dispatch_seq.
+__device__ inline void dispatch_done(const GroupView& g, unsigned long long seq) {
+  if (last_block_done(g, &g.state->dispatch_done) && threadIdx.x == 0) {
+    for (int32_t s = 0; s < g.n_ranks; ++s)
+      st_release_sys(signal_word(g, s, WindowLayout::kDispatchAck, g.rank), seq);
+    g.state->dispatch_seq = seq;
+  }
+}
+
+// The warp waits until chunk `chunk` of source src has arrived; false after a timeout (recorded,
+// naming src) or an abort.
+__device__ inline bool warp_wait_chunk(const GroupView& g, int32_t src, int32_t chunk,
+                                       unsigned long long seq) {
+  int ok = 1;
+  if (threadIdx.x % kWarpSize == 0) {
+    const unsigned long long* flag = reinterpret_cast<const unsigned long long*>(
+        window_at(g, g.rank, g.layout().chunk_flag_offset(src, chunk)));
+    ok = wait_peers(g, 1u << src, kOpDispatchRecv, kWaitData,
+                    [&](int32_t) { return ld_acquire_sys(flag) >= seq; });
+  }
+  ok = __shfl_sync(0xffffffffu, ok, 0);
+  __syncwarp();  // the other lanes read the chunk after lane 0's acquire
+  return ok != 0;
+}
+
+// Receiver block rb of n_rb (all blocks of dispatch_wait; the non-senders of the fused kernel).
 template <TokenFormat F>
-__device__ void dispatch_recv(const DispatchParams& p, unsigned long long seq, char* smem) {
+__device__ void dispatch_recv(const DispatchParams& p, unsigned long long seq, char* smem,
+                              int32_t rb, int32_t n_rb) {
   const GroupView& g = p.g;
   const WindowLayout wl = g.layout();
   const MetaLayout ml = wl.meta();
@@ -511,9 +573,12 @@ __device__ void dispatch_recv(const DispatchParams& p, unsigned long long seq, c
     const int32_t s = i / n_local, j = i % n_local;
     rg.counts[i] = reinterpret_cast<const volatile int32_t*>(meta_at(s) + ml.counts_offset())[j];
   }
-  if (threadIdx.x < n_ranks)
+  if (threadIdx.x < n_ranks) {
     rg.stream_count[threadIdx.x] =
         *reinterpret_cast<const volatile int32_t*>(meta_at(threadIdx.x) + ml.stream_count_offset());
+    rg.n_chunks[threadIdx.x] =
+        *reinterpret_cast<const volatile int32_t*>(meta_at(threadIdx.x) + ml.n_chunks_offset());
+  }
   __syncthreads();
 
   // row_offsets: exclusive scan of the group totals, each padded to the format's row alignment;
@@ -551,7 +616,7 @@ __device__ void dispatch_recv(const DispatchParams& p, unsigned long long seq, c
   for (int32_t grp = threadIdx.x; grp < n_local; grp += kThreads)
     for (int32_t s = 0; s < n_ranks; ++s)
       rg.base[s * n_local + grp] = rg.row_offset[grp] + rows.source_offset(s, grp);
-  if (blockIdx.x == 0) {
+  if (rb == 0) {
     for (int32_t grp = threadIdx.x; grp <= n_local; grp += kThreads) {
       p.row_offsets[grp] = uint32_t(rg.row_offset[grp]);
       if (grp < n_local) p.expert_ids[grp] = grp;
@@ -560,22 +625,43 @@ __device__ void dispatch_recv(const DispatchParams& p, unsigned long long seq, c
     }
   }
   __syncthreads();
-  fill_padding<F>(p, rg);
+  fill_padding<F>(p, rg, rb, n_rb);
 
-  for (int32_t i = 0; i < n_ranks; ++i) {
-    const int32_t s = (g.rank + i) % n_ranks;
-    if (!block_wait_signal(g, 1u << s, WindowLayout::kDispatchArrived, kOpDispatchRecv,
-                           kWaitData,
-                           [&](int32_t) { return seq * (unsigned long long)g.num_blocks; }))
-      return;
-    expand_messages<F>(p, rg, s, rg.stream_count[s]);
+  // Work items (chunk, source, part), chunk-major so they come due in the order the chunks
+  // arrive: a warp waits for the chunk's flag, then expands messages part, part + kParts, ... of
+  // it (a chunk holds up to 16 messages per source; parts spread them over more warps).
+  constexpr int32_t kParts = 4;
+  int32_t max_chunks = 0;
+  for (int32_t s = 0; s < n_ranks; ++s) max_chunks = max(max_chunks, rg.n_chunks[s]);
+  const int64_t items = int64_t(max_chunks) * n_ranks * kParts;
+  bool ok = true;
+  for (int64_t i = int64_t(rb) * kWarps + threadIdx.x / kWarpSize; ok && i < items;
+       i += int64_t(n_rb) * kWarps) {
+    const int32_t part = int32_t(i % kParts);
+    const int32_t s = int32_t((i / kParts) % n_ranks);
+    const int32_t c = int32_t(i / (int64_t(kParts) * n_ranks));
+    if (c >= rg.n_chunks[s]) continue;
+    if (!warp_wait_chunk(g, s, c, seq)) {
+      ok = false;
+      break;
+    }
+    const int32_t* starts =
+        reinterpret_cast<const int32_t*>(meta_at(s) + ml.chunk_start_offset());
+    const int32_t end = min(starts[c + 1], rg.stream_count[s]);
+    for (int32_t m = starts[c] + part; m < end; m += kParts) expand_message<F>(p, rg, s, m);
   }
+  // A warp that gave up has set the abort flag (or found it set): the block stops here.
+  if (block_aborted(g)) return;
+  dispatch_done(g, seq);
+}
 
-  if (last_block_done(g, &g.state->dispatch_done) && threadIdx.x == 0) {
-    for (int32_t s = 0; s < n_ranks; ++s)
-      st_release_sys(signal_word(g, s, WindowLayout::kDispatchAck, g.rank), seq);
-    g.state->dispatch_seq = seq;
-  }
+// Every block of a fused or receive kernel arrives here once; the last one to arrive releases
+// kDispatchAck[me] = seq in every source (its receive buffer is free again) and bumps the local
+// dispatch_seq.
+// The fused kernel: every block ranks; then a third of the blocks send and the rest receive, so
+// expansion runs while tokens are still arriving (one block: it sends, then receives).
+__host__ __device__ constexpr int32_t fused_senders(int32_t blocks) {
+  return blocks < 2 ? 1 : (blocks / 3 > 0 ? blocks / 3 : 1);
 }
 
 template <bool kSend, bool kRecv, TokenFormat F>
@@ -583,8 +669,25 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams p)
   extern __shared__ __align__(16) char smem[];
   if (block_aborted(p.g)) return;
   const unsigned long long seq = p.g.state->dispatch_seq + 1;
-  if (kSend) dispatch_send<F>(p, seq, smem);
-  if (kRecv && !block_aborted(p.g)) dispatch_recv<F>(p, seq, smem);
+  const int32_t blocks = gridDim.x, b = blockIdx.x;
+  if (kSend && !kRecv) {
+    dispatch_send<F>(p, seq, smem, blocks);
+    return;
+  }
+  if (!kSend) {
+    if (!block_aborted(p.g)) dispatch_recv<F>(p, seq, smem, b, blocks);
+    return;
+  }
+  const int32_t senders = fused_senders(blocks);
+  if (!dispatch_send<F>(p, seq, smem, senders)) return;
+  if (block_aborted(p.g)) return;
+  if (blocks == 1) {
+    dispatch_recv<F>(p, seq, smem, 0, 1);
+  } else if (b >= senders) {
+    dispatch_recv<F>(p, seq, smem, b - senders, blocks - senders);
+  } else {
+    dispatch_done(p.g, seq);  // a sender: nothing to read
+  }
 }
 
 // The three forms (fused, send, receive) of format F.

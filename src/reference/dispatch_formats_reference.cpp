@@ -1,7 +1,10 @@
 // CPU reference of the quantised dispatch outputs (SPEC §5): the bf16 dispatch rows of
 // reference::dispatch, padded per group where the format pads, encoded by the row encoders of
-// formats_reference.cpp and laid out by the scale layouts of scale_layouts.h.
+// formats_reference.cpp and laid out by the scale layouts of scale_layouts.h; and the comparison
+// of a dispatch output with it.
 #include <algorithm>
+#include <cstring>
+#include <sstream>
 #include <string>
 
 #include "epcomm/bf16.h"
@@ -268,6 +271,236 @@ QuantDispatchResult dispatch_quantized(const Problem& p, int32_t rank, QuantForm
       quantize_grouped_rows(shape, x.data(), r.row_offsets,
                             std::vector<float>(size_t(groups), global_scale), r.src_info.data());
   return r;
+}
+
+// ---- comparing a dispatch output with the reference -----------------------------------------
+
+QuantizedDispatchView QuantDispatchResult::view() const {
+  const QuantOutputShape& shape = out.shape;
+  const bool fp8 = shape.format == QuantFormat::kFp8Blockwise;
+  const size_t groups = size_t(std::max(shape.groups, 0));
+  QuantizedDispatchView v{
+      shape.groups,
+      shape.rows,
+      shape.row_bytes(),
+      fp8 ? int64_t(out.fp8_scales.size() * sizeof(float)) : int64_t(out.scales.size()),
+      int32_t(out.scales_offsets.size()),
+      row_offsets.data(),
+      expert_ids.data(),
+      src_info.data(),
+      out.codes.data(),
+      fp8 ? static_cast<const void*>(out.fp8_scales.data()) : out.scales.data(),
+      out.scales_offsets.data()};
+  if (row_offsets.size() != groups + 1 || expert_ids.size() != groups) {
+    invalid("QuantDispatchResult::view: " + std::to_string(row_offsets.size()) +
+            " row_offsets and " + std::to_string(expert_ids.size()) + " expert_ids for " +
+            std::to_string(groups) + " groups");
+  }
+  const int64_t n = std::min(int64_t(row_offsets.back()), shape.rows);
+  if (int64_t(src_info.size()) < n || int64_t(out.codes.size()) < n * v.row_bytes) {
+    invalid("QuantDispatchResult::view: src_info and codes need " + std::to_string(n) +
+            " rows, hold " + std::to_string(src_info.size()) + " and " +
+            std::to_string(out.codes.size()) + " bytes");
+  }
+  return v;
+}
+
+namespace {
+
+std::string hex(uint32_t v) {
+  std::ostringstream os;
+  os << "0x" << std::hex << v;
+  return os.str();
+}
+
+// The first of n bytes where a and b differ, or -1.
+int64_t first_difference(const void* a, const void* b, int64_t n) {
+  if (n <= 0 || std::memcmp(a, b, size_t(n)) == 0) return -1;
+  const uint8_t* x = static_cast<const uint8_t*>(a);
+  const uint8_t* y = static_cast<const uint8_t*>(b);
+  int64_t i = 0;
+  while (x[i] == y[i])
+    ++i;
+  return i;
+}
+
+// The group of output row r (the last g with row_offsets[g] <= r).
+int64_t group_of(const QuantDispatchResult& ref, int64_t r) {
+  const auto next = std::upper_bound(ref.row_offsets.begin(), ref.row_offsets.end(), uint32_t(r));
+  return int64_t(next - ref.row_offsets.begin()) - 1;
+}
+
+// "row r (group g, rank s token t slot k)", or "row r (group g, padding)", from the reference.
+std::string describe_row(const QuantDispatchResult& ref, int64_t r) {
+  std::ostringstream os;
+  os << "row " << r << " (group " << group_of(ref, r);
+  const SrcInfo si = ref.src_info[size_t(r)];
+  if (si.rank < 0)
+    os << ", padding)";
+  else
+    os << ", rank " << si.rank << " token " << si.token << " slot " << si.slot << ")";
+  return os.str();
+}
+
+// Where byte `o` of a swizzled scale array lands: its 5-d index, the scale row and column, and
+// the output row whose scale it holds or which kind of unused slot it is (from ref's groups).
+std::string describe_swizzled(const QuantDispatchResult& ref, const SwizzledScaleLayout& layout,
+                              int64_t o) {
+  using L = SwizzledScaleLayout;
+  const int64_t tile = o / L::kTileElems, within = o % L::kTileElems;
+  const int64_t tile_row = tile / layout.col_tiles();
+  const int32_t tile_col = int32_t(tile % layout.col_tiles());
+  const int64_t sub_row = within / 16, sub_block = (within % 16) / L::kTileCols;
+  const int64_t sub_col = within % L::kTileCols;
+  const int64_t scale_row = tile_row * L::kTileRows + sub_block * L::kSubRows + sub_row;
+  const int32_t col = tile_col * L::kTileCols + int32_t(sub_col);
+  std::ostringstream os;
+  os << "byte " << o << " = [tile row " << tile_row << ", tile col " << tile_col << ", " << sub_row
+     << ", " << sub_block << ", " << sub_col << "] (scale row " << scale_row << ", scale column "
+     << col << "): ";
+  for (size_t g = 0; g + 1 < ref.row_offsets.size(); ++g) {
+    const SwizzledGroup sg{ref.row_offsets[g], ref.out.scales_offsets[g]};
+    const int64_t m = int64_t(ref.row_offsets[g + 1]) - sg.row_offset;
+    const int64_t first = sg.tile_start() * L::kTileRows;
+    if (scale_row < first || scale_row >= first + align_up(m, int64_t(L::kTileRows))) continue;
+    const int64_t r = int64_t(sg.row_offset) + (scale_row - first);
+    if (scale_row - first >= m)
+      os << "an unused slot of group " << g << "'s last tile";
+    else if (col >= layout.scale_cols)
+      os << "column padding of " << describe_row(ref, r);
+    else
+      os << describe_row(ref, r) << " column " << col;
+    return os.str();
+  }
+  os << "a tile no group uses";
+  return os.str();
+}
+
+// "" when v's sizes are those of `shape`, else "(v's sizes) differ from ... (shape's)".
+std::string size_mismatch(const QuantOutputShape& shape, const QuantizedDispatchView& v) {
+  const int64_t scales_bytes =
+      shape.scales_size() * (shape.format == QuantFormat::kFp8Blockwise ? 4 : 1);
+  const int32_t offsets = shape.swizzled() ? shape.groups : 0;
+  if (v.groups == shape.groups && v.rows == shape.rows && v.row_bytes == shape.row_bytes() &&
+      v.scales_bytes == scales_bytes && v.num_scales_offsets == offsets)
+    return "";
+  std::ostringstream os;
+  os << "(groups " << v.groups << ", rows " << v.rows << ", row bytes " << v.row_bytes
+     << ", scale bytes " << v.scales_bytes << ", scales_offsets " << v.num_scales_offsets
+     << ") differ from the reference's " << token_format_name(token_format(shape.format))
+     << " output of hidden " << shape.hidden << " (groups " << shape.groups << ", rows "
+     << shape.rows << ", row bytes " << shape.row_bytes() << ", scale bytes " << scales_bytes
+     << ", scales_offsets " << offsets << ")";
+  return os.str();
+}
+
+}  // namespace
+
+std::string compare_dispatch_quantized(const QuantDispatchResult& ref,
+                                       const QuantizedDispatchView& got) {
+  const QuantOutputShape& shape = ref.out.shape;
+  const QuantizedDispatchView want = ref.view();
+  const int64_t rows = grouped_rows("compare_dispatch_quantized", ref.row_offsets);
+  if (ref.rows() != rows || rows > shape.rows || !size_mismatch(shape, want).empty()) {
+    invalid("compare_dispatch_quantized: the reference does not fit its shape: " +
+            std::to_string(ref.rows()) + " rows of src_info for row_offsets[G] = " +
+            std::to_string(rows) + "; its arrays' sizes " + size_mismatch(shape, want));
+  }
+  std::ostringstream os;
+  const std::string sizes = size_mismatch(shape, got);
+  if (!sizes.empty()) return "the output's sizes " + sizes;
+
+  const size_t G = size_t(shape.groups);
+  for (size_t g = 0; g <= G; ++g)
+    if (got.row_offsets[g] != want.row_offsets[g]) {
+      os << "row_offsets[" << g << "] = " << got.row_offsets[g] << ", expected "
+         << want.row_offsets[g];
+      return os.str();
+    }
+  for (size_t g = 0; g < G; ++g)
+    if (got.expert_ids[g] != want.expert_ids[g]) {
+      os << "expert_ids[" << g << "] = " << got.expert_ids[g] << ", expected "
+         << want.expert_ids[g];
+      return os.str();
+    }
+  // row_offsets agree, so got holds rows [0, rows) of src_info and codes.
+  for (int64_t r = 0; r < rows; ++r) {
+    const SrcInfo a = got.src_info[r], b = want.src_info[r];
+    if (a.token != b.token || a.rank != b.rank || a.slot != b.slot) {
+      os << "src_info[" << r << "] (group " << group_of(ref, r) << ") = (rank " << a.rank
+         << ", token " << a.token << ", slot " << a.slot << "), expected "
+         << (b.rank < 0 ? "padding " : "") << "(rank " << b.rank << ", token " << b.token
+         << ", slot " << b.slot << ")";
+      return os.str();
+    }
+  }
+
+  // Codes: e4m3 byte b is value b; packed e2m1 byte b holds values 2b (low nibble) and 2b + 1.
+  const int64_t row_bytes = shape.row_bytes();
+  const int64_t code = first_difference(got.codes, want.codes, rows * row_bytes);
+  if (code >= 0) {
+    const int64_t r = code / row_bytes, b = code % row_bytes;
+    const bool packed = row_bytes != shape.hidden;
+    os << "codes of " << describe_row(ref, r) << " byte " << b << " (value column "
+       << (packed ? 2 * b : b) << (packed ? " and the next" : "") << ") = " << hex(got.codes[code])
+       << ", expected " << hex(want.codes[code]);
+    return os.str();
+  }
+
+  const int32_t cols = shape.hidden / shape.group();
+  const int32_t group = shape.group();
+  const uint8_t* got_scales = static_cast<const uint8_t*>(got.scales);
+  const uint8_t* want_scales = static_cast<const uint8_t*>(want.scales);
+  switch (shape.format) {
+    case QuantFormat::kFp8Blockwise: {  // fp32, column k's rows [0, rows) at k * ld
+      const Fp8ScaleLayout layout = shape.fp8_layout();
+      for (int32_t k = 0; k < cols; ++k) {
+        const int64_t at = layout.offset(0, k) * 4;
+        const int64_t diff = first_difference(got_scales + at, want_scales + at, rows * 4);
+        if (diff < 0) continue;
+        const int64_t r = diff / 4, i = layout.offset(r, k);
+        float x, y;
+        uint32_t xb, yb;
+        std::memcpy(&x, got_scales + i * 4, 4);
+        std::memcpy(&y, want_scales + i * 4, 4);
+        std::memcpy(&xb, &x, 4);
+        std::memcpy(&yb, &y, 4);
+        os << "FP8 scale of " << describe_row(ref, r) << " column " << k << " (values ["
+           << k * group << ", " << (k + 1) * group << "), scales[" << i << "]) = " << x << " ("
+           << hex(xb) << "), expected " << y << " (" << hex(yb) << ")";
+        return os.str();
+      }
+      break;
+    }
+    case QuantFormat::kNvfp4:
+    case QuantFormat::kMxfp8: {
+      for (size_t g = 0; g < G; ++g)
+        if (got.scales_offsets[g] != want.scales_offsets[g]) {
+          os << "scales_offsets[" << g << "] = " << got.scales_offsets[g] << ", expected "
+             << want.scales_offsets[g];
+          return os.str();
+        }
+      const int64_t o = first_difference(got_scales, want_scales, want.scales_bytes);
+      if (o >= 0) {
+        os << "swizzled scale " << describe_swizzled(ref, shape.swizzled_layout(), o) << " = "
+           << hex(got_scales[o]) << ", expected " << hex(want_scales[o]);
+        return os.str();
+      }
+      break;
+    }
+    case QuantFormat::kMxfp4: {  // row-major [rows, cols]: rows [0, rows) are one run
+      const int64_t i = first_difference(got_scales, want_scales, rows * cols);
+      if (i >= 0) {
+        const int64_t r = i / cols, c = i % cols;
+        os << "MXFP4 scale of " << describe_row(ref, r) << " column " << c << " (values ["
+           << c * group << ", " << (c + 1) * group << "), scales[" << i
+           << "]) = " << hex(got_scales[i]) << ", expected " << hex(want_scales[i]);
+        return os.str();
+      }
+      break;
+    }
+  }
+  return "";
 }
 
 }  // namespace reference

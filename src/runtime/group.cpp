@@ -178,17 +178,18 @@ void GroupState::setup(const Config& config, Bootstrap& bs, int dev) {
   const ExpertMap em{cfg.n_experts, n_ranks};
   const int64_t T = cfg.max_tokens_per_rank, K = cfg.top_k, nk = em.num_keys();
   const int64_t n_units = (T + dispatch_unit_tokens() - 1) / dispatch_unit_tokens();
-  const int64_t words[5] = {T * K, T * K, T * n_ranks, n_units * nk, (n_units + 1) * nk};
+  const int64_t words[6] = {T * K,        T * K, T * n_ranks, n_units * nk, (n_units + 1) * nk,
+                            int64_t(num_chunks(int32_t(T))) * n_ranks};
   int64_t total = 0;
   for (int64_t w : words) total += align_up(w * 4, 256);
   check_cuda(cudaMalloc(&scratch_mem, size_t(total)), "cudaMalloc(scratch)");
-  int32_t* parts[5];
+  int32_t* parts[6];
   int64_t off = 0;
-  for (int i = 0; i < 5; ++i) {
+  for (int i = 0; i < 6; ++i) {
     parts[i] = reinterpret_cast<int32_t*>(scratch_mem + off);
     off += align_up(words[i] * 4, 256);
   }
-  scratch = RankScratch{parts[0], parts[1], parts[2], parts[3], parts[4]};
+  scratch = RankScratch{parts[0], parts[1], parts[2], parts[3], parts[4], parts[5]};
   check_cuda(cudaHostAlloc(&error_host, sizeof(DeviceErrorRecord),
                            cudaHostAllocMapped | cudaHostAllocPortable),
              "cudaHostAlloc(error record)");

@@ -390,5 +390,188 @@ TEST(QuantDispatchReference, Rejects) {
   EXPECT_THROW(reference::quantize_grouped_rows(nv, x.data(), {0, 3, 8}, {1.0f}, nullptr), Error);
 }
 
+// ---- compare_dispatch_quantized ---------------------------------------------------------------
+
+// XORs byte `byte` of *p with 0x5a: a one-byte change of any array element.
+template <class T>
+void flip(T* p, int64_t byte = 0) {
+  reinterpret_cast<uint8_t*>(p)[byte] ^= 0x5a;
+}
+
+// Expects msg to be a mismatch that names every one of `parts`.
+void expect_names(const std::string& msg, const std::vector<std::string>& parts) {
+  EXPECT_FALSE(msg.empty());
+  for (const std::string& part : parts)
+    EXPECT_NE(msg.find(part), std::string::npos) << "\"" << part << "\" not in: " << msg;
+}
+
+// "row r (group g, rank s token t slot k)" or "row r (group g, padding)" as the messages write
+// a row (written out here).
+std::string row_name(const QuantDispatchResult& q, int64_t r) {
+  size_t g = 0;
+  while (q.row_offsets[g + 1] <= r)
+    ++g;
+  const SrcInfo si = q.src_info[size_t(r)];
+  std::string s = "row " + std::to_string(r) + " (group " + std::to_string(g);
+  if (si.rank < 0) return s + ", padding)";
+  return s + ", rank " + std::to_string(si.rank) + " token " + std::to_string(si.token) + " slot " +
+         std::to_string(si.slot) + ")";
+}
+
+TEST(QuantDispatchReference, CompareDispatchQuantized) {
+  // Rank 0 of 2 ranks, 4 experts, K = 2, 10% of slots masked: 2 groups of ~200 rows (two scale
+  // tiles each, the last one part used), with room for 1200 routed rows (tiles no group uses,
+  // rows past row_offsets[G]). H = 2880 gives MXFP8 90 scale columns: 2 columns of padding.
+  const int64_t room = 1200;
+  for (QuantFormat f : kFormats) {
+    SCOPED_TRACE(name(f));
+    const int32_t H = f == QuantFormat::kFp8Blockwise ? 384 : 2880;
+    const reference::Problem p = reference::make_problem(2, H, 2, 4, {300, 200}, 5, 0.0, 0.1);
+    const QuantDispatchResult ref = reference::dispatch_quantized(p, 0, f, 1.0f, room);
+    const QuantOutputShape& shape = ref.out.shape;
+    const int64_t rows = ref.rows(), row_bytes = shape.row_bytes();
+    const int32_t cols = H / shape.group();
+    ASSERT_EQ(ref.row_offsets.size(), 3u);
+    ASSERT_GT(rows, 256);
+    ASSERT_LT(rows, shape.rows);
+    auto compare = [&](const QuantDispatchResult& got) {
+      return reference::compare_dispatch_quantized(ref, got.view());
+    };
+
+    // Equal to itself, and to itself with the codes cut to the rows in use (as the bench keeps it).
+    EXPECT_EQ(compare(ref), "");
+    QuantDispatchResult trimmed = ref;
+    trimmed.out.codes.resize(size_t(rows * row_bytes));
+    EXPECT_EQ(reference::compare_dispatch_quantized(trimmed, ref.view()), "");
+    EXPECT_EQ(reference::compare_dispatch_quantized(ref, trimmed.view()), "");
+
+    // Sizes, row_offsets, expert_ids.
+    {
+      reference::QuantizedDispatchView v = ref.view();
+      v.rows += 4;
+      expect_names(reference::compare_dispatch_quantized(ref, v),
+                   {"sizes (groups 2, rows " + std::to_string(shape.rows + 4), "differ from"});
+      v = ref.view();
+      v.scales_bytes -= 1;
+      expect_names(reference::compare_dispatch_quantized(ref, v),
+                   {"sizes (", "differ from", "scale bytes"});
+      QuantDispatchResult got = ref;
+      flip(&got.row_offsets[1]);
+      expect_names(compare(got), {"row_offsets[1] = "});
+      got = ref;
+      flip(&got.expert_ids[1]);
+      expect_names(compare(got), {"expert_ids[1] = "});
+    }
+
+    // src_info: a routed row, and (FP8) a padding row.
+    const int64_t r = ref.row_offsets[1] + 3;
+    {
+      QuantDispatchResult got = ref;
+      flip(&got.src_info[size_t(r)], 1);  // a byte of the token index
+      expect_names(compare(got), {"src_info[" + std::to_string(r) + "] (group 1) = "});
+    }
+    int64_t pad = -1;
+    for (int64_t i = 0; i < rows && pad < 0; ++i)
+      if (ref.src_info[size_t(i)].rank < 0) pad = i;
+    EXPECT_EQ(pad >= 0, f == QuantFormat::kFp8Blockwise);
+    if (pad >= 0) {
+      QuantDispatchResult got = ref;
+      flip(&got.src_info[size_t(pad)], 4);  // the rank
+      expect_names(compare(got), {"src_info[" + std::to_string(pad) + "]",
+                                  "expected padding (rank -1, token -1, slot -1)"});
+    }
+
+    // Codes: a byte of row r; past row_offsets[G] nothing is compared.
+    {
+      QuantDispatchResult got = ref;
+      flip(&got.out.codes[size_t(r * row_bytes + 7)]);
+      expect_names(compare(got), {"codes of " + row_name(ref, r) + " byte 7 (value column " +
+                                  (row_bytes == H ? "7)" : "14 and the next)")});
+      got = ref;
+      flip(&got.out.codes[size_t(rows * row_bytes + 7)]);
+      EXPECT_EQ(compare(got), "");
+    }
+
+    // Scales.
+    switch (f) {
+      case QuantFormat::kFp8Blockwise: {
+        // Scale k of row r at k * shape.rows + r; a padding row's; none past row_offsets[G].
+        QuantDispatchResult got = ref;
+        flip(&got.out.fp8_scales[size_t(2 * shape.rows + r)], 3);
+        expect_names(compare(got),
+                     {"FP8 scale of " + row_name(ref, r) + " column 2 (values [256, 384)"});
+        ASSERT_GE(pad, 0);
+        got = ref;
+        flip(&got.out.fp8_scales[size_t(1 * shape.rows + pad)], 2);
+        expect_names(compare(got),
+                     {"FP8 scale of " + row_name(ref, pad) + " column 1", ", padding)"});
+        got = ref;
+        flip(&got.out.fp8_scales[size_t(1 * shape.rows + rows)]);
+        EXPECT_EQ(compare(got), "");
+        break;
+      }
+      case QuantFormat::kNvfp4:
+      case QuantFormat::kMxfp8: {
+        const SwizzledScaleLayout layout = shape.swizzled_layout();
+        const SwizzledGroup g1{ref.row_offsets[1], ref.out.scales_offsets[1]};
+        const int64_t m1 = int64_t(ref.row_offsets[2] - ref.row_offsets[1]);
+        ASSERT_NE(m1 % 128, 0);
+        // A row's scale: [tile row, tile col, row % 32, (row % 128) / 32, col % 4].
+        const int64_t sr = g1.scale_row(r);
+        QuantDispatchResult got = ref;
+        const int64_t used = layout.offset(sr, 5);
+        flip(&got.out.scales[size_t(used)]);
+        expect_names(compare(got),
+                     {"swizzled scale byte " + std::to_string(used) + " = [tile row " +
+                          std::to_string(sr / 128) + ", tile col 1, " + std::to_string(sr % 32) +
+                          ", " + std::to_string(sr % 128 / 32) + ", 1]",
+                      "(scale row " + std::to_string(sr) +
+                          ", scale column 5): " + row_name(ref, r) + " column 5"});
+        // An unused slot of group 1's last tile (the row after its last).
+        got = ref;
+        const int64_t unused = layout.offset(g1.scale_row(ref.row_offsets[2]), 0);
+        flip(&got.out.scales[size_t(unused)]);
+        expect_names(compare(got),
+                     {"byte " + std::to_string(unused), "an unused slot of group 1's last tile"});
+        // A tile no group uses.
+        const int64_t tiles = g1.tile_start() + (m1 + 127) / 128;
+        ASSERT_LT(tiles, layout.row_tiles);
+        got = ref;
+        flip(&got.out.scales[size_t(layout.tile_offset(tiles, 0) + 17)]);
+        expect_names(compare(got), {"a tile no group uses"});
+        // MXFP8 at H = 2880: scale columns 90 and 91 of the last column tile are padding.
+        if (f == QuantFormat::kMxfp8) {
+          ASSERT_EQ(layout.scale_cols, 90);
+          got = ref;
+          flip(&got.out.scales[size_t(layout.offset(sr, 91))]);
+          expect_names(compare(got), {"scale column 91): column padding of " + row_name(ref, r)});
+        }
+        // scales_offsets.
+        got = ref;
+        flip(&got.out.scales_offsets[1]);
+        expect_names(compare(got), {"scales_offsets[1] = "});
+        break;
+      }
+      case QuantFormat::kMxfp4: {
+        // Row-major [rows, H / 32]: scale 3 of row r; none past row_offsets[G].
+        QuantDispatchResult got = ref;
+        flip(&got.out.scales[size_t(r * cols + 3)]);
+        expect_names(compare(got),
+                     {"MXFP4 scale of " + row_name(ref, r) + " column 3 (values [96, 128)"});
+        got = ref;
+        flip(&got.out.scales[size_t(rows * cols + 3)]);
+        EXPECT_EQ(compare(got), "");
+        break;
+      }
+    }
+
+    // A reference that does not fit its shape, or a view of too few rows, throws.
+    QuantDispatchResult bad = ref;
+    bad.src_info.pop_back();
+    EXPECT_THROW(reference::compare_dispatch_quantized(bad, ref.view()), Error);
+    EXPECT_THROW(bad.view(), Error);
+  }
+}
+
 }  // namespace
 }  // namespace epcomm

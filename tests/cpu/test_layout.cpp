@@ -83,7 +83,11 @@ TEST(Layout, WindowRegionsDoNotOverlap) {
   EXPECT_EQ(w.signal_offset(WindowLayout::kCombineAck, 7) + 8,
             int64_t(WindowLayout::kNumSignals) * WindowLayout::kMaxPeers * 8);
   EXPECT_LE(int64_t(WindowLayout::kNumSignals) * 8 * 8, w.signals_bytes());
-  EXPECT_EQ(w.meta_offset(0), w.signals_bytes());
+  // chunk flags after the signals: one u64 per (source, chunk of 16 tokens)
+  EXPECT_EQ(w.chunk_flag_offset(0, 0), w.signals_bytes());
+  EXPECT_EQ(w.chunk_flag_offset(1, 0) - w.chunk_flag_offset(0, 0), 8 * (4096 / kChunkTokens));
+  EXPECT_LE(w.chunk_flag_offset(7, 4096 / kChunkTokens - 1) + 8, w.chunk_flags_end());
+  EXPECT_EQ(w.meta_offset(0), w.chunk_flags_end());
   EXPECT_LE(w.meta_offset(7) + w.meta().bytes(), w.dispatch_recv_offset());
   EXPECT_LE(w.dispatch_recv_offset() + w.dispatch_recv().bytes(8), w.combine_recv_offset());
   EXPECT_LE(w.combine_recv_offset() + w.combine_recv().bytes(), w.bytes());
@@ -92,8 +96,13 @@ TEST(Layout, WindowRegionsDoNotOverlap) {
   EXPECT_EQ(w.zeroed_bytes(), w.dispatch_recv_offset());
   // Memory target (PERF.md): buffers within 2 x n_ranks x max_tokens x message bytes.
   EXPECT_LE(w.bytes(), 2 * 8 * int64_t(4096) * w.msg().bytes());
-  // meta: seq, stream count, counts[n_local]
-  EXPECT_EQ(w.meta().bytes(), 16 + 4 * 32);
+  // meta: seq, stream count, chunk count, counts[n_local], chunk starts[max_chunks + 1]
+  EXPECT_EQ(w.meta().chunk_start_offset(), 16 + 4 * 32);
+  EXPECT_EQ(w.meta().bytes(), align_up(16 + 4 * 32 + 4 * (4096 / 16 + 1), 16));
+  EXPECT_EQ(num_chunks(0), 0);
+  EXPECT_EQ(num_chunks(1), 1);
+  EXPECT_EQ(num_chunks(16), 1);
+  EXPECT_EQ(num_chunks(17), 2);
 }
 
 TEST(Layout, GroupRowsPrefixesBySourceThenGroup) {

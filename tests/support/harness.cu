@@ -3,11 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <random>
-#include <sstream>
-
-#include "epcomm/formats/scale_layouts.h"
 
 namespace epcomm {
 namespace testing {
@@ -160,75 +156,6 @@ std::string RankIO::check_dispatch(const reference::DispatchResult& ref) const {
   return err.empty() ? err : "rank " + std::to_string(rank) + " dispatch: " + err;
 }
 
-namespace {
-
-std::string hex(uint32_t v) {
-  std::ostringstream os;
-  os << "0x" << std::hex << v;
-  return os.str();
-}
-
-uint32_t f32_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-
-// "row r (group g, rank s token t slot k)", or "(group g, padding)", from the reference's rows.
-std::string describe_row(const reference::QuantDispatchResult& ref, int64_t r) {
-  std::ostringstream os;
-  os << "row " << r;
-  const auto next = std::upper_bound(ref.row_offsets.begin(), ref.row_offsets.end(), uint32_t(r));
-  const int64_t g = int64_t(next - ref.row_offsets.begin()) - 1;
-  const SrcInfo si = ref.src_info[size_t(r)];
-  os << " (group " << g;
-  if (si.rank < 0)
-    os << ", padding)";
-  else
-    os << ", rank " << si.rank << " token " << si.token << " slot " << si.slot << ")";
-  return os.str();
-}
-
-// Where byte `o` of a swizzled scale array lands: the output row and scale column whose scale
-// it holds, or which kind of unused slot it is (ref gives the groups' tiles).
-std::string describe_swizzled(const reference::QuantDispatchResult& ref,
-                              const SwizzledScaleLayout& layout, int64_t o) {
-  const int64_t tile = o / SwizzledScaleLayout::kTileElems;
-  const int64_t within = o % SwizzledScaleLayout::kTileElems;
-  const int64_t tile_row = tile / layout.col_tiles();
-  const int32_t tile_col = int32_t(tile % layout.col_tiles());
-  const int64_t sub_row = within / 16, sub_block = (within % 16) / SwizzledScaleLayout::kTileCols;
-  const int64_t scale_row = tile_row * SwizzledScaleLayout::kTileRows +
-                            sub_block * SwizzledScaleLayout::kSubRows + sub_row;
-  const int32_t col = tile_col * SwizzledScaleLayout::kTileCols +
-                      int32_t(within % SwizzledScaleLayout::kTileCols);
-  std::ostringstream os;
-  os << "byte " << o << " = [tile row " << tile_row << ", tile col " << tile_col << ", "
-     << sub_row << ", " << sub_block << ", " << (within % SwizzledScaleLayout::kTileCols)
-     << "] (scale row " << scale_row << ", scale column " << col << "): ";
-  const int32_t G = int32_t(ref.expert_ids.size());
-  for (int32_t g = 0; g < G; ++g) {
-    const SwizzledGroup sg{ref.row_offsets[size_t(g)], ref.out.scales_offsets[size_t(g)]};
-    const int64_t m = int64_t(ref.row_offsets[size_t(g) + 1]) - sg.row_offset;
-    const int64_t first = sg.tile_start() * SwizzledScaleLayout::kTileRows;
-    if (scale_row < first || scale_row >= first + align_up(m, SwizzledScaleLayout::kTileRows))
-      continue;
-    const int64_t r = int64_t(sg.row_offset) + (scale_row - first);
-    if (scale_row - first >= m) {
-      os << "an unused slot of group " << g << "'s last tile";
-    } else if (col >= layout.scale_cols) {
-      os << "column padding of " << describe_row(ref, r);
-    } else {
-      os << describe_row(ref, r) << " column " << col;
-    }
-    return os.str();
-  }
-  os << "a tile no group uses";
-  return os.str();
-}
-
-}  // namespace
-
 reference::QuantDispatchResult RankIO::download_dispatch_quantized() const {
   reference::QuantDispatchResult q;
   q.row_offsets.resize(size_t(n_groups) + 1);
@@ -257,138 +184,26 @@ reference::QuantDispatchResult RankIO::download_dispatch_quantized() const {
 }
 
 std::string RankIO::check_dispatch_quantized(const reference::QuantDispatchResult& ref) const {
-  const std::string where =
-      "rank " + std::to_string(rank) + " dispatch (" + token_format_name(format) + "): ";
-  const reference::QuantOutputShape& shape = ref.out.shape;
-  const int64_t ref_scales_bytes = shape.scales_size() * format_scale_bytes(format);
-  if (shape.rows != max_rows || shape.row_bytes() != token_bytes ||
-      ref_scales_bytes != int64_t(scales.bytes()) ||
-      int64_t(ref.out.scales_offsets.size()) != int64_t(scales_offsets.bytes() / 4) ||
-      int64_t(ref.expert_ids.size()) != n_groups) {
-    std::ostringstream os;
-    os << where << "the reference's output shape (groups " << ref.expert_ids.size() << ", rows "
-       << shape.rows << ", row bytes " << shape.row_bytes() << ", scale bytes "
-       << ref_scales_bytes << ", scales_offsets " << ref.out.scales_offsets.size()
-       << ") differs from Group::sizes() (groups " << n_groups << ", max_recv_rows " << max_rows
-       << ", token_bytes " << token_bytes << ", scales_bytes " << scales.bytes()
-       << ", num_scales_offsets " << scales_offsets.bytes() / 4 << ")";
-    return os.str();
-  }
-  const std::string err = compare_dispatch_quantized(ref, download_dispatch_quantized());
-  return err.empty() ? err : where + err;
-}
-
-std::string compare_dispatch_quantized(const reference::QuantDispatchResult& ref,
-                                       const reference::QuantDispatchResult& got) {
-  const reference::QuantOutputShape& shape = ref.out.shape;
-  const TokenFormat format = reference::token_format(shape.format);
-  const int32_t hidden = shape.hidden;
-  const size_t n_groups = ref.expert_ids.size();
-  std::ostringstream os;
-  if (got.row_offsets.size() != n_groups + 1 || got.expert_ids.size() != n_groups ||
-      got.out.codes.size() != ref.out.codes.size() ||
-      got.out.fp8_scales.size() != ref.out.fp8_scales.size() ||
-      got.out.scales.size() != ref.out.scales.size() ||
-      got.out.scales_offsets.size() != ref.out.scales_offsets.size()) {
-    os << "the output's sizes differ from the reference's";
-    return os.str();
-  }
-  for (size_t g = 0; g <= n_groups; ++g)
-    if (got.row_offsets[g] != ref.row_offsets[g]) {
-      os << "row_offsets[" << g << "] = " << got.row_offsets[g] << ", expected "
-         << ref.row_offsets[g];
-      return os.str();
-    }
-  for (size_t g = 0; g < n_groups; ++g)
-    if (got.expert_ids[g] != ref.expert_ids[g]) {
-      os << "expert_ids[" << g << "] = " << got.expert_ids[g] << ", expected "
-         << ref.expert_ids[g];
-      return os.str();
-    }
-  const int64_t rows = ref.rows();
-  if (got.rows() < rows) {  // row_offsets agree, so only a clamped download can be short
-    os << "only " << got.rows() << " rows of src_info, expected " << rows;
-    return os.str();
-  }
-  for (int64_t r = 0; r < rows; ++r) {
-    const SrcInfo a = got.src_info[size_t(r)], b = ref.src_info[size_t(r)];
-    if (a.token != b.token || a.rank != b.rank || a.slot != b.slot) {
-      os << "src_info[" << r << "] = (rank " << a.rank << ", token " << a.token << ", slot "
-         << a.slot << "), expected (rank " << b.rank << ", token " << b.token << ", slot "
-         << b.slot << ")";
-      return os.str();
-    }
-  }
-  // Codes of rows [0, rows): e4m3 byte b is value b; packed e2m1 byte b holds values 2b, 2b + 1.
-  const int64_t row_bytes = shape.row_bytes();
-  const bool packed = row_bytes != hidden;
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t b = 0; b < row_bytes; ++b) {
-      const uint8_t x = got.out.codes[size_t(r * row_bytes + b)];
-      const uint8_t y = ref.out.codes[size_t(r * row_bytes + b)];
-      if (x != y) {
-        os << "codes of " << describe_row(ref, r) << " byte " << b << " (value column "
-           << (packed ? 2 * b : b) << (packed ? " and the next" : "") << ") = " << hex(x)
-           << ", expected " << hex(y);
-        return os.str();
-      }
-    }
-  }
-  const int32_t cols = format_scales_per_row(format, hidden);
-  const int32_t group = format_scale_group(format);
-  switch (shape.format) {
-    case reference::QuantFormat::kFp8Blockwise: {
-      const Fp8ScaleLayout layout = shape.fp8_layout();
-      for (int32_t k = 0; k < cols; ++k)
-        for (int64_t r = 0; r < rows; ++r) {
-          const int64_t i = layout.offset(r, k);
-          const float x = got.out.fp8_scales[size_t(i)], y = ref.out.fp8_scales[size_t(i)];
-          if (f32_bits(x) != f32_bits(y)) {
-            os << "FP8 scale of " << describe_row(ref, r) << " column " << k << " (values ["
-               << k * group << ", " << (k + 1) * group << "), scales[" << i << "]) = " << x
-               << " (" << hex(f32_bits(x)) << "), expected " << y << " (" << hex(f32_bits(y))
-               << ")";
-            return os.str();
-          }
-        }
-      break;
-    }
-    case reference::QuantFormat::kNvfp4:
-    case reference::QuantFormat::kMxfp8: {
-      const SwizzledScaleLayout layout = shape.swizzled_layout();
-      for (int64_t o = 0; o < layout.size(); ++o) {
-        const uint8_t x = got.out.scales[size_t(o)], y = ref.out.scales[size_t(o)];
-        if (x != y) {
-          os << "swizzled scale " << describe_swizzled(ref, layout, o) << " = " << hex(x)
-             << ", expected " << hex(y);
-          return os.str();
-        }
-      }
-      for (size_t g = 0; g < n_groups; ++g)
-        if (got.out.scales_offsets[g] != ref.out.scales_offsets[g]) {
-          os << "scales_offsets[" << g << "] = " << got.out.scales_offsets[g] << ", expected "
-             << ref.out.scales_offsets[g];
-          return os.str();
-        }
-      break;
-    }
-    case reference::QuantFormat::kMxfp4: {
-      const Mxfp4ScaleLayout layout = shape.mxfp4_layout();
-      for (int64_t r = 0; r < rows; ++r)
-        for (int32_t c = 0; c < cols; ++c) {
-          const int64_t i = layout.offset(r, c);
-          const uint8_t x = got.out.scales[size_t(i)], y = ref.out.scales[size_t(i)];
-          if (x != y) {
-            os << "MXFP4 scale of " << describe_row(ref, r) << " column " << c << " (values ["
-               << c * group << ", " << (c + 1) * group << ")) = " << hex(x) << ", expected "
-               << hex(y);
-            return os.str();
-          }
-        }
-      break;
-    }
-  }
-  return "";
+  const reference::QuantDispatchResult got = download_dispatch_quantized();
+  // The sizes are this rank's buffers' (Group::sizes()): the comparison checks them against the
+  // reference's output shape before reading anything else.
+  const reference::QuantizedDispatchView view{n_groups,
+                                              max_rows,
+                                              token_bytes,
+                                              int64_t(scales.bytes()),
+                                              int32_t(scales_offsets.bytes() / 4),
+                                              got.row_offsets.data(),
+                                              got.expert_ids.data(),
+                                              got.src_info.data(),
+                                              got.out.codes.data(),
+                                              got.out.fp8_scales.empty()
+                                                  ? static_cast<const void*>(got.out.scales.data())
+                                                  : got.out.fp8_scales.data(),
+                                              got.out.scales_offsets.data()};
+  const std::string err = reference::compare_dispatch_quantized(ref, view);
+  return err.empty() ? err
+                     : "rank " + std::to_string(rank) + " dispatch (" + token_format_name(format) +
+                           "): " + err;
 }
 
 std::vector<uint16_t> RankIO::download_dispatch_tokens(int64_t rows) const {

@@ -92,10 +92,9 @@ struct RankIO {
   // src_info of rows [0, min(row_offsets[G], max_rows)), and the whole codes and scales buffers
   // (shape = dispatch_output_shape for this group) and scales_offsets.
   reference::QuantDispatchResult download_dispatch_quantized() const;
-  // Compares with reference::dispatch_quantized exactly ("" = equal, else the first mismatch with
-  // its row and column): row_offsets, expert_ids, src_info (padding rows included), codes of rows
-  // [0, row_offsets[G]), FP8 scales of those rows in every column, the whole swizzled scale array
-  // and scales_offsets (NVFP4, MXFP8), MXFP4 scales of those rows.
+  // Downloads the dispatch outputs and compares them with reference::dispatch_quantized by
+  // reference::compare_dispatch_quantized, this rank's buffer sizes (Group::sizes()) included:
+  // "" = equal, else the first mismatch.
   std::string check_dispatch_quantized(const reference::QuantDispatchResult& ref) const;
   // Downloads the combine output and compares it: weighted -> bf16 tolerance, else exact.
   std::string check_combine(const std::vector<double>& ref, bool weighted) const;
@@ -125,10 +124,6 @@ std::vector<reference::QuantDispatchResult> reference_dispatch_quantized_all(
 // no rank, so padding rows contribute nothing while the expert outputs stay indexed by the
 // quantised output's rows.
 reference::DispatchResult combine_layout(const reference::QuantDispatchResult& q);
-// The comparison behind RankIO::check_dispatch_quantized, of a downloaded output (`got`, sized
-// as download_dispatch_quantized sizes it) with the reference: "" or the first mismatch.
-std::string compare_dispatch_quantized(const reference::QuantDispatchResult& ref,
-                                       const reference::QuantDispatchResult& got);
 
 // A one-process group on the first n GPUs with per-rank buffers.
 struct LocalGroup {

@@ -48,35 +48,20 @@ __device__ inline void combine_send(const CombineParams& p, unsigned long long s
     return;
   const WindowLayout wl = g.layout();
   const CombineRecvLayout cl = wl.combine_recv();
-  const int lane = threadIdx.x % kWarpSize;
   const int32_t n_vec = g.hidden / 8;
   const int64_t row_limit = g.output().rows;  // padding rows included
   int64_t rows = int64_t(p.row_offsets[g.n_local()]);
   if (rows > row_limit) rows = row_limit;
   const char* in = static_cast<const char*>(p.expert_out);
-  constexpr int kUnroll = 4;
 
   for (int64_t r = blockIdx.x * kCombineWarps + threadIdx.x / kWarpSize; r < rows;
        r += int64_t(gridDim.x) * kCombineWarps) {
     const SrcInfo info = p.src_info[r];
     if (info.rank < 0 || info.rank >= g.n_ranks || info.token < 0 ||
         info.token >= g.max_tokens || info.slot < 0 || info.slot >= g.top_k)
-      continue;  // never write outside a peer's buffer
+      continue;  // padding rows, and never a write outside a peer's buffer
     char* dst = window_at(g, info.rank, wl.combine_recv_offset() + cl.offset(info.token, info.slot));
-    const char* src = in + r * g.hidden * 2;
-    for (int32_t v0 = 0; v0 < n_vec; v0 += kWarpSize * kUnroll) {
-      uint4 buf[kUnroll];
-#pragma unroll
-      for (int i = 0; i < kUnroll; ++i) {
-        const int32_t v = v0 + i * kWarpSize + lane;
-        if (v < n_vec) buf[i] = ld_nc_v4(src + int64_t(v) * 16);
-      }
-#pragma unroll
-      for (int i = 0; i < kUnroll; ++i) {
-        const int32_t v = v0 + i * kWarpSize + lane;
-        if (v < n_vec) st_v4(dst + int64_t(v) * 16, buf[i]);
-      }
-    }
+    copy_vectors(in + r * g.hidden * 2, n_vec, 1, LoadNc{}, [&](int32_t) { return dst; });
   }
   block_signal_all(g, WindowLayout::kCombineArrived);
 }
@@ -95,8 +80,17 @@ __device__ void combine_recv(const CombineParams& p, unsigned long long seq, Epi
   const int32_t num_tokens = *reinterpret_cast<volatile int32_t*>(&g.state->num_tokens);
   const char* recv = window_at(g, g.rank, wl.combine_recv_offset());
 
-  for (int32_t t = blockIdx.x * kCombineWarps + threadIdx.x / kWarpSize; t < num_tokens;
-       t += gridDim.x * kCombineWarps) {
+  // Work items are (token, part): a token's columns are split into `split` interleaved parts of
+  // 256-column steps when there are too few tokens to keep every warp busy (decode), so more
+  // loads are in flight; with many tokens split = 1 and a warp takes whole tokens.
+  const int32_t warps = gridDim.x * kCombineWarps;
+  const int32_t steps = (H + kWarpSize * 8 - 1) / (kWarpSize * 8);
+  const int32_t want = num_tokens > 0 ? (2 * warps + num_tokens - 1) / num_tokens : 1;
+  const int32_t split = want < steps ? want : steps;
+  const int64_t items = int64_t(num_tokens) * split;
+  for (int64_t item = blockIdx.x * kCombineWarps + threadIdx.x / kWarpSize; item < items;
+       item += warps) {
+    const int32_t t = int32_t(item / split), part = int32_t(item % split);
     // Every lane gets the token's ids and weights before the column loops: lanes run those
     // loops a different number of times when H / 8 is not a multiple of 32, so no shuffle may
     // sit inside them.
@@ -110,14 +104,21 @@ __device__ void combine_recv(const CombineParams& p, unsigned long long seq, Epi
       ws[k] = __shfl_sync(0xffffffffu, w, k);
     }
     const char* slots = recv + cl.offset(t, 0);
+    const int32_t first = (part * kWarpSize + lane) * 8, stride = split * kWarpSize * 8;
     if (p.weights != nullptr) {
-      for (int32_t c = lane * 8; c < H; c += kWarpSize * 8) {
+      for (int32_t c = first; c < H; c += stride) {
+        // All K loads first (predicated, no branch between them, so they are in flight
+        // together), then the sums in k order over the unmasked slots.
+        uint4 raw[kMaxTopK];
+#pragma unroll
+        for (int k = 0; k < kMaxTopK; ++k)
+          if (k < K) raw[k] = ld_plain_v4(slots + k * cl.row_bytes() + int64_t(c) * 2);
         float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int k = 0; k < kMaxTopK; ++k) {
           if (k >= K || ids[k] < 0) continue;
           float y[8];
-          unpack_bf16x8(ld_v4(slots + k * cl.row_bytes() + int64_t(c) * 2), y);
+          unpack_bf16x8(raw[k], y);
 #pragma unroll
           for (int i = 0; i < 8; ++i) acc[i] = fmaf(ws[k], y[i], acc[i]);
         }
@@ -128,7 +129,7 @@ __device__ void combine_recv(const CombineParams& p, unsigned long long seq, Epi
 #pragma unroll
       for (int k = 0; k < kMaxTopK; ++k) {
         if (k >= K) continue;
-        for (int32_t c = lane * 8; c < H; c += kWarpSize * 8) {
+        for (int32_t c = first; c < H; c += stride) {
           const uint4 v = ids[k] >= 0 ? ld_v4(slots + k * cl.row_bytes() + int64_t(c) * 2)
                                       : make_uint4(0, 0, 0, 0);
           st_v4(out + (int64_t(k) * H + c) * 2, v);

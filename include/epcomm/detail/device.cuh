@@ -64,11 +64,51 @@ __device__ __forceinline__ uint4 ld_v4(const void* p) {
                : "memory");
   return v;
 }
+// The same load as a plain C++ access, which the compiler may predicate and schedule freely
+// (the asm above is a fixed point in the instruction order): for peer data behind an acquire
+// and a __syncthreads(), read in loops whose loads should all be in flight together.
+__device__ __forceinline__ uint4 ld_plain_v4(const void* p) {
+  return *reinterpret_cast<const uint4*>(p);
+}
 __device__ __forceinline__ void st_v4(void* p, uint4 v) {
   asm volatile("st.global.v4.u32 [%0], {%1,%2,%3,%4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
                "r"(v.w)
                : "memory");
 }
+
+// Copies n_vec 16-byte vectors from `src` to each of the n_dst rows dst(j) (null: skipped),
+// loading each vector once: lane l takes vectors l, l + 32, ..., kCopyUnroll loads in flight.
+// `load` is ld_nc_v4 for inputs nothing writes during the kernel, ld_v4 for peers' data. Every
+// lane runs every loop the same number of times, so dst may shuffle.
+constexpr int kCopyUnroll = 8;
+template <class Load, class Dst>
+__device__ __forceinline__ void copy_vectors(const char* src, int32_t n_vec, int32_t n_dst,
+                                             Load load, Dst dst) {
+  const int lane = threadIdx.x % 32;
+  for (int32_t v0 = 0; v0 < n_vec; v0 += 32 * kCopyUnroll) {
+    uint4 buf[kCopyUnroll];
+#pragma unroll
+    for (int i = 0; i < kCopyUnroll; ++i) {
+      const int32_t v = v0 + i * 32 + lane;
+      if (v < n_vec) buf[i] = load(src + int64_t(v) * 16);
+    }
+    for (int32_t j = 0; j < n_dst; ++j) {
+      char* d = dst(j);
+      if (d == nullptr) continue;
+#pragma unroll
+      for (int i = 0; i < kCopyUnroll; ++i) {
+        const int32_t v = v0 + i * 32 + lane;
+        if (v < n_vec) st_v4(d + int64_t(v) * 16, buf[i]);
+      }
+    }
+  }
+}
+struct LoadNc {
+  __device__ uint4 operator()(const char* p) const { return ld_nc_v4(p); }
+};
+struct LoadCoherent {
+  __device__ uint4 operator()(const char* p) const { return ld_v4(p); }
+};
 
 __device__ __forceinline__ char* window_at(const GroupView& g, int32_t peer, int64_t offset) {
   return g.window[peer] + offset;

@@ -92,6 +92,8 @@ struct RankScratch {
   int32_t* dest_pos;     // [max_tokens, n_ranks] slot in that destination's stream, -1 = not sent
   int32_t* unit_hist;    // [n_units, num_keys] per-unit key counts
   int32_t* unit_prefix;  // [n_units + 1, num_keys] exclusive prefix over units; last row = totals
+  int32_t* chunk_pos;    // [num_chunks(max_tokens), n_ranks] messages to rank r from the chunk's
+                         // unit before the chunk (add unit_prefix for the stream position)
 };
 
 struct DispatchParams {

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "epcomm/formats/codecs.h"
@@ -178,15 +179,56 @@ struct Problem;  // reference.h
 // global_scale is NVFP4's gs (positive and finite; ignored by the other formats). Throws
 // Error(kInvalidArgument) when the rank receives more than max_routed_rows rows or the hidden
 // size does not suit the format.
+struct QuantizedDispatchView;  // below
 struct QuantDispatchResult {
   std::vector<uint32_t> row_offsets;
   std::vector<int32_t> expert_ids;  // [G], expert_ids[g] = g
   std::vector<SrcInfo> src_info;
   QuantizedRows out;
   int64_t rows() const { return int64_t(src_info.size()); }  // row_offsets[G]
+  // Its vectors as a view (below): rows and row_bytes from out.shape, scales_bytes and
+  // num_scales_offsets from the vectors' sizes. Throws Error(kInvalidArgument) when
+  // row_offsets, expert_ids do not have out.shape.groups (+ 1) entries, or src_info or codes
+  // hold fewer rows than the view says.
+  QuantizedDispatchView view() const;
 };
 QuantDispatchResult dispatch_quantized(const Problem& p, int32_t rank, QuantFormat format,
                                        float global_scale, int64_t max_routed_rows = -1);
+
+// A quantised dispatch output in host memory (e.g. downloaded from a GPU): the caller's
+// pointers and the sizes of the buffers they were copied from. Of src_info and codes only the
+// rows in use, n = min(row_offsets[groups], rows), need to be there.
+struct QuantizedDispatchView {
+  int32_t groups;                  // G
+  int64_t rows;                    // the output's rows (Sizes::max_recv_rows)
+  int64_t row_bytes;               // bytes of one row of codes (Sizes::token_bytes)
+  int64_t scales_bytes;            // bytes of `scales` (Sizes::scales_bytes)
+  int32_t num_scales_offsets;      // entries of scales_offsets (Sizes::num_scales_offsets)
+  const uint32_t* row_offsets;     // [groups + 1]
+  const int32_t* expert_ids;       // [groups]
+  const SrcInfo* src_info;         // [n]
+  const uint8_t* codes;            // [n, row_bytes]
+  const void* scales;              // [scales_bytes]: fp32 for blockwise FP8, else e4m3 / e8m0
+  const uint32_t* scales_offsets;  // [num_scales_offsets]
+};
+
+// Compares a quantised dispatch output with the reference (dispatch_quantized, or any
+// QuantDispatchResult whose codes hold at least rows [0, row_offsets[G])) bit for bit. Returns ""
+// when they agree, else the first mismatch, naming the array, the index and both values and,
+// for a row, its group and source (rank, token, slot) or that it is padding; for a swizzled
+// scale byte its 5-d index, scale row and column, and what the slot holds (a row's scale,
+// column padding, an unused slot of a group's last tile, a tile no group uses). In order:
+//   - the sizes: groups, rows, row_bytes, scales_bytes, num_scales_offsets against ref.out.shape
+//     (nothing else is read when they differ);
+//   - row_offsets [G + 1], expert_ids [G], then src_info of rows [0, row_offsets[G])
+//     (padding rows {-1, -1, -1}) exactly;
+//   - the codes of rows [0, row_offsets[G]) (rows past them are never read);
+//   - scales: blockwise FP8, scale k of every row r < row_offsets[G] (at k * rows + r);
+//     NVFP4 / MXFP8, scales_offsets [G], then the whole swizzled array (unused slots are zero);
+//     MXFP4, the row-major scales of rows [0, row_offsets[G]).
+// Throws Error(kInvalidArgument) when ref itself does not fit its shape.
+std::string compare_dispatch_quantized(const QuantDispatchResult& ref,
+                                       const QuantizedDispatchView& got);
 
 }  // namespace reference
 }  // namespace epcomm
