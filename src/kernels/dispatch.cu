@@ -1,24 +1,24 @@
-// Dispatch over NVLink peer stores.
+// Dispatch over NVLink peer stores (docs/design.md has the protocol in full).
 //
-// Protocol, per call `seq` (= dispatch calls completed on this rank + 1; every rank counts the
-// same calls, so seq agrees across ranks without any exchange):
+// Per call `seq` (= dispatch calls completed on this rank + 1; every rank counts the same calls,
+// so seq agrees across ranks without any exchange):
 //  send  1. rank: every (token, key) gets its position among this rank's tokens carrying that
-//           key (keys = experts and destination ranks, layout.h ExpertMap). Stable by token
-//           index, so outputs are deterministic. Units of 512 tokens are ranked by one block
-//           with per-warp lane bitmaps in shared memory; a grid-wide scan over units finishes.
-//           The same pass validates topk_ids: a bad rank records the error and sends nothing.
-//        2. wait until every destination acknowledged the previous call (its receive buffer is
-//           free), then write the meta record (token count per destination group, message
-//           count) into each destination's window and release its seq word.
-//        3. one message per (token, destination rank): header (token, and for each of the
-//           token's experts on that rank: group, top-k slot, position) + payload, stored into
-//           the destination's stream slot. Each block then adds 1 to kDispatchArrived[me] in
-//           every destination.
-//  recv  4. wait for every source's meta record; derive row_offsets and each (source, group)
-//           base row; wait for source s's kDispatchArrived to reach seq * num_blocks, then
-//           expand each message into its group rows (one wire copy, many output rows).
+//           key (keys = experts and destination ranks, layout.h ExpertMap), stable by token
+//           index so outputs are deterministic; units of 512 tokens are ranked by one block with
+//           per-warp lane bitmaps, a grid-wide scan over units finishes. The same pass
+//           validates topk_ids (a bad rank records the error and sends nothing) and records
+//           where each 16-token chunk starts in each destination stream.
+//        2. wait until every destination acknowledged the previous call, then write the meta
+//           record (counts per group, message count, chunk starts) and release its seq word.
+//        3. chunk by chunk, one message per (token, destination rank): header (token, and for
+//           each of its experts on that rank: group, top-k slot, position) + payload (bf16, or
+//           codes + scales quantised in registers), then the chunk's arrival flag.
+//  recv  4. wait for every source's meta; derive row_offsets (format padding included) and each
+//           (source, group) base row; write padding rows and unused scale slots; then expand
+//           each chunk as its flag arrives (one wire copy, many output rows).
 //        5. the last block to finish releases kDispatchAck[me] = seq in every source and bumps
 //           the local dispatch_seq.
+// The fused kernel runs 1-2 on every block, then splits the grid: senders do 3, receivers 4.
 #include <cub/block/block_scan.cuh>
 
 #include <type_traits>
@@ -658,10 +658,14 @@ __device__ void dispatch_recv(const DispatchParams& p, unsigned long long seq, c
 // Every block of a fused or receive kernel arrives here once; the last one to arrive releases
 // kDispatchAck[me] = seq in every source (its receive buffer is free again) and bumps the local
 // dispatch_seq.
-// The fused kernel: every block ranks; then a third of the blocks send and the rest receive, so
-// expansion runs while tokens are still arriving (one block: it sends, then receives).
-__host__ __device__ constexpr int32_t fused_senders(int32_t blocks) {
-  return blocks < 2 ? 1 : (blocks / 3 > 0 ? blocks / 3 : 1);
+// The fused kernel: every block ranks; then some blocks send and the rest receive, so expansion
+// runs while tokens are still arriving (one block: it sends, then receives). bf16 sending is
+// bound by the links (8 of 24 blocks move prefill as fast as 64 do), so a third send; the
+// quantised formats spend the sender's time on quantising (prefill-fp8 with a third sending was
+// 1995 µs against 1161 µs for async + wait on 24 blocks), so two thirds send.
+__host__ __device__ constexpr int32_t fused_senders(int32_t blocks, TokenFormat f) {
+  const int32_t n = f == TokenFormat::kBF16 ? blocks / 3 : 2 * blocks / 3;
+  return blocks < 2 ? 1 : (n < 1 ? 1 : (n >= blocks ? blocks - 1 : n));
 }
 
 template <bool kSend, bool kRecv, TokenFormat F>
@@ -678,7 +682,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams p)
     if (!block_aborted(p.g)) dispatch_recv<F>(p, seq, smem, b, blocks);
     return;
   }
-  const int32_t senders = fused_senders(blocks);
+  const int32_t senders = fused_senders(blocks, F);
   if (!dispatch_send<F>(p, seq, smem, senders)) return;
   if (block_aborted(p.g)) return;
   if (blocks == 1) {
