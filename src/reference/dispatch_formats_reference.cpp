@@ -74,10 +74,13 @@ int32_t QuantOutputShape::row_align() const { return format_row_align(token_form
 
 int64_t QuantOutputShape::row_bytes() const { return format_row_bytes(token_format(format), hidden); }
 
+DispatchOutputLayout QuantOutputShape::layout() const {
+  return DispatchOutputLayout{token_format(format), hidden, groups, rows, rows};
+}
+
 int64_t QuantOutputShape::scales_size() const {
-  if (format == QuantFormat::kFp8Blockwise) return fp8_layout().size();
-  if (swizzled()) return swizzled_layout().size();
-  return mxfp4_layout().size();
+  const TokenFormat f = token_format(format);
+  return layout().scales_bytes() / format_scale_bytes(f);
 }
 
 QuantOutputShape dispatch_output_shape(QuantFormat format, int32_t hidden, int64_t max_routed_rows,

@@ -107,11 +107,12 @@ struct QuantOutputShape {
   int32_t row_align() const;  // each group's rows padded to a multiple of this: 4 (FP8) or 1
   int64_t row_bytes() const;
   int64_t codes_size() const { return rows * row_bytes(); }
-  Fp8ScaleLayout fp8_layout() const { return Fp8ScaleLayout{hidden, rows}; }
-  SwizzledScaleLayout swizzled_layout() const {
-    return SwizzledScaleLayout::make(hidden, group(), rows, groups);
-  }
-  Mxfp4ScaleLayout mxfp4_layout() const { return Mxfp4ScaleLayout{hidden, rows}; }
+  // The library's layout of these rows (the swizzled formats pad tiles, not rows, so their
+  // routed rows are `rows`): the scale layouts below are its, written once.
+  DispatchOutputLayout layout() const;
+  Fp8ScaleLayout fp8_layout() const { return layout().fp8(); }
+  SwizzledScaleLayout swizzled_layout() const { return layout().swizzled(); }
+  Mxfp4ScaleLayout mxfp4_layout() const { return layout().mxfp4(); }
   int64_t scales_size() const;  // elements: fp32 for FP8, bytes for the others
   bool swizzled() const { return format == QuantFormat::kNvfp4 || format == QuantFormat::kMxfp8; }
 };
