@@ -41,12 +41,18 @@ int64_t first_difference(const uint8_t* a, const uint8_t* b, int64_t n) {
 }
 
 // Weighted combine of every local rank; layouts[d] gives the rows of rank d's expert outputs.
+// With expert_side, also the expert-side reduction's (into *expert_side).
 std::vector<std::vector<double>> combine_reference(
     const ref::Problem& problem, const std::vector<ref::DispatchResult>& layouts,
-    const std::vector<std::vector<uint16_t>>& expert_out, const Team& team) {
+    const std::vector<std::vector<uint16_t>>& expert_out, const Team& team,
+    std::vector<std::vector<float>>* expert_side = nullptr) {
   std::vector<std::vector<double>> out(team.n_local());
+  if (expert_side) expert_side->resize(team.n_local());
   parallel_for(team.n_local(), [&](size_t i) {
     out[i] = ref::combine(problem, layouts, expert_out, team.local()[i].rank, true);
+    if (expert_side)
+      (*expert_side)[i] =
+          ref::combine_expert_side(problem, layouts, expert_out, team.local()[i].rank);
   });
   return out;
 }
@@ -161,8 +167,9 @@ std::string check_dispatch_quantized(const ref::QuantDispatchResult& want,
 
 Reference build_reference(const ref::Problem& problem, const Team& team,
                           const MessageFormat& message, const epcomm::Sizes& sizes,
-                          bool with_nccl) {
+                          bool with_nccl, bool expert_side) {
   Reference r;
+  std::vector<std::vector<float>>* es = expert_side ? &r.combine_expert_side : nullptr;
   r.message = message;
   const size_t n = size_t(problem.n_ranks);
   r.dispatch.resize(n);
@@ -171,7 +178,7 @@ Reference build_reference(const ref::Problem& problem, const Team& team,
     std::vector<std::vector<uint16_t>> expert_out;
     for (const ref::DispatchResult& d : r.dispatch)
       expert_out.push_back(d.tokens);
-    r.combine = combine_reference(problem, r.dispatch, expert_out, team);
+    r.combine = combine_reference(problem, r.dispatch, expert_out, team, es);
     return r;
   }
 
@@ -194,8 +201,8 @@ Reference build_reference(const ref::Problem& problem, const Team& team,
       throw std::logic_error("epcomm_bench: padding reference::dispatch's rows does not give " +
                              std::string("reference::dispatch_quantized's on rank ") +
                              std::to_string(team.local()[i].rank));
-  r.combine =
-      combine_reference(problem, padded, synthetic_expert_outputs(padded, problem.hidden), team);
+  r.combine = combine_reference(problem, padded,
+                                synthetic_expert_outputs(padded, problem.hidden), team, es);
   if (with_nccl) {
     r.nccl_combine = combine_reference(problem, r.dispatch,
                                        synthetic_expert_outputs(r.dispatch, problem.hidden), team);
@@ -275,6 +282,11 @@ std::string check_combine(const std::vector<double>& ref, const std::vector<uint
   if (out.size() != ref.size())
     return "size " + std::to_string(out.size()) + ", reference " + std::to_string(ref.size());
   return ref::compare_combine_bf16(ref, out.data(), int64_t(out.size()));
+}
+
+std::string check_combine_expert_side(const std::vector<float>& ref,
+                                      const std::vector<uint16_t>& out) {
+  return ref::compare_combine_expert_side(ref, out.data(), int64_t(out.size()));
 }
 
 std::vector<double> messages_received(const ref::Problem& problem) {

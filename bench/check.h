@@ -34,14 +34,19 @@ struct Reference {
   // only: its expert outputs sit at other rows; for bf16 it is `combine`).
   std::vector<std::vector<double>> combine;
   std::vector<std::vector<double>> nccl_combine;
+  // Per local rank, with the expert-side reduction: epcomm's combine as
+  // reference::combine_expert_side gives it (empty when the run reduces on the token side).
+  std::vector<std::vector<float>> combine_expert_side;
   // Quantised formats with the NCCL baseline, per source rank: its tokens' messages as the
   // reference encoders give them, [T, message.row_bytes()].
   std::vector<std::vector<uint8_t>> messages;
 };
 // Sizes are those of epcomm's group (max_routed_rows sizes the quantised output's layout).
-// with_nccl: also build what the NCCL baseline's checks need.
+// with_nccl: also build what the NCCL baseline's checks need; expert_side: epcomm's combine
+// reduces on the expert side.
 Reference build_reference(const epcomm::reference::Problem& problem, const Team& team,
-                          const MessageFormat& message, const epcomm::Sizes& sizes, bool with_nccl);
+                          const MessageFormat& message, const epcomm::Sizes& sizes, bool with_nccl,
+                          bool expert_side);
 
 // Each returns "" when the output matches, else the first mismatch.
 // epcomm's dispatch output of local rank `local_index` (rank `rank`), on the device: bf16,
@@ -57,8 +62,10 @@ std::string check_dispatch(const Reference& ref, size_t local_index, int32_t ran
 std::string check_expert_major(const Reference& ref, int32_t rank,
                                const std::vector<uint32_t>& row_offsets,
                                const std::vector<uint8_t>& rows);
-// A weighted combine output [T, H] bf16 (host copy).
+// A weighted combine output [T, H] bf16 (host copy): token side, and expert side (bit-exact).
 std::string check_combine(const std::vector<double>& ref, const std::vector<uint16_t>& out);
+std::string check_combine_expert_side(const std::vector<float>& ref,
+                                      const std::vector<uint16_t>& out);
 
 // Per rank: (source token, this rank) messages received, local ones included, one per distinct
 // destination rank of a token. Logical bytes are these times the bytes of one message.

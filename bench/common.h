@@ -1,11 +1,13 @@
-// Shared pieces of the benchmark: error checks, device and pinned arrays, and the team of ranks
-// this process drives (every visible GPU in the one-process mode, one GPU per process otherwise).
+// Shared pieces of the benchmarks: error checks, integer options, device and pinned arrays, and
+// the team of ranks this process drives (every visible GPU in the one-process mode, one GPU per
+// process otherwise).
 #pragma once
 
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -27,6 +29,17 @@ namespace epbench {
     if (check_cuda_err_ != cudaSuccess)                                        \
       ::epbench::throw_cuda_error(check_cuda_err_, #expr, __FILE__, __LINE__); \
   } while (0)
+
+// The value of an integer command-line option: throws std::invalid_argument unless it is in
+// [min_value, 2^30].
+inline int32_t parse_int(const std::string& flag, const std::string& value, int32_t min_value) {
+  char* end = nullptr;
+  const long v = std::strtol(value.c_str(), &end, 10);
+  if (value.empty() || *end != '\0' || v < min_value || v > (1l << 30))
+    throw std::invalid_argument(flag + ": expected an integer >= " + std::to_string(min_value) +
+                                ", got '" + value + "'");
+  return int32_t(v);
+}
 
 inline void set_device(int device) {
   CHECK_CUDA(cudaSetDevice(device));

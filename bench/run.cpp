@@ -220,6 +220,7 @@ class WorkloadRun {
     input.topk_ids = in.topk_ids.get();
     input.num_tokens = w_.tokens;
     input.hidden = w_.hidden;
+    input.weights = opt_.expert_side ? in.weights.get() : nullptr;
     epcomm::Group& g = *groups_[i];
     if (form == Form::kFused) {
       g.dispatch(input, buffers_[i].dispatch_output(), stream(i));
@@ -239,7 +240,7 @@ class WorkloadRun {
     input.hidden = w_.hidden;
     epcomm::CombineOutput output;
     output.out = b.combine_out.get();
-    output.weights = b.sets[size_t(set)].weights.get();
+    output.weights = opt_.expert_side ? nullptr : b.sets[size_t(set)].weights.get();
     epcomm::Group& g = *groups_[i];
     if (form == Form::kFused) {
       g.combine(input, output, stream(i));
@@ -323,8 +324,10 @@ class WorkloadRun {
         failures[i] = "dispatch: " + msg;
         return;
       }
-      msg = check_combine(ref.combine[i],
-                          buffers_[i].combine_out.download(size_t(w_.tokens) * size_t(w_.hidden)));
+      const std::vector<uint16_t> out =
+          buffers_[i].combine_out.download(size_t(w_.tokens) * size_t(w_.hidden));
+      msg = opt_.expert_side ? check_combine_expert_side(ref.combine_expert_side[i], out)
+                             : check_combine(ref.combine[i], out);
       if (!msg.empty()) failures[i] = "combine: " + msg;
     });
     return verdict(form == Form::kFused ? "epcomm" : "epcomm async+wait", failures);
@@ -420,7 +423,8 @@ class WorkloadRun {
     if (!reference_) {
       env_.progress.phase(label("computing the CPU reference"));
       reference_ = std::make_unique<Reference>(
-          build_reference(problems_.front(), team_, message_, sizes_, env_.comms != nullptr));
+          build_reference(problems_.front(), team_, message_, sizes_, env_.comms != nullptr,
+                          opt_.expert_side));
     }
     return *reference_;
   }

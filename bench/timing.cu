@@ -28,6 +28,13 @@ __global__ void gate_kernel(volatile uint32_t* word, uint32_t ticket) {
   }
 }
 
+std::vector<int> local_devices(const Team& team) {
+  std::vector<int> devices;
+  for (const LocalRank& r : team.local())
+    devices.push_back(r.device);
+  return devices;
+}
+
 }  // namespace
 
 Gate::Gate(bool enabled) : enabled_(enabled) {
@@ -65,13 +72,16 @@ void Gate::check() const {
         "(a host synchronisation inside a call?)");
 }
 
-L2Flush::L2Flush(const Team& team) {
-  for_each_rank(team, [&](size_t, const LocalRank& r) {
+L2Flush::L2Flush(const Team& team) : L2Flush(local_devices(team)) {}
+
+L2Flush::L2Flush(const std::vector<int>& devices) {
+  for (int device : devices) {
     int l2 = 0;
-    CHECK_CUDA(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, r.device));
+    CHECK_CUDA(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device));
     bytes_ = std::max(bytes_, 4 * size_t(std::max(l2, 16 << 20)));
-  });
-  for_each_rank(team, [&](size_t, const LocalRank& r) { buffers_.emplace_back(r.device, bytes_); });
+  }
+  for (int device : devices)
+    buffers_.emplace_back(device, bytes_);
 }
 
 void L2Flush::run(size_t local_index, cudaStream_t stream) {

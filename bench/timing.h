@@ -34,10 +34,12 @@ class Gate {
   uint32_t next_ticket_ = 1;
 };
 
-// Evicts the L2 cache by a memset of 4x its size, on each local rank's stream.
+// Evicts the L2 cache by a memset of 4x its size, on each local rank's stream (or each of
+// `devices`, in their order).
 class L2Flush {
  public:
   explicit L2Flush(const Team& team);
+  explicit L2Flush(const std::vector<int>& devices);
   void run(size_t local_index, cudaStream_t stream);
   size_t bytes() const { return bytes_; }
 

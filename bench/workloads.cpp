@@ -4,6 +4,8 @@
 #include <cstdlib>
 #include <stdexcept>
 
+#include "common.h"  // parse_int
+
 namespace epbench {
 namespace {
 
@@ -24,19 +26,13 @@ send/recv baseline, timed and checked against the CPU reference.
   --json FILE             write every figure, with the machine and commit, to FILE
   --no-nccl               skip the NCCL baseline
   --no-check              skip the checks against the CPU reference
+  --reduce expert|token   where epcomm's weighted combine sums a token's expert rows: on the
+                          expert side (weights given to dispatch; one row per (token, rank)
+                          back; default) or on the token side (one row per (token, k) back)
 
 One process drives every visible GPU, unless EPCOMM_RANK, EPCOMM_WORLD_SIZE and
 EPCOMM_BOOTSTRAP_DIR are set (one process per GPU, e.g. under epcomm_launch).
 )";
-
-int32_t parse_int(const std::string& flag, const std::string& value, int32_t min_value) {
-  char* end = nullptr;
-  const long v = std::strtol(value.c_str(), &end, 10);
-  if (value.empty() || *end != '\0' || v < min_value || v > (1l << 30))
-    throw std::invalid_argument(flag + ": expected an integer >= " + std::to_string(min_value) +
-                                ", got '" + value + "'");
-  return int32_t(v);
-}
 
 void split_names(const std::string& list, std::vector<std::string>* out) {
   size_t start = 0;
@@ -115,6 +111,11 @@ Options parse_options(int argc, char** argv) {
       opt.nccl = false;
     } else if (flag == "--no-check") {
       opt.check = false;
+    } else if (flag == "--reduce") {
+      const std::string where = next();
+      if (where != "expert" && where != "token")
+        throw std::invalid_argument("--reduce: '" + where + "' is neither expert nor token");
+      opt.expert_side = where == "expert";
     } else if (flag == "--list") {
       opt.list = true;
     } else {

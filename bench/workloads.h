@@ -35,6 +35,9 @@ struct Options {
   std::string json_path;
   bool nccl = true;
   bool check = true;
+  // epcomm's weighted combine: the router weights go to dispatch and each rank pre-sums its
+  // experts' rows (true, default), or they go to combine and the token side sums (false).
+  bool expert_side = true;
   bool list = false;
   std::string command_line;
 };

@@ -13,3 +13,13 @@ for s in ${SMS_CURVE:-8 16 32 64}; do
   timeout 45 $BENCH --workload prefill --sms "$s" --no-nccl --no-check \
     --json "$OUT/prefill_sms$s.json" 2>/dev/null | grep -E "^prefill" | sed "s/^/sms=$s /"
 done
+# The fused SiLU kernels on GPU 0 against their memory floor (bench/silu_bench.cpp).
+SILU_BENCH=${SILU_BENCH:-$(dirname "$BENCH")/epcomm_silu_bench}
+if [ -x "$SILU_BENCH" ]; then
+  timeout 60 $SILU_BENCH --json "$OUT/silu.json" >"$OUT/silu.txt" 2>"$OUT/silu.err"
+  rc=$?; echo "silu bench rc=$rc"
+  cat "$OUT/silu.txt"
+  [ $rc -eq 0 ] || tail -5 "$OUT/silu.err"
+else
+  echo "silu bench: $SILU_BENCH not built"
+fi

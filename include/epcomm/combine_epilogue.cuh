@@ -3,7 +3,8 @@
 // The epilogue is a copyable functor with
 //     __device__ void operator()(int32_t token, int32_t column, float value);
 // called once per output element with the fp32 weighted sum (before any rounding), in place of
-// storing out[token, column]. Router weights are required.
+// storing out[token, column]. Router weights are required: given here (token-side reduction), or
+// given to dispatch (expert-side reduction, group.h) with weights = nullptr here.
 //
 //   struct AddResidual { const float* res; float* out; int H;
 //     __device__ void operator()(int t, int c, float v) { out[t * H + c] = v + res[t * H + c]; } };

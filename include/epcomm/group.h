@@ -30,11 +30,24 @@
 namespace epcomm {
 
 // Inputs of dispatch on this rank. All device pointers, 16-byte aligned.
+//
+// Router weights are given once, to dispatch or to combine (SPEC §4):
+//   to dispatch (weights here): each message carries its slots' weights; combine then reduces on
+//     the expert side: a rank sums w * y over its own experts of a token (fp32, top-k slot
+//     ascending), rounds that to bf16 and sends one row per (token, rank) back instead of one
+//     per (token, k) — up to K / (distinct ranks) fewer bytes on the wire; the token side adds
+//     the rows in fp32, rank ascending. CombineOutput::weights must then be null.
+//   to combine (CombineOutput::weights): every (token, k) row crosses back and the token side
+//     sums w * y in fp32, top-k slot ascending.
+//   to neither: combine gives the un-reduced [T, K, H].
+// Both reductions are deterministic; they round differently (the expert side rounds each
+// rank's partial sum to bf16), so their results may differ in the last bits.
 struct DispatchInput {
   const void* tokens = nullptr;       // [T, H] bf16
   const int32_t* topk_ids = nullptr;  // [T, K] global expert ids, -1 = masked slot
   int32_t num_tokens = 0;             // T, 0 <= T <= max_tokens_per_rank
   int32_t hidden = 0;                 // must equal Config::hidden
+  const float* weights = nullptr;     // [T, K] router weights for the expert-side reduction, or null
 };
 
 // Outputs of dispatch on this rank (sizes from Group::sizes()). Device pointers.
@@ -73,8 +86,8 @@ struct CombineInput {
 
 // Outputs of combine on the token side, for the T tokens of the last dispatch.
 struct CombineOutput {
-  void* out = nullptr;             // weights given: [T, H] bf16; weights null: [T, K, H] bf16
-  const float* weights = nullptr;  // [T, K] router weights, or null for the un-reduced output
+  void* out = nullptr;  // reduced (weights here or at dispatch): [T, H] bf16; else [T, K, H] bf16
+  const float* weights = nullptr;  // [T, K] router weights (token-side reduction), or null
 };
 
 namespace detail {

@@ -35,13 +35,18 @@ struct ExpertMap {
 };
 
 // One dispatch message: a routing header, then the token payload. 16-byte aligned throughout.
-//   header: int32 token, int32 n_entries, then n_entries x {int32 group | slot << 16, int32 pos}
-//   where `pos` is the token's position among the source's tokens routed to that group.
+//   header: int32 token, int16 n_entries, int16 rank_slot, then n_entries x
+//   {int32 group | slot << 16, int32 pos, float weight}, top-k slot ascending, where `pos` is
+//   the token's position among the source's tokens routed to that group, `weight` the router
+//   weight of that slot (0 when the dispatch carries none) and `rank_slot` the destination's
+//   index among the ranks the token goes to, ascending (rank_slot_of): where the expert-side
+//   combine returns the destination's pre-summed row.
 struct MessageEntry {
   int32_t group_slot;
   int32_t pos;
-  EPCOMM_HD static MessageEntry make(int32_t group, int32_t slot, int32_t pos) {
-    return MessageEntry{group | (slot << 16), pos};
+  float weight;
+  EPCOMM_HD static MessageEntry make(int32_t group, int32_t slot, int32_t pos, float weight) {
+    return MessageEntry{group | (slot << 16), pos, weight};
   }
   EPCOMM_HD int32_t group() const { return group_slot & 0xffff; }
   EPCOMM_HD int32_t slot() const { return group_slot >> 16; }
@@ -49,9 +54,18 @@ struct MessageEntry {
 
 struct MessageHeader {
   int32_t token;
-  int32_t n_entries;
+  int16_t n_entries;
+  int16_t rank_slot;
   MessageEntry entries[1];  // really n_entries (<= top_k)
 };
+
+// Rank d's index among the ranks of `rank_mask` (bit r set: the token goes to rank r), ascending.
+EPCOMM_HD constexpr int32_t rank_slot_of(uint32_t rank_mask, int32_t d) {
+  uint32_t below = rank_mask & ((1u << d) - 1u);
+  int32_t n = 0;
+  for (; below; below &= below - 1u) ++n;
+  return n;
+}
 
 //   payload: the token's codes in the format (bf16: the token itself), then for the quantised
 //   formats its scales in row order (fp32 or one byte each), each part 16-byte aligned.
@@ -60,7 +74,9 @@ struct MessageLayout {
   int32_t top_k;
   TokenFormat format;
 
-  EPCOMM_HD int64_t header_bytes() const { return align_up(8 + 8 * int64_t(top_k), 16); }
+  EPCOMM_HD int64_t header_bytes() const {
+    return align_up(8 + int64_t(sizeof(MessageEntry)) * top_k, 16);
+  }
   EPCOMM_HD int64_t codes_bytes() const { return align_up(format_row_bytes(format, hidden), 16); }
   EPCOMM_HD int64_t scales_bytes() const {
     return align_up(int64_t(format_scales_per_row(format, hidden)) * format_scale_bytes(format),
@@ -113,7 +129,9 @@ struct MetaLayout {
   EPCOMM_HD int64_t chunk_start_offset() const { return 16 + 4 * int64_t(n_local); }
 };
 
-// The combine receive buffer of one rank: one row per (token, top-k slot).
+// The combine receive buffer of one rank: one row per (token, top-k slot); with the
+// expert-side reduction, one pre-summed row per (token, rank slot) (rank_slot_of; fewer than
+// min(K, n_ranks) <= K per token, so the same rows serve).
 struct CombineRecvLayout {
   int32_t hidden;
   int32_t top_k;

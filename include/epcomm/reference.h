@@ -59,6 +59,15 @@ std::vector<double> combine(const Problem& p, const std::vector<DispatchResult>&
                             const std::vector<std::vector<uint16_t>>& expert_out, int32_t rank,
                             bool weighted);
 
+// Combine of rank `rank` with the expert-side reduction (the dispatch carried the weights),
+// exactly as the device computes it, in fp32 before the final bf16 rounding: per destination
+// rank r ascending, p_r = bf16(fma chain over r's slots k ascending of w[t,k] * y[t,k], from 0),
+// then out[t] = sum over r of p_r in fp32 from 0. [T, H].
+std::vector<float> combine_expert_side(const Problem& p,
+                                       const std::vector<DispatchResult>& layouts,
+                                       const std::vector<std::vector<uint16_t>>& expert_out,
+                                       int32_t rank);
+
 // Routing generators (PERF.md): for each token, K distinct experts, the top-K of |randn| + 1
 // scores (uniform popularity), or with expert e's score scaled by a Zipf(s) popularity when
 // zipf_s > 0. mask_prob masks each slot independently (-1).
@@ -87,6 +96,9 @@ std::string compare_combine_bf16(const std::vector<double>& ref, const uint16_t*
 // fp32 values (an epilogue's input): ||out - ref|| / ||ref|| <= rel_tol.
 std::string compare_combine_f32(const std::vector<double>& ref, const float* out, int64_t count,
                                 double rel_tol = 1e-5);
+// The expert-side combine in bf16: bit-exact against combine_expert_side rounded to bf16.
+std::string compare_combine_expert_side(const std::vector<float>& ref, const uint16_t* out,
+                                        int64_t count);
 // Un-reduced combine: bit-exact.
 std::string compare_exact_bf16(const std::vector<double>& ref, const uint16_t* out,
                                int64_t count);

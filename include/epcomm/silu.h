@@ -94,4 +94,15 @@ void silu_mxfp4(const SiluInput& in, const SiluMxfp4Output& out, const SwigluCla
 // timed regions and graph captures.
 void load_silu_kernels();
 
+namespace reference {
+
+// For checks (tests/gpu/test_silu.cu, bench/silu_bench.cpp): z of x rows [0, rows) — silu_mul,
+// or swiglu_clamped of *clamp — evaluated on the device, with the device's expf, into z
+// [rows, intermediate] fp32 (device memory), on `stream`. The kernels quantise exactly these
+// values: quantize_grouped_rows of them (float_to_bf16 for bf16) is each kernel's output bit for
+// bit. A failed launch throws Error(kCuda).
+void silu_values_device(const void* x, int64_t rows, int32_t intermediate, GateUpLayout layout,
+                        const SwigluClamp* clamp, float* z, cudaStream_t stream);
+
+}  // namespace reference
 }  // namespace epcomm

@@ -277,11 +277,13 @@ __device__ void send_token(const DispatchParams& p, int32_t t) {
     const int32_t* prefix = p.scratch.unit_prefix + int64_t(t / kUnitTokens) * nk;
     // Lane k: top-k slot k. Lane r: destination rank r.
     int32_t id = -1, dest = -1, pos = 0;
+    float weight = 0.0f;
     if (lane < K) {
       id = p.scratch.topk[int64_t(t) * K + lane];
       if (id >= 0) {
         dest = em.rank_of(id);
         pos = prefix[id] + p.scratch.expert_pos[int64_t(t) * K + lane];
+        if (p.weights != nullptr) weight = p.weights[int64_t(t) * K + lane];
       }
     }
     int32_t slot = -1;
@@ -301,10 +303,12 @@ __device__ void send_token(const DispatchParams& p, int32_t t) {
       MessageHeader* h = reinterpret_cast<MessageHeader*>(msg);
       const uint32_t mine = __ballot_sync(0xffffffffu, dest == d);
       if (dest == d)
-        h->entries[__popc(mine & lanemask_lt())] = MessageEntry::make(em.local_of(id), lane, pos);
+        h->entries[__popc(mine & lanemask_lt())] =
+            MessageEntry::make(em.local_of(id), lane, pos, weight);
       if (lane == 0) {
         h->token = t;
-        h->n_entries = __popc(mine);
+        h->n_entries = int16_t(__popc(mine));
+        h->rank_slot = int16_t(rank_slot_of(dest_mask, d));
       }
       payload[n_dest++] = msg + ml.payload_offset();
     }
@@ -446,7 +450,7 @@ __device__ void expand_message(const DispatchParams& p, const RecvGroups& rg, in
   const char* msg = window_at(g, g.rank, wl.dispatch_recv_offset() + wl.dispatch_recv().offset(src, m));
   const MessageHeader* h = reinterpret_cast<const MessageHeader*>(msg);
   const int32_t token = h->token;
-  const int32_t n = min(h->n_entries, g.top_k);
+  const int32_t n = min(int32_t(h->n_entries), g.top_k);
   int64_t row = -1;
   int32_t grp = -1;
   if (lane < n) {
@@ -613,10 +617,16 @@ __device__ void dispatch_recv(const DispatchParams& p, unsigned long long seq, c
     rg.tile_start[n_local] = total_tiles;
   }
   __syncthreads();
-  for (int32_t grp = threadIdx.x; grp < n_local; grp += kThreads)
-    for (int32_t s = 0; s < n_ranks; ++s)
-      rg.base[s * n_local + grp] = rg.row_offset[grp] + rows.source_offset(s, grp);
+  // Block 0 also keeps the bases and message counts for the expert-side combine.
+  for (int32_t grp = threadIdx.x; grp < n_local; grp += kThreads) {
+    for (int32_t s = 0; s < n_ranks; ++s) {
+      const int32_t base = rg.row_offset[grp] + rows.source_offset(s, grp);
+      rg.base[s * n_local + grp] = base;
+      if (rb == 0) p.scratch.recv_base[s * n_local + grp] = base;
+    }
+  }
   if (rb == 0) {
+    if (threadIdx.x < n_ranks) p.scratch.recv_count[threadIdx.x] = rg.stream_count[threadIdx.x];
     for (int32_t grp = threadIdx.x; grp <= n_local; grp += kThreads) {
       p.row_offsets[grp] = uint32_t(rg.row_offset[grp]);
       if (grp < n_local) p.expert_ids[grp] = grp;
@@ -655,18 +665,37 @@ __device__ void dispatch_recv(const DispatchParams& p, unsigned long long seq, c
   dispatch_done(g, seq);
 }
 
-// Every block of a fused or receive kernel arrives here once; the last one to arrive releases
-// kDispatchAck[me] = seq in every source (its receive buffer is free again) and bumps the local
-// dispatch_seq.
-// The fused kernel: every block ranks; then some blocks send and the rest receive, so expansion
-// runs while tokens are still arriving (one block: it sends, then receives). bf16 sending is
-// bound by the links (8 of 24 blocks move prefill as fast as 64 do), so a third send; the
-// quantised formats spend the sender's time on quantising (prefill-fp8 with a third sending was
-// 1995 µs against 1161 µs for async + wait on 24 blocks), so two thirds send.
-__host__ __device__ constexpr int32_t fused_senders(int32_t blocks, TokenFormat f) {
-  const int32_t n = f == TokenFormat::kBF16 ? blocks / 3 : 2 * blocks / 3;
-  return blocks < 2 ? 1 : (n < 1 ? 1 : (n >= blocks ? blocks - 1 : n));
+// The fused kernel: every block ranks; then either the grid splits, some blocks sending while
+// the rest expand chunks as they arrive, or (few blocks) every block sends and then receives.
+// What the split rests on, measured on prefill (8 x H200, bf16): sending is bound by the links
+// from about 8 blocks on (8 of 24 move it as fast as 64 do), below that by the blocks (2
+// senders took 3.9 ms); receiving is bound by the blocks (8 took 1.45 ms, 24 0.49 ms). So:
+//  - fewer than kMinSplitBlocks blocks: no split (it would starve one side; 8 blocks split
+//    2 + 6 took 3.9 ms against 2.4 ms for send-then-receive);
+//  - bf16: a third of the blocks send, at least kLinkSenders;
+//  - quantised formats: two thirds (quantising bounds the sender: prefill-fp8 with a third
+//    sending took 1995 µs against 1161 µs for async + wait on 24 blocks);
+//  - never more senders than chunks (a sender takes whole chunks: decode's 128 tokens are 8),
+//    and at least one receiver.
+// Returns the number of senders; `blocks` means send, then receive.
+constexpr int32_t kMinSplitBlocks = 16;
+constexpr int32_t kLinkSenders = 8;
+__host__ __device__ constexpr int32_t fused_senders(int32_t blocks, TokenFormat f,
+                                                    int32_t num_tokens) {
+  if (blocks < kMinSplitBlocks) return blocks;
+  const int32_t third = blocks / 3;
+  const int32_t want = f == TokenFormat::kBF16 ? (third > kLinkSenders ? third : kLinkSenders)
+                                               : 2 * blocks / 3;
+  const int32_t chunks = num_chunks(num_tokens) > 0 ? num_chunks(num_tokens) : 1;
+  const int32_t n = want < chunks ? want : chunks;
+  return n < blocks - 1 ? n : blocks - 1;
 }
+static_assert(fused_senders(8, TokenFormat::kBF16, 4096) == 8, "few blocks: no split");
+static_assert(fused_senders(24, TokenFormat::kBF16, 4096) == 8, "bf16: a third");
+static_assert(fused_senders(16, TokenFormat::kBF16, 4096) == 8, "bf16: at least 8");
+static_assert(fused_senders(24, TokenFormat::kFp8Blockwise, 4096) == 16, "quantised: 2/3");
+static_assert(fused_senders(24, TokenFormat::kFp8Blockwise, 128) == 8, "no more than chunks");
+static_assert(fused_senders(24, TokenFormat::kBF16, 0) == 1, "no tokens: one sender");
 
 template <bool kSend, bool kRecv, TokenFormat F>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams p) {
@@ -682,11 +711,11 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams p)
     if (!block_aborted(p.g)) dispatch_recv<F>(p, seq, smem, b, blocks);
     return;
   }
-  const int32_t senders = fused_senders(blocks, F);
+  const int32_t senders = fused_senders(blocks, F, p.num_tokens);
   if (!dispatch_send<F>(p, seq, smem, senders)) return;
   if (block_aborted(p.g)) return;
-  if (blocks == 1) {
-    dispatch_recv<F>(p, seq, smem, 0, 1);
+  if (senders == blocks) {
+    dispatch_recv<F>(p, seq, smem, b, blocks);
   } else if (b >= senders) {
     dispatch_recv<F>(p, seq, smem, b - senders, blocks - senders);
   } else {

@@ -61,13 +61,12 @@ DispatchResult dispatch(const Problem& p, int32_t rank) {
   return r;
 }
 
-std::vector<double> combine(const Problem& p, const std::vector<DispatchResult>& layouts,
-                            const std::vector<std::vector<uint16_t>>& expert_out, int32_t rank,
-                            bool weighted) {
-  const RankInput& in = p.ranks[size_t(rank)];
-  const int32_t T = sends(p, rank) ? in.num_tokens : 0;
-  const int64_t H = p.hidden, K = p.top_k;
-  // Where each of this rank's (token, slot) rows went: (expert rank, row).
+namespace {
+// Where each of rank `rank`'s (token, slot) rows went: (expert rank, row), {-1, -1} if nowhere.
+std::vector<std::pair<int32_t, int64_t>> slot_rows(const Problem& p,
+                                                   const std::vector<DispatchResult>& layouts,
+                                                   int32_t rank, int32_t T) {
+  const int64_t K = p.top_k;
   std::vector<std::pair<int32_t, int64_t>> where(static_cast<size_t>(T * K), {-1, -1});
   for (int32_t d = 0; d < p.n_ranks; ++d) {
     const DispatchResult& l = layouts[size_t(d)];
@@ -76,6 +75,17 @@ std::vector<double> combine(const Problem& p, const std::vector<DispatchResult>&
       if (si.rank == rank) where[size_t(si.token * K + si.slot)] = {d, row};
     }
   }
+  return where;
+}
+}  // namespace
+
+std::vector<double> combine(const Problem& p, const std::vector<DispatchResult>& layouts,
+                            const std::vector<std::vector<uint16_t>>& expert_out, int32_t rank,
+                            bool weighted) {
+  const RankInput& in = p.ranks[size_t(rank)];
+  const int32_t T = sends(p, rank) ? in.num_tokens : 0;
+  const int64_t H = p.hidden, K = p.top_k;
+  const auto where = slot_rows(p, layouts, rank, T);
   std::vector<double> out(static_cast<size_t>(weighted ? T * H : T * K * H), 0.0);
   for (int32_t t = 0; t < T; ++t) {
     for (int32_t k = 0; k < K; ++k) {
@@ -85,6 +95,39 @@ std::vector<double> combine(const Problem& p, const std::vector<DispatchResult>&
       const double w = weighted ? double(in.weights[size_t(t * K + k)]) : 1.0;
       double* o = out.data() + (weighted ? t * H : (t * K + k) * H);
       for (int64_t h = 0; h < H; ++h) o[h] += w * double(bf16_to_float(y[h]));
+    }
+  }
+  return out;
+}
+
+std::vector<float> combine_expert_side(const Problem& p,
+                                       const std::vector<DispatchResult>& layouts,
+                                       const std::vector<std::vector<uint16_t>>& expert_out,
+                                       int32_t rank) {
+  const RankInput& in = p.ranks[size_t(rank)];
+  const int32_t T = sends(p, rank) ? in.num_tokens : 0;
+  const int64_t H = p.hidden, K = p.top_k;
+  const ExpertMap em{p.n_experts, p.n_ranks};
+  const auto where = slot_rows(p, layouts, rank, T);
+  std::vector<float> out(static_cast<size_t>(T * H), 0.0f);
+  std::vector<float> partial(static_cast<size_t>(H));
+  for (int32_t t = 0; t < T; ++t) {
+    for (int32_t r = 0; r < p.n_ranks; ++r) {  // rank ascending
+      bool any = false;
+      std::fill(partial.begin(), partial.end(), 0.0f);
+      for (int32_t k = 0; k < K; ++k) {  // the expert side: slot ascending, fused multiply-add
+        const int32_t id = in.topk_ids[size_t(t * K + k)];
+        if (id < 0 || em.rank_of(id) != r) continue;
+        any = true;
+        const auto [d, row] = where[size_t(t * K + k)];
+        const uint16_t* y = expert_out[size_t(d)].data() + row * H;
+        const float w = in.weights[size_t(t * K + k)];
+        for (int64_t h = 0; h < H; ++h)
+          partial[size_t(h)] = std::fma(w, bf16_to_float(y[h]), partial[size_t(h)]);
+      }
+      if (!any) continue;
+      float* o = out.data() + t * H;  // the token side: the bf16 partial sums added in fp32
+      for (int64_t h = 0; h < H; ++h) o[h] += bf16_to_float(float_to_bf16(partial[size_t(h)]));
     }
   }
   return out;
@@ -257,6 +300,18 @@ std::string compare_exact_bf16(const std::vector<double>& ref, const uint16_t* o
     }
   }
   return "";
+}
+
+std::string compare_combine_expert_side(const std::vector<float>& ref, const uint16_t* out,
+                                        int64_t count) {
+  if (int64_t(ref.size()) != count) {
+    std::ostringstream os;
+    os << "output has " << count << " values, the reference " << ref.size();
+    return os.str();
+  }
+  std::vector<double> rounded(ref.size());
+  for (size_t i = 0; i < ref.size(); ++i) rounded[i] = bf16_to_float(float_to_bf16(ref[i]));
+  return compare_exact_bf16(rounded, out, count);
 }
 
 }  // namespace reference

@@ -34,6 +34,7 @@ struct GroupState {
   bool poisoned = false;
   bool joined = false;  // set-up completed on every rank (teardown then synchronises with peers)
   bool dispatched = false;  // a dispatch preceded this combine
+  bool weights_dispatched = false;  // the last dispatch (or the pending dispatch_async) carried weights
   bool async_dispatch_pending = false;
   bool async_combine_pending = false;
 
@@ -178,18 +179,27 @@ void GroupState::setup(const Config& config, Bootstrap& bs, int dev) {
   const ExpertMap em{cfg.n_experts, n_ranks};
   const int64_t T = cfg.max_tokens_per_rank, K = cfg.top_k, nk = em.num_keys();
   const int64_t n_units = (T + dispatch_unit_tokens() - 1) / dispatch_unit_tokens();
-  const int64_t words[6] = {T * K,        T * K, T * n_ranks, n_units * nk, (n_units + 1) * nk,
-                            int64_t(num_chunks(int32_t(T))) * n_ranks};
+  constexpr int kParts = 8;
+  const int64_t words[kParts] = {T * K,
+                                 T * K,
+                                 T * n_ranks,
+                                 n_units * nk,
+                                 (n_units + 1) * nk,
+                                 int64_t(num_chunks(int32_t(T))) * n_ranks,
+                                 int64_t(n_ranks) * em.n_local(),
+                                 n_ranks};
   int64_t total = 0;
   for (int64_t w : words) total += align_up(w * 4, 256);
   check_cuda(cudaMalloc(&scratch_mem, size_t(total)), "cudaMalloc(scratch)");
-  int32_t* parts[6];
+  check_cuda(cudaMemset(scratch_mem, 0, size_t(total)), "cudaMemset(scratch)");
+  int32_t* parts[kParts];
   int64_t off = 0;
-  for (int i = 0; i < 6; ++i) {
+  for (int i = 0; i < kParts; ++i) {
     parts[i] = reinterpret_cast<int32_t*>(scratch_mem + off);
     off += align_up(words[i] * 4, 256);
   }
-  scratch = RankScratch{parts[0], parts[1], parts[2], parts[3], parts[4], parts[5]};
+  scratch = RankScratch{parts[0], parts[1], parts[2], parts[3],
+                        parts[4], parts[5], parts[6], parts[7]};
   check_cuda(cudaHostAlloc(&error_host, sizeof(DeviceErrorRecord),
                            cudaHostAllocMapped | cudaHostAllocPortable),
              "cudaHostAlloc(error record)");
@@ -427,6 +437,7 @@ static detail::DispatchParams dispatch_params(detail::GroupState& s, const Dispa
   if (in) {
     p.tokens = in->tokens;
     p.topk_ids = in->topk_ids;
+    p.weights = in->weights;
     p.num_tokens = in->num_tokens;
   }
   if (out) {
@@ -452,6 +463,8 @@ static void check_dispatch_input(detail::GroupState& s, const DispatchInput& in,
     require_ptr(in.topk_ids, s.rank, op, "topk_ids", false);
     require((reinterpret_cast<uintptr_t>(in.topk_ids) & 3u) == 0, s.rank, op,
             "topk_ids is not 4-byte aligned");
+    require((reinterpret_cast<uintptr_t>(in.weights) & 3u) == 0, s.rank, op,
+            "weights is not 4-byte aligned");
   }
 }
 
@@ -482,6 +495,7 @@ void Group::dispatch(const DispatchInput& in, const DispatchOutput& out, cudaStr
   detail::launch_dispatch(dispatch_params(*s_, &in, &out), true, true, stream);
   after_launch(op);
   s_->dispatched = true;
+  s_->weights_dispatched = in.weights != nullptr;
 }
 
 void Group::dispatch_async(const DispatchInput& in, cudaStream_t stream) {
@@ -492,6 +506,7 @@ void Group::dispatch_async(const DispatchInput& in, cudaStream_t stream) {
   detail::launch_dispatch(dispatch_params(*s_, &in, nullptr), true, false, stream);
   after_launch(op);
   s_->async_dispatch_pending = true;
+  s_->weights_dispatched = in.weights != nullptr;
 }
 
 void Group::dispatch_wait(const DispatchOutput& out, cudaStream_t stream) {
@@ -509,6 +524,8 @@ detail::CombineParams Group::prepare_combine(const CombineInput* in, const Combi
   const char* op = in && out ? "combine" : (in ? "combine_async" : "combine_wait");
   check_usable(*s_, op);
   require(s_->dispatched, s_->rank, op, "no dispatch has completed on this group yet");
+  require(!s_->async_dispatch_pending, s_->rank, op,
+          "a dispatch_async is waiting for its dispatch_wait");
   if (out && !in) {
     require(s_->async_combine_pending, s_->rank, op, "no combine_async to wait for");
   } else {
@@ -518,6 +535,9 @@ detail::CombineParams Group::prepare_combine(const CombineInput* in, const Combi
   detail::CombineParams p{};
   p.g = s_->view;
   p.topk = s_->scratch.topk;
+  p.expert_side = s_->weights_dispatched ? 1 : 0;
+  p.recv_base = s_->scratch.recv_base;
+  p.recv_count = s_->scratch.recv_count;
   if (in) {
     require(in->hidden == s_->cfg.hidden, s_->rank, op,
             "hidden = " + std::to_string(in->hidden) + " but the group was set up with hidden = " +
@@ -530,8 +550,11 @@ detail::CombineParams Group::prepare_combine(const CombineInput* in, const Combi
     p.src_info = in->src_info;
   }
   if (out) {
-    if (out->out != nullptr || out->weights == nullptr)
-      require_ptr(out->out, s_->rank, op, "out", true);
+    require(!(s_->weights_dispatched && out->weights != nullptr), s_->rank, op,
+            "the last dispatch carried router weights, so combine reduces with those on the "
+            "expert side: pass weights = nullptr");
+    const bool reduced = out->weights != nullptr || s_->weights_dispatched;
+    if (out->out != nullptr || !reduced) require_ptr(out->out, s_->rank, op, "out", true);
     if (out->weights)
       require((reinterpret_cast<uintptr_t>(out->weights) & 3u) == 0, s_->rank, op,
               "weights is not 4-byte aligned");

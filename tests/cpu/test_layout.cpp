@@ -26,8 +26,8 @@ TEST(Layout, MessageIsAlignedAndHoldsHeader) {
     for (int H : {8, 2048, 2880, 7168}) {
       const MessageLayout m{H, K, TokenFormat::kBF16};
       EXPECT_EQ(m.header_bytes() % 16, 0);
-      EXPECT_GE(m.header_bytes(), 8 + 8 * K);
-      EXPECT_LT(m.header_bytes(), 8 + 8 * K + 16);
+      EXPECT_GE(m.header_bytes(), 8 + 12 * K);
+      EXPECT_LT(m.header_bytes(), 8 + 12 * K + 16);
       EXPECT_EQ(m.payload_offset() % 16, 0);
       EXPECT_EQ(m.payload_bytes(), H * 2);
       EXPECT_EQ(m.bytes(), m.header_bytes() + H * 2);
@@ -49,10 +49,28 @@ TEST(Layout, MessageIsAlignedAndHoldsHeader) {
   const MessageLayout mxfp8{2880, 8, TokenFormat::kMxfp8};
   EXPECT_EQ(mxfp8.codes_bytes(), 2880);
   EXPECT_EQ(mxfp8.scales_bytes(), 96);
-  const MessageEntry e = MessageEntry::make(511, 15, 123456);
+  const MessageEntry e = MessageEntry::make(511, 15, 123456, 0.25f);
   EXPECT_EQ(e.group(), 511);
   EXPECT_EQ(e.slot(), 15);
   EXPECT_EQ(e.pos, 123456);
+  EXPECT_EQ(e.weight, 0.25f);
+}
+
+// A token's destinations, numbered in rank order: the slots are 0..n-1 without gaps, so the
+// expert-side combine's rows of a token fit in its first min(K, n_ranks) combine rows.
+TEST(Layout, RankSlotsNumberDestinationsInOrder) {
+  EXPECT_EQ(rank_slot_of(0b10110101u, 0), 0);
+  EXPECT_EQ(rank_slot_of(0b10110101u, 2), 1);
+  EXPECT_EQ(rank_slot_of(0b10110101u, 4), 2);
+  EXPECT_EQ(rank_slot_of(0b10110101u, 5), 3);
+  EXPECT_EQ(rank_slot_of(0b10110101u, 7), 4);
+  for (uint32_t mask = 1; mask < 256; ++mask) {
+    int32_t next = 0;
+    for (int32_t d = 0; d < 8; ++d)
+      if ((mask >> d) & 1u) {
+        EXPECT_EQ(rank_slot_of(mask, d), next++) << mask << " " << d;
+      }
+  }
 }
 
 TEST(Layout, DispatchRecvSlotsAreDisjoint) {

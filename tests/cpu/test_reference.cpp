@@ -1,6 +1,7 @@
 // The CPU reference model: worked examples by hand, then properties on random problems.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <map>
 #include <set>
 
@@ -30,6 +31,15 @@ Problem tiny() {
     p.ranks.push_back(in);
   }
   return p;
+}
+
+// Expert outputs of tiny(): row value = 10 * (expert rank + 1) + row index (exact in bf16).
+std::vector<std::vector<uint16_t>> tiny_expert_outputs(const std::vector<DispatchResult>& l) {
+  std::vector<std::vector<uint16_t>> y(l.size());
+  for (size_t d = 0; d < l.size(); ++d)
+    for (int64_t r = 0; r < l[d].rows(); ++r)
+      for (int h = 0; h < 8; ++h) y[d].push_back(float_to_bf16(float(10 * int64_t(d + 1) + r)));
+  return y;
 }
 }  // namespace
 
@@ -61,11 +71,7 @@ TEST(Reference, DispatchRowOrderIsGroupThenSourceThenToken) {
 TEST(Reference, CombineWeightsMasksAndUnreduced) {
   const Problem p = tiny();
   const std::vector<DispatchResult> l = {dispatch(p, 0), dispatch(p, 1)};
-  // Expert outputs: row value = 10 * (expert rank + 1) + row index (exact in bf16).
-  std::vector<std::vector<uint16_t>> y(2);
-  for (int d = 0; d < 2; ++d)
-    for (int64_t r = 0; r < l[size_t(d)].rows(); ++r)
-      for (int h = 0; h < 8; ++h) y[size_t(d)].push_back(float_to_bf16(float(10 * (d + 1) + r)));
+  const std::vector<std::vector<uint16_t>> y = tiny_expert_outputs(l);
   const std::vector<double> out = combine(p, l, y, 0, true);
   ASSERT_EQ(out.size(), 3u * 8);
   // rank 0 token 0: k0 -> expert 1 (rank 0, row 2), k1 -> expert 2 (rank 1, row 0)
@@ -102,6 +108,52 @@ TEST(Reference, BadRankSendsNothing) {
   const DispatchResult r0 = dispatch(p, 0);
   for (const SrcInfo& s : r0.src_info) EXPECT_EQ(s.rank, 0);
   EXPECT_EQ(r0.row_offsets.back(), 3u);
+}
+
+// Expert-side reduction: each rank's slots summed with fma (slot ascending) and rounded to bf16,
+// then the ranks' sums added in rank order.
+TEST(Reference, CombineExpertSideSumsPerRankThenAcrossRanks) {
+  const Problem p = tiny();
+  const std::vector<DispatchResult> l = {dispatch(p, 0), dispatch(p, 1)};
+  const std::vector<std::vector<uint16_t>> y = tiny_expert_outputs(l);
+  const std::vector<float> out = combine_expert_side(p, l, y, 0);
+  ASSERT_EQ(out.size(), 3u * 8);
+  EXPECT_EQ(out[0], 0.25f * 12 + 0.5f * 20);  // token 0: one slot on each rank
+  EXPECT_EQ(out[8], 0.75f * 22);              // token 1: k1 masked
+  // token 2: experts 0 (row 0) and 1 (row 3), both on rank 0: one partial sum
+  EXPECT_EQ(out[16], 1.25f * 10 + 1.5f * 13);
+  // The partial sum is rounded to bf16 before the token side adds it: 1 + 2^-9 rounds to 1.
+  Problem q = tiny();
+  q.ranks[0].weights[0] = 1.0f + std::ldexp(1.0f, -9);  // token 0, k0 -> rank 0, y = 12
+  const std::vector<float> r = combine_expert_side(q, l, y, 0);
+  EXPECT_EQ(r[0], bf16_to_float(float_to_bf16(12.0f * (1.0f + std::ldexp(1.0f, -9)))) + 10.0f);
+  EXPECT_NE(r[0], 12.0f * (1.0f + std::ldexp(1.0f, -9)) + 10.0f);
+}
+
+// On random problems the expert-side result stays within the bf16 rounding of each rank's
+// partial sum of the float64 reduction.
+TEST(Reference, CombineExpertSideTracksFloat64Reduction) {
+  const Problem p = make_problem(4, 64, 8, 32, {50, 0, 33, 17}, 11, 0.0, 0.1);
+  std::vector<DispatchResult> l;
+  for (int r = 0; r < 4; ++r) l.push_back(dispatch(p, r));
+  std::vector<std::vector<uint16_t>> y;
+  std::mt19937_64 rng(5);
+  for (auto& d : l) y.push_back(make_tokens(d.rows() * 64, rng));
+  for (int rank = 0; rank < 4; ++rank) {
+    const std::vector<double> ref = combine(p, l, y, rank, true);
+    const std::vector<float> es = combine_expert_side(p, l, y, rank);
+    ASSERT_EQ(ref.size(), es.size());
+    const RankInput& in = p.ranks[size_t(rank)];
+    for (int32_t t = 0; t < in.num_tokens; ++t) {
+      double sum_w = 0;  // |y| < 2, so every partial sum is below 2 * sum_w
+      for (int k = 0; k < 8; ++k)
+        if (in.topk_ids[size_t(t * 8 + k)] >= 0) sum_w += in.weights[size_t(t * 8 + k)];
+      for (int h = 0; h < 64; ++h) {
+        const size_t i = size_t(t) * 64 + size_t(h);
+        EXPECT_LE(std::fabs(double(es[i]) - ref[i]), std::ldexp(2.0 * sum_w, -8)) << t << " " << h;
+      }
+    }
+  }
 }
 
 TEST(Reference, RandomProblemsConserveRows) {
@@ -168,6 +220,12 @@ TEST(Reference, ComparisonsCatchErrors) {
   EXPECT_NE(compare_combine_f32(ref, f, 3, 1e-5), "");
   const float g[3] = {1.0f, -2.0f, 3.5f};
   EXPECT_EQ(compare_combine_f32(ref, g, 3, 1e-5), "");
+  // Expert side: bit-exact against the reference rounded to bf16; one ulp off fails.
+  const std::vector<float> es = {1.0f, -2.0f, 3.5f + std::ldexp(1.0f, -10)};
+  EXPECT_EQ(compare_combine_expert_side(es, good, 3), "");
+  const uint16_t ulp[3] = {good[0], uint16_t(good[1] + 1), good[2]};
+  EXPECT_NE(compare_combine_expert_side(es, ulp, 3), "");
+  EXPECT_NE(compare_combine_expert_side(es, good, 2), "");
 }
 
 TEST(Bf16, RoundTripAndRounding) {

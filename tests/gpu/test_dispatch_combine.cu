@@ -19,28 +19,35 @@ struct Case {
   const char* name;
 };
 
-std::string case_name(const ::testing::TestParamInfo<Case>& info) { return info.param.name; }
+std::string case_name(const ::testing::TestParamInfo<Case>& info) {
+  return info.param.name;
+}
 
 class Sweep : public ::testing::TestWithParam<Case> {};
 
 }  // namespace
 
 // Random routing over the shapes of the issue: 2/4/8 GPUs, hidden 2048/2880/7168, K = 1/4/8,
-// 8..256 experts, fused and async+wait forms, weighted and un-reduced combine.
+// 8..256 experts, fused and async+wait forms; weighted (token side) and un-reduced combine, and
+// the expert-side reduction (weights given to dispatch).
 TEST_P(Sweep, MatchesReference) {
   const Case c = GetParam();
   EPCOMM_REQUIRE_GPUS(c.n_ranks);
   LocalGroup lg(make_cfg(c.hidden, c.top_k, c.n_experts, c.max_tokens), c.n_ranks);
   uint64_t seed = 1;
   for (Form form : {Form::kFused, Form::kAsyncWait}) {
-    const auto p = reference::make_problem(c.n_ranks, c.hidden, c.top_k, c.n_experts,
-                                           random_counts(c.n_ranks, c.max_tokens, seed), seed,
-                                           0.0, c.mask_prob);
-    ++seed;
-    RoundOptions o;
-    o.form = form;
-    o.unreduced = true;
-    EXPECT_EQ(run_round(lg, p, o), "") << (form == Form::kFused ? "fused" : "async+wait");
+    for (bool expert_side : {false, true}) {
+      const auto p = reference::make_problem(c.n_ranks, c.hidden, c.top_k, c.n_experts,
+                                             random_counts(c.n_ranks, c.max_tokens, seed), seed,
+                                             0.0, c.mask_prob);
+      ++seed;
+      RoundOptions o;
+      o.form = form;
+      o.unreduced = true;
+      o.expert_side = expert_side;
+      EXPECT_EQ(run_round(lg, p, o), "") << (form == Form::kFused ? "fused" : "async+wait")
+                                         << (expert_side ? ", expert side" : ", token side");
+    }
   }
 }
 
@@ -66,7 +73,8 @@ TEST(Edge, TokenCounts) {
   const int max_t = 1100;  // more than two ranking units of 512
   LocalGroup lg(make_cfg(2048, 8, 8 * n, max_t), n);
   const std::vector<std::vector<int32_t>> counts = {
-      std::vector<int32_t>(static_cast<size_t>(n), 0), std::vector<int32_t>(static_cast<size_t>(n), 1),
+      std::vector<int32_t>(static_cast<size_t>(n), 0),
+      std::vector<int32_t>(static_cast<size_t>(n), 1),
       std::vector<int32_t>(static_cast<size_t>(n), max_t), random_counts(n, max_t, 5)};
   uint64_t seed = 10;
   for (const auto& t : counts) {
@@ -74,6 +82,8 @@ TEST(Edge, TokenCounts) {
     RoundOptions o;
     o.unreduced = true;
     EXPECT_EQ(run_round(lg, p, o), "") << "T[0] = " << t[0];
+    o.expert_side = true;
+    EXPECT_EQ(run_round(lg, p, o), "") << "T[0] = " << t[0] << ", expert side";
   }
 }
 
@@ -84,13 +94,17 @@ TEST(Edge, EveryTokenToOneExpert) {
   const int n = std::min(gpu_count(), 8);
   for (int K : {1, 8}) {
     LocalGroup lg(make_cfg(2880, K, 4 * n, 256), n);
-    auto p = reference::make_problem(n, 2880, K, 4 * n, std::vector<int32_t>(static_cast<size_t>(n), 256), 3);
+    auto p = reference::make_problem(n, 2880, K, 4 * n,
+                                     std::vector<int32_t>(static_cast<size_t>(n), 256), 3);
     for (auto& r : p.ranks)
       for (int32_t t = 0; t < r.num_tokens; ++t)
-        for (int k = 0; k < K; ++k) r.topk_ids[size_t(t * K + k)] = k == 0 ? 4 * n - 1 : -1;
+        for (int k = 0; k < K; ++k)
+          r.topk_ids[size_t(t * K + k)] = k == 0 ? 4 * n - 1 : -1;
     RoundOptions o;
     o.unreduced = true;
     EXPECT_EQ(run_round(lg, p, o), "") << "K = " << K;
+    o.expert_side = true;
+    EXPECT_EQ(run_round(lg, p, o), "") << "K = " << K << ", expert side";
   }
 }
 
@@ -116,6 +130,9 @@ TEST(Forms, AnyNumberOfBlocks) {
     LocalGroup lg(make_cfg(2048, 8, 64, 700, sms), n);
     const auto p = reference::make_problem(n, 2048, 8, 64, {700, 333}, 40 + uint64_t(sms));
     EXPECT_EQ(run_round(lg, p, RoundOptions{}), "") << sms << " blocks";
+    RoundOptions o;
+    o.expert_side = true;
+    EXPECT_EQ(run_round(lg, p, o), "") << sms << " blocks, expert side";
   }
 }
 
@@ -126,12 +143,13 @@ TEST(Stress, ThousandIterations) {
   const int H = 512, K = 4, E = 8 * n, max_t = 96;
   LocalGroup lg(make_cfg(H, K, E, max_t), n);
   for (int it = 0; it < 1000; ++it) {
-    const auto p = reference::make_problem(n, H, K, E, random_counts(n, max_t, 1000 + it),
-                                           1000 + uint64_t(it), it % 3 == 0 ? 1.2 : 0.0,
-                                           it % 5 == 0 ? 0.25 : 0.0);
+    const auto p =
+        reference::make_problem(n, H, K, E, random_counts(n, max_t, 1000 + it), 1000 + uint64_t(it),
+                                it % 3 == 0 ? 1.2 : 0.0, it % 5 == 0 ? 0.25 : 0.0);
     RoundOptions o;
     o.form = it % 2 ? Form::kAsyncWait : Form::kFused;
     o.unreduced = it % 7 == 0;
+    o.expert_side = it % 3 == 1;
     const std::string e = run_round(lg, p, o);
     ASSERT_EQ(e, "") << "iteration " << it;
   }
@@ -143,7 +161,8 @@ TEST(Determinism, SameInputsSameBits) {
   const int n = std::min(gpu_count(), 8);
   LocalGroup lg(make_cfg(7168, 8, 256, 256), n);
   const auto p = reference::make_problem(n, 7168, 8, 256, random_counts(n, 256, 77), 77);
-  std::vector<std::vector<uint16_t>> first_d(static_cast<size_t>(n)), first_c(static_cast<size_t>(n));
+  std::vector<std::vector<uint16_t>> first_d(static_cast<size_t>(n)),
+      first_c(static_cast<size_t>(n));
   for (int rep = 0; rep < 2; ++rep) {
     ASSERT_EQ(run_round(lg, p, RoundOptions{}), "");
     for (int r = 0; r < n; ++r) {
@@ -195,7 +214,8 @@ TEST(Combine, EpilogueGetsFp32Sums) {
   });
   const auto refs = reference_dispatch_all(p);
   std::vector<std::vector<uint16_t>> y;
-  for (int r = 0; r < n; ++r) y.push_back(lg.io[size_t(r)]->expert_out_host);
+  for (int r = 0; r < n; ++r)
+    y.push_back(lg.io[size_t(r)]->expert_out_host);
   for (int r = 0; r < n; ++r) {
     const std::vector<double> ref = reference::combine(p, refs, y, r, true);
     std::vector<float> out(ref.size());
@@ -203,52 +223,91 @@ TEST(Combine, EpilogueGetsFp32Sums) {
     EXPECT_EQ(reference::compare_combine_f32(ref, out.data(), int64_t(out.size()), 1e-5), "")
         << "rank " << r;
   }
+  // The expert-side reduction (weights given to dispatch, none here): the epilogue gets exactly
+  // the reference's fp32 sums of the bf16 partial sums.
+  RoundOptions o;
+  o.expert_side = true;
+  const auto p2 = reference::make_problem(n, H, K, E, random_counts(n, max_t, 19), 19, 0.0, 0.1);
+  ASSERT_EQ(run_round(lg, p2, o), "");
+  for (int r = 0; r < n; ++r)
+    f32[size_t(r)].fill(0xff);
+  lg.all([&](int r) {
+    RankIO& io = *lg.io[size_t(r)];
+    epcomm::combine(*lg.groups[size_t(r)], io.combine_input(), nullptr,
+                    StoreF32{f32[size_t(r)].get<float>(), H}, io.stream);
+  });
+  const auto refs2 = reference_dispatch_all(p2);
+  std::vector<std::vector<uint16_t>> y2;
+  for (int r = 0; r < n; ++r)
+    y2.push_back(lg.io[size_t(r)]->expert_out_host);
+  for (int r = 0; r < n; ++r) {
+    const std::vector<float> ref = reference::combine_expert_side(p2, refs2, y2, r);
+    std::vector<float> out(ref.size());
+    f32[size_t(r)].download(out.data(), out.size() * 4);
+    int64_t diff = 0;
+    for (size_t i = 0; i < ref.size(); ++i)
+      diff += out[i] != ref[i];
+    EXPECT_EQ(diff, 0) << "rank " << r << ": fp32 sums differ from the expert-side reference";
+  }
 }
 
-// Dispatch + combine captured in a CUDA graph, replayed with new inputs in the same buffers.
+// Dispatch + combine captured in a CUDA graph, replayed with new inputs in the same buffers;
+// with the token-side and with the expert-side reduction.
 TEST(Graph, CapturedRoundReplaysWithNewInputs) {
   EPCOMM_REQUIRE_GPUS(2);
   const int n = std::min(gpu_count(), 8);
   const int H = 2048, K = 8, E = 8 * n, T = 160;
   LocalGroup lg(make_cfg(H, K, E, T), n);
   // Warm-up round (outside the graph), then capture.
-  auto p0 = reference::make_problem(n, H, K, E, std::vector<int32_t>(static_cast<size_t>(n), T), 500);
+  auto p0 =
+      reference::make_problem(n, H, K, E, std::vector<int32_t>(static_cast<size_t>(n), T), 500);
   ASSERT_EQ(run_round(lg, p0, RoundOptions{}), "");
-  std::vector<cudaGraphExec_t> execs(static_cast<size_t>(n));
-  for (int r = 0; r < n; ++r) {
-    RankIO& io = *lg.io[size_t(r)];
-    EPCOMM_CUDA_OK(cudaSetDevice(io.device));
-    cudaGraph_t graph;
-    EPCOMM_CUDA_OK(cudaStreamBeginCapture(io.stream, cudaStreamCaptureModeRelaxed));
-    lg.groups[size_t(r)]->dispatch(io.dispatch_input(), io.dispatch_output(), io.stream);
-    lg.groups[size_t(r)]->combine(io.combine_input(), io.combine_output(true), io.stream);
-    EPCOMM_CUDA_OK(cudaStreamEndCapture(io.stream, &graph));
-    EPCOMM_CUDA_OK(cudaGraphInstantiate(&execs[size_t(r)], graph, 0));
-    EPCOMM_CUDA_OK(cudaGraphDestroy(graph));
-  }
-  for (int rep = 0; rep < 5; ++rep) {
-    const auto p = reference::make_problem(n, H, K, E, std::vector<int32_t>(static_cast<size_t>(n), T), 600 + uint64_t(rep));
-    const auto refs = reference_dispatch_all(p);
-    std::vector<std::vector<uint16_t>> y(static_cast<size_t>(n));
+  for (bool expert_side : {false, true}) {
+    std::vector<cudaGraphExec_t> execs(static_cast<size_t>(n));
     for (int r = 0; r < n; ++r) {
       RankIO& io = *lg.io[size_t(r)];
-      io.upload(p.ranks[size_t(r)]);
-      io.poison();
-      // Expert outputs must exist before the graph runs: use the dispatched rows' reference
-      // count and fresh values (the graph's combine reads expert_out).
-      io.make_expert_out(refs[size_t(r)].rows());
-      y[size_t(r)] = io.expert_out_host;
+      EPCOMM_CUDA_OK(cudaSetDevice(io.device));
+      cudaGraph_t graph;
+      EPCOMM_CUDA_OK(cudaStreamBeginCapture(io.stream, cudaStreamCaptureModeRelaxed));
+      lg.groups[size_t(r)]->dispatch(io.dispatch_input(expert_side), io.dispatch_output(),
+                                     io.stream);
+      lg.groups[size_t(r)]->combine(io.combine_input(), io.combine_output(!expert_side), io.stream);
+      EPCOMM_CUDA_OK(cudaStreamEndCapture(io.stream, &graph));
+      EPCOMM_CUDA_OK(cudaGraphInstantiate(&execs[size_t(r)], graph, 0));
+      EPCOMM_CUDA_OK(cudaGraphDestroy(graph));
     }
-    lg.all([&](int r) { EPCOMM_CUDA_OK(cudaGraphLaunch(execs[size_t(r)], lg.io[size_t(r)]->stream)); });
+    for (int rep = 0; rep < 5; ++rep) {
+      const auto p = reference::make_problem(
+          n, H, K, E, std::vector<int32_t>(static_cast<size_t>(n), T), 600 + uint64_t(rep));
+      const auto refs = reference_dispatch_all(p);
+      std::vector<std::vector<uint16_t>> y(static_cast<size_t>(n));
+      for (int r = 0; r < n; ++r) {
+        RankIO& io = *lg.io[size_t(r)];
+        io.upload(p.ranks[size_t(r)]);
+        io.poison();
+        // Expert outputs must exist before the graph runs: use the dispatched rows' reference
+        // count and fresh values (the graph's combine reads expert_out).
+        io.make_expert_out(refs[size_t(r)].rows());
+        y[size_t(r)] = io.expert_out_host;
+      }
+      lg.all([&](int r) {
+        EPCOMM_CUDA_OK(cudaGraphLaunch(execs[size_t(r)], lg.io[size_t(r)]->stream));
+      });
+      for (int r = 0; r < n; ++r) {
+        RankIO& io = *lg.io[size_t(r)];
+        EXPECT_EQ(io.check_dispatch(refs[size_t(r)]), "") << "replay " << rep;
+        if (expert_side)
+          EXPECT_EQ(io.check_combine_expert_side(reference::combine_expert_side(p, refs, y, r)), "")
+              << "replay " << rep;
+        else
+          EXPECT_EQ(io.check_combine(reference::combine(p, refs, y, r, true), true), "")
+              << "replay " << rep;
+      }
+    }
     for (int r = 0; r < n; ++r) {
-      EXPECT_EQ(lg.io[size_t(r)]->check_dispatch(refs[size_t(r)]), "") << "replay " << rep;
-      const auto ref = reference::combine(p, refs, y, r, true);
-      EXPECT_EQ(lg.io[size_t(r)]->check_combine(ref, true), "") << "replay " << rep;
+      EPCOMM_CUDA_OK(cudaSetDevice(lg.io[size_t(r)]->device));
+      EPCOMM_CUDA_OK(cudaGraphExecDestroy(execs[size_t(r)]));
     }
-  }
-  for (int r = 0; r < n; ++r) {
-    EPCOMM_CUDA_OK(cudaSetDevice(lg.io[size_t(r)]->device));
-    EPCOMM_CUDA_OK(cudaGraphExecDestroy(execs[size_t(r)]));
   }
 }
 
@@ -260,8 +319,10 @@ TEST(Failure, MissingRankTimesOutNamingIt) {
   const int missing = 1;
   {
     LocalGroup lg(make_cfg(2048, 4, 8 * n, 64, 24, 1.0), n);
-    const auto p = reference::make_problem(n, 2048, 4, 8 * n, std::vector<int32_t>(static_cast<size_t>(n), 64), 8);
-    for (int r = 0; r < n; ++r) lg.io[size_t(r)]->upload(p.ranks[size_t(r)]);
+    const auto p = reference::make_problem(n, 2048, 4, 8 * n,
+                                           std::vector<int32_t>(static_cast<size_t>(n), 64), 8);
+    for (int r = 0; r < n; ++r)
+      lg.io[size_t(r)]->upload(p.ranks[size_t(r)]);
     const auto start = std::chrono::steady_clock::now();
     for (int r = 0; r < n; ++r) {
       if (r == missing) continue;
@@ -283,7 +344,8 @@ TEST(Failure, MissingRankTimesOutNamingIt) {
       EXPECT_TRUE(lg.groups[size_t(r)]->poisoned());
       try {
         lg.groups[size_t(r)]->dispatch(lg.io[size_t(r)]->dispatch_input(),
-                                       lg.io[size_t(r)]->dispatch_output(), lg.io[size_t(r)]->stream);
+                                       lg.io[size_t(r)]->dispatch_output(),
+                                       lg.io[size_t(r)]->stream);
         ADD_FAILURE() << "a poisoned group accepted a call";
       } catch (const Error& e) {
         EXPECT_EQ(e.code(), ErrorCode::kPoisoned);
@@ -294,7 +356,8 @@ TEST(Failure, MissingRankTimesOutNamingIt) {
     EXPECT_LT(secs, 30.0) << "the timeout took far longer than configured";
   }
   LocalGroup again(make_cfg(2048, 4, 8 * n, 64), n);
-  const auto p = reference::make_problem(n, 2048, 4, 8 * n, std::vector<int32_t>(static_cast<size_t>(n), 64), 9);
+  const auto p = reference::make_problem(n, 2048, 4, 8 * n,
+                                         std::vector<int32_t>(static_cast<size_t>(n), 64), 9);
   EXPECT_EQ(run_round(again, p, RoundOptions{}), "");
 }
 
@@ -304,7 +367,8 @@ TEST(Setup, SecondInitWorks) {
   const int n = std::min(gpu_count(), 8);
   for (int i = 0; i < 3; ++i) {
     LocalGroup lg(make_cfg(2048, 8, 16 * n, 64), n);
-    const auto p = reference::make_problem(n, 2048, 8, 16 * n, random_counts(n, 64, 30 + i), 30 + i);
+    const auto p =
+        reference::make_problem(n, 2048, 8, 16 * n, random_counts(n, 64, 30 + i), 30 + i);
     EXPECT_EQ(run_round(lg, p, RoundOptions{}), "") << "set-up " << i;
   }
 }
@@ -363,6 +427,19 @@ TEST(BadInput, HostChecks) {
   // wait without async
   EXPECT_THROW(g.dispatch_wait(out, io.stream), Error);
   EXPECT_EQ(run_round(lg, p, RoundOptions{}), "");
+  // Weights given to dispatch and to combine: refused (they go to one of the two), and the
+  // group goes on (the combine with weights = nullptr completes the round on every rank).
+  RoundOptions es;
+  es.expert_side = true;
+  ASSERT_EQ(run_round(lg, p, es), "");
+  try {
+    g.combine(io.combine_input(), io.combine_output(true), io.stream);
+    ADD_FAILURE() << "combine with weights after a dispatch with weights accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("expert side"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(run_round(lg, p, RoundOptions{}), "");
 }
 
 // Device-checked bad input on one rank: that rank reports the token and slot, sends nothing,
@@ -383,7 +460,8 @@ TEST(BadInput, DeviceChecks) {
                       {0, 0, ErrorCode::kDuplicateExpert}};
   uint64_t seed = 60;
   for (const Bad& b : bads) {
-    auto p = reference::make_problem(n, H, K, E, std::vector<int32_t>(static_cast<size_t>(n), T), seed++);
+    auto p = reference::make_problem(n, H, K, E, std::vector<int32_t>(static_cast<size_t>(n), T),
+                                     seed++);
     const int bad_rank = 1, bad_token = 37, bad_slot = 2;
     int32_t* ids = p.ranks[bad_rank].topk_ids.data() + bad_token * K;
     ids[bad_slot] = b.slot_from >= 0 ? ids[b.slot_from] : b.value;

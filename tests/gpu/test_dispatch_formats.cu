@@ -281,7 +281,8 @@ TEST_P(FormatBehaviour, DequantizedWithinErrorBound) {
 // row_offsets[G], FP8's padding rows included, with random non-zero values there (make_tokens
 // never draws 0), so a combine that sent a padding row home would add it to some token. The
 // reference combine reads the quantised row order (combine_layout), where a padding row's rank
-// -1 matches no token. Weighted (bf16 tolerance) and un-reduced (exact), both forms, masked slots.
+// -1 matches no token. Weighted (bf16 tolerance), un-reduced (exact) and the expert-side
+// reduction (exact; weights carried by the quantised dispatch), both forms, masked slots.
 TEST_P(FormatBehaviour, CombineAfterDispatch) {
   EPCOMM_REQUIRE_GPUS(2);
   const TokenFormat f = GetParam();
@@ -298,6 +299,8 @@ TEST_P(FormatBehaviour, CombineAfterDispatch) {
       o.weighted = true;
       o.unreduced = true;
       EXPECT_EQ(run_round(lg, p, o), "") << form_name(form) << ", H = " << H;
+      o.expert_side = true;
+      EXPECT_EQ(run_round(lg, p, o), "") << form_name(form) << ", H = " << H << ", expert side";
     }
   }
 }

@@ -9,9 +9,9 @@
 // the kernels' z (and a code next to a rounding tie, or an FP8 scale, which is amax / 448) can
 // differ from the reference's. So that no real bug can hide behind that allowance, every run is
 // checked three ways:
-//  1. Exact. The test evaluates z on the device itself (device_z: silu_mul / swiglu_clamped,
-//     the functions the kernels call, on the gate and up the test picks out of x) and encodes it
-//     with the reference's own encoder (quantize_grouped_rows; float_to_bf16 for bf16). The
+//  1. Exact. The test evaluates z on the device (device_z: reference::silu_values_device, by
+//     silu_mul / swiglu_clamped, the functions the kernels call) and encodes it with the
+//     reference's own encoder (quantize_grouped_rows; float_to_bf16 for bf16). The
 //     kernel's output must equal that bit for bit in every code, scale and scales_offsets entry:
 //     any error of indexing, layout, scale block, rounding or padding shows here, with no
 //     tolerance at all.
@@ -63,10 +63,10 @@ constexpr double kMaxCodeMismatch = 1e-3;  // check 3: fraction of codes
 // ---- small helpers --------------------------------------------------------------------------
 
 // Where gate j and up j sit in an input row (GateUpLayout).
-__host__ __device__ int64_t gate_col(int64_t j, int32_t inter, bool interleaved) {
+int64_t gate_col(int64_t j, int32_t inter, bool interleaved) {
   return interleaved ? 2 * j : j;
 }
-__host__ __device__ int64_t up_col(int64_t j, int32_t inter, bool interleaved) {
+int64_t up_col(int64_t j, int32_t inter, bool interleaved) {
   return interleaved ? 2 * j + 1 : inter + j;
 }
 
@@ -272,29 +272,13 @@ struct Problem {
   }
 };
 
-// z on the device, by the functions the kernels use, for rows [0, n / inter).
-__global__ void device_z_kernel(const uint16_t* x, int64_t n, int32_t inter, bool interleaved,
-                                bool clamped, SwigluClamp clamp, float* z) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t r = i / inter, j = i % inter;
-    const uint16_t* row = x + r * 2 * inter;
-    const float g = __uint_as_float(uint32_t(row[gate_col(j, inter, interleaved)]) << 16);
-    const float u = __uint_as_float(uint32_t(row[up_col(j, inter, interleaved)]) << 16);
-    z[i] = clamped ? swiglu_clamped(g, u, clamp) : silu_mul(g, u);
-  }
-}
-
+// z on the device, by the functions the kernels use (silu_values_device), for rows [0, rows).
 std::vector<float> device_z(const Problem& p, const SwigluClamp* clamp) {
-  const int64_t n = p.rows() * p.inter;
-  std::vector<float> z(static_cast<size_t>(n));
-  if (n == 0) return z;
-  DeviceBuffer d_z(kDevice, size_t(n) * sizeof(float));
-  const int blocks = int(std::min<int64_t>((n + 255) / 256, 4096));
-  device_z_kernel<<<blocks, 256>>>(p.d_x.get<uint16_t>(), n, p.inter, p.interleaved,
-                                   clamp != nullptr, clamp ? *clamp : SwigluClamp{0.0f, 0.0f},
-                                   d_z.get<float>());
-  EPCOMM_CUDA_OK(cudaGetLastError());
+  std::vector<float> z(size_t(p.rows() * p.inter));
+  if (z.empty()) return z;
+  DeviceBuffer d_z(kDevice, z.size() * sizeof(float));
+  reference::silu_values_device(p.d_x.get(), p.rows(), p.inter, p.layout(), clamp, d_z.get<float>(),
+                                nullptr);
   EPCOMM_CUDA_OK(cudaDeviceSynchronize());
   d_z.download(z.data(), z.size() * sizeof(float));
   return z;

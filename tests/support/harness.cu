@@ -99,8 +99,9 @@ void RankIO::poison() {
   EPCOMM_CUDA_OK(cudaStreamSynchronize(stream));
 }
 
-DispatchInput RankIO::dispatch_input() const {
-  return DispatchInput{tokens.get(), topk.get<int32_t>(), num_tokens, hidden};
+DispatchInput RankIO::dispatch_input(bool with_weights) const {
+  return DispatchInput{tokens.get(), topk.get<int32_t>(), num_tokens, hidden,
+                       with_weights ? weights.get<float>() : nullptr};
 }
 DispatchOutput RankIO::dispatch_output() const {
   return DispatchOutput{out_tokens.get(), row_offsets.get<uint32_t>(), expert_ids.get<int32_t>(),
@@ -229,6 +230,13 @@ std::string RankIO::check_combine(const std::vector<double>& ref, bool weighted)
   return err.empty() ? err : "rank " + std::to_string(rank) + " combine: " + err;
 }
 
+std::string RankIO::check_combine_expert_side(const std::vector<float>& ref) const {
+  const std::vector<uint16_t> out = download_combine(true);
+  const std::string err =
+      reference::compare_combine_expert_side(ref, out.data(), int64_t(out.size()));
+  return err.empty() ? err : "rank " + std::to_string(rank) + " expert-side combine: " + err;
+}
+
 std::vector<reference::DispatchResult> reference_dispatch_all(const reference::Problem& p) {
   std::vector<reference::DispatchResult> r;
   for (int d = 0; d < p.n_ranks; ++d) r.push_back(reference::dispatch(p, d));
@@ -304,14 +312,14 @@ std::string run_round(LocalGroup& lg, const reference::Problem& p, const RoundOp
     for (int r = 0; r < n; ++r) scratch.emplace_back(lg.io[size_t(r)]->device, 1 << 22);
   if (o.form == Form::kFused) {
     lg.all([&](int r) {
-      lg.groups[size_t(r)]->dispatch(lg.io[size_t(r)]->dispatch_input(),
+      lg.groups[size_t(r)]->dispatch(lg.io[size_t(r)]->dispatch_input(o.expert_side),
                                      lg.io[size_t(r)]->dispatch_output(), lg.io[size_t(r)]->stream);
     });
   } else {
     for (int r = 0; r < n; ++r) {
       RankIO& io = *lg.io[size_t(r)];
       EPCOMM_CUDA_OK(cudaSetDevice(io.device));
-      lg.groups[size_t(r)]->dispatch_async(io.dispatch_input(), io.stream);
+      lg.groups[size_t(r)]->dispatch_async(io.dispatch_input(o.expert_side), io.stream);
       if (o.busy_work_between) {
         busy_kernel<<<(1 << 20) / 256, 256, 0, io.stream>>>(scratch[size_t(r)].get<float>(),
                                                             1 << 20, 2000);
@@ -347,13 +355,18 @@ std::string run_round(LocalGroup& lg, const reference::Problem& p, const RoundOp
     lg.io[size_t(r)]->make_expert_out(refs[size_t(r)].rows());
     y[size_t(r)] = lg.io[size_t(r)]->expert_out_host;
   }
+  // The combines this round runs: with the weights dispatched, only the expert-side one (its
+  // output has the weighted [T, H] shape); else the token-side weighted and / or un-reduced.
   for (bool weighted : {true, false}) {
-    if ((weighted && !o.weighted) || (!weighted && !o.unreduced)) continue;
+    if (o.expert_side ? !weighted
+                      : ((weighted && !o.weighted) || (!weighted && !o.unreduced)))
+      continue;
     for (int r = 0; r < n; ++r) lg.io[size_t(r)]->combine_out.fill(0xff, lg.io[size_t(r)]->stream);
     if (o.form == Form::kFused) {
       lg.all([&](int r) {
         RankIO& io = *lg.io[size_t(r)];
-        lg.groups[size_t(r)]->combine(io.combine_input(), io.combine_output(weighted), io.stream);
+        lg.groups[size_t(r)]->combine(io.combine_input(),
+                                      io.combine_output(weighted && !o.expert_side), io.stream);
       });
     } else {
       for (int r = 0; r < n; ++r) {
@@ -368,11 +381,18 @@ std::string run_round(LocalGroup& lg, const reference::Problem& p, const RoundOp
       }
       lg.all([&](int r) {
         RankIO& io = *lg.io[size_t(r)];
-        lg.groups[size_t(r)]->combine_wait(io.combine_output(weighted), io.stream);
+        lg.groups[size_t(r)]->combine_wait(io.combine_output(weighted && !o.expert_side),
+                                           io.stream);
       });
     }
     trace("round: combined");
     for (int r = 0; r < n; ++r) {
+      if (o.expert_side) {
+        const std::string e = lg.io[size_t(r)]->check_combine_expert_side(
+            reference::combine_expert_side(p, refs, y, r));
+        if (!e.empty()) return e;
+        continue;
+      }
       const std::vector<double> ref = reference::combine(p, refs, y, r, weighted);
       const std::string e = lg.io[size_t(r)]->check_combine(ref, weighted);
       if (!e.empty()) return std::string(weighted ? "weighted " : "un-reduced ") + e;

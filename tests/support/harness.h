@@ -80,7 +80,7 @@ struct RankIO {
   void upload(const reference::RankInput& in);
   // Every output byte 0xff: bf16 / e4m3 / e8m0 / fp32 NaN, src_info rank -1, row_offsets 2^32-1.
   void poison();
-  DispatchInput dispatch_input() const;
+  DispatchInput dispatch_input(bool with_weights = false) const;  // weights: expert-side combine
   DispatchOutput dispatch_output() const;  // scales / scales_offsets null where the format has none
   CombineInput combine_input() const;
   CombineOutput combine_output(bool weighted) const;
@@ -98,6 +98,9 @@ struct RankIO {
   std::string check_dispatch_quantized(const reference::QuantDispatchResult& ref) const;
   // Downloads the combine output and compares it: weighted -> bf16 tolerance, else exact.
   std::string check_combine(const std::vector<double>& ref, bool weighted) const;
+  // Downloads the [T, H] combine output and compares it bit for bit with the expert-side
+  // reduction's reference (reference::combine_expert_side).
+  std::string check_combine_expert_side(const std::vector<float>& ref) const;
   // Raw downloads, for bit-identity checks (dispatch tokens: bf16).
   std::vector<uint16_t> download_dispatch_tokens(int64_t rows) const;
   std::vector<uint16_t> download_combine(bool weighted) const;
@@ -150,6 +153,9 @@ struct RoundOptions {
   bool unreduced = false;
   bool busy_work_between = false;  // launch unrelated GPU work between async and wait
   bool poison = true;  // false: dispatch over whatever the previous round left in the outputs
+  // The router weights go to dispatch and combine reduces on the expert side (checked bit for
+  // bit); weighted / unreduced are then ignored.
+  bool expert_side = false;
 };
 std::string run_round(LocalGroup& lg, const reference::Problem& p, const RoundOptions& o);
 

@@ -4,13 +4,22 @@
 //
 // Protocol, per call `seq` (= combine calls completed on this rank + 1):
 //  send  wait until every token owner acknowledged the previous call (its combine buffer is
-//        free); store every expert-output row r to its owner's slot (src_info[r].token,
-//        src_info[r].slot); each block then adds 1 to kCombineArrived[me] in every owner.
+//        free). Token-side reduction: store every expert-output row r to its owner's slot
+//        (src_info[r].token, src_info[r].slot). Expert-side reduction (the dispatch carried the
+//        router weights): for every message the last dispatch received, still in this rank's
+//        dispatch buffer, sum its rows w * y in fp32 (top-k slot ascending), round to bf16 and
+//        store that one row to its owner's slot (token, rank_slot). Each block then adds 1 to
+//        kCombineArrived[me] in every owner.
 //  recv  wait until kCombineArrived[s] reaches seq * num_blocks for every source s, then reduce
-//        each token's K slots in fp32, top-k slot ascending (a fixed order: deterministic),
-//        skipping masked slots; the last block to finish releases kCombineAck[me] = seq in
-//        every source and bumps the local combine_seq.
+//        each token's rows in fp32 in a fixed order (top-k slot, or rank slot, ascending:
+//        deterministic), skipping masked slots; the last block to finish releases
+//        kCombineAck[me] = seq in every source and bumps the local combine_seq.
+// A message's header outlives its dispatch: a source writes this rank's dispatch buffer again
+// only in its next dispatch, which comes after its combine, which waits for every block of this
+// send.
 #pragma once
+
+#include <utility>
 
 #include "epcomm/config.h"
 #include "epcomm/detail/device.cuh"
@@ -34,18 +43,130 @@ template <class Epilogue>
 __device__ __forceinline__ void emit8(Epilogue& epi, int32_t token, int32_t col,
                                       const float (&v)[8]) {
 #pragma unroll
-  for (int i = 0; i < 8; ++i) epi(token, col + i, v[i]);
+  for (int i = 0; i < 8; ++i)
+    epi(token, col + i, v[i]);
 }
 __device__ __forceinline__ void emit8(StoreBf16& epi, int32_t token, int32_t col,
                                       const float (&v)[8]) {
   st_v4(epi.out + int64_t(token) * epi.hidden + col, pack_bf16x8(v));
 }
 
+// Rows of H columns handed to the grid's warps as (row, part) items: a row's columns are split
+// into `split` interleaved parts of 256-column steps when there are too few rows to keep every
+// warp busy twice over (decode), so more loads are in flight; with many rows split = 1.
+struct WorkSplit {
+  int32_t split;
+  int64_t items;
+  __device__ static WorkSplit make(int64_t rows, int32_t hidden) {
+    const int64_t warps = int64_t(gridDim.x) * kCombineWarps;
+    const int32_t steps = (hidden + kWarpSize * 8 - 1) / (kWarpSize * 8);
+    const int64_t want = rows > 0 ? (2 * warps + rows - 1) / rows : 1;
+    const int32_t split = want < steps ? int32_t(want) : steps;
+    return WorkSplit{split, rows * split};
+  }
+  __device__ static int64_t first_item() {
+    return int64_t(blockIdx.x) * kCombineWarps + threadIdx.x / kWarpSize;
+  }
+  __device__ static int64_t stride() { return int64_t(gridDim.x) * kCombineWarps; }
+};
+
+// The expert side's half of the expert-side reduction: one pre-summed row per received message.
+__device__ inline void combine_send_expert_side(const CombineParams& p) {
+  const GroupView& g = p.g;
+  const WindowLayout wl = g.layout();
+  const CombineRecvLayout cl = wl.combine_recv();
+  const DispatchRecvLayout rl = wl.dispatch_recv();
+  const int32_t n_local = g.n_local(), K = g.top_k, H = g.hidden;
+  const int64_t row_limit = g.output().rows;
+  const int lane = threadIdx.x % kWarpSize;
+  const char* in = static_cast<const char*>(p.expert_out);
+
+  int32_t count[WindowLayout::kMaxPeers];
+  int64_t total = 0;
+  for (int32_t s = 0; s < WindowLayout::kMaxPeers; ++s) {
+    const int32_t c = s < g.n_ranks ? p.recv_count[s] : 0;
+    count[s] = c < 0 ? 0 : (c > g.max_tokens ? g.max_tokens : c);
+    total += count[s];
+  }
+  const WorkSplit ws = WorkSplit::make(total, H);
+  constexpr int kU = 4;  // 256-column steps per pass: loads in flight per lane and row
+  for (int64_t item = WorkSplit::first_item(); item < ws.items; item += WorkSplit::stride()) {
+    int64_t m = item / ws.split;
+    const int32_t part = int32_t(item % ws.split);
+    int32_t s = 0;  // the message's source (an unrolled scan keeps count[] in registers)
+#pragma unroll
+    for (int32_t q = 0; q < WindowLayout::kMaxPeers; ++q) {
+      if (s == q && m >= count[q]) {
+        m -= count[q];
+        ++s;
+      }
+    }
+    const MessageHeader* h = reinterpret_cast<const MessageHeader*>(
+        window_at(g, g.rank, wl.dispatch_recv_offset() + rl.offset(s, int32_t(m))));
+    const int32_t token = h->token, slot = h->rank_slot;
+    const int32_t n = min(int32_t(h->n_entries), K);
+    if (token < 0 || token >= g.max_tokens || slot < 0 || slot >= K)
+      continue;  // never write
+                 // outside
+    int64_t row = -1;
+    float w = 0.0f;
+    if (lane < n) {
+      const MessageEntry e = h->entries[lane];
+      if (e.group() < n_local) row = int64_t(p.recv_base[s * n_local + e.group()]) + e.pos;
+      if (row >= row_limit) row = -1;
+      w = e.weight;
+    }
+    char* dst = window_at(g, s, wl.combine_recv_offset() + cl.offset(token, slot));
+    // Every lane runs these loops the same number of times (the shuffles sit inside).
+    const int32_t step = kWarpSize * 8, stride = ws.split * step;
+    for (int32_t base = part * step; base < H; base += kU * stride) {
+      float acc[kU][8];
+#pragma unroll
+      for (int u = 0; u < kU; ++u)
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+          acc[u][i] = 0.0f;
+      for (int32_t j = 0; j < n; ++j) {
+        const int64_t r = __shfl_sync(0xffffffffu, row, j);
+        const float wj = __shfl_sync(0xffffffffu, w, j);
+        if (r < 0) continue;
+        const char* src = in + r * H * 2;
+        uint4 raw[kU];
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          const int32_t c = base + u * stride + lane * 8;
+          if (c < H) raw[u] = ld_nc_v4(src + int64_t(c) * 2);
+        }
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          if (base + u * stride + lane * 8 >= H) continue;
+          float y[8];
+          unpack_bf16x8(raw[u], y);
+#pragma unroll
+          for (int i = 0; i < 8; ++i)
+            acc[u][i] = fmaf(wj, y[i], acc[u][i]);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const int32_t c = base + u * stride + lane * 8;
+        if (c < H) st_v4(dst + int64_t(c) * 2, pack_bf16x8(acc[u]));
+      }
+    }
+  }
+}
+
+template <bool kExpertSide>
 __device__ inline void combine_send(const CombineParams& p, unsigned long long seq) {
   const GroupView& g = p.g;
-  if (!block_wait_signal(g, all_ranks_mask(g), WindowLayout::kCombineAck, kOpCombineSend,
-                         kWaitAck, [&](int32_t) { return seq - 1; }))
+  if (!block_wait_signal(g, all_ranks_mask(g), WindowLayout::kCombineAck, kOpCombineSend, kWaitAck,
+                         [&](int32_t) { return seq - 1; }))
     return;
+  if constexpr (kExpertSide) {
+    combine_send_expert_side(p);
+    block_signal_all(g, WindowLayout::kCombineArrived);
+    return;
+  }
   const WindowLayout wl = g.layout();
   const CombineRecvLayout cl = wl.combine_recv();
   const int32_t n_vec = g.hidden / 8;
@@ -57,16 +178,17 @@ __device__ inline void combine_send(const CombineParams& p, unsigned long long s
   for (int64_t r = blockIdx.x * kCombineWarps + threadIdx.x / kWarpSize; r < rows;
        r += int64_t(gridDim.x) * kCombineWarps) {
     const SrcInfo info = p.src_info[r];
-    if (info.rank < 0 || info.rank >= g.n_ranks || info.token < 0 ||
-        info.token >= g.max_tokens || info.slot < 0 || info.slot >= g.top_k)
+    if (info.rank < 0 || info.rank >= g.n_ranks || info.token < 0 || info.token >= g.max_tokens ||
+        info.slot < 0 || info.slot >= g.top_k)
       continue;  // padding rows, and never a write outside a peer's buffer
-    char* dst = window_at(g, info.rank, wl.combine_recv_offset() + cl.offset(info.token, info.slot));
+    char* dst =
+        window_at(g, info.rank, wl.combine_recv_offset() + cl.offset(info.token, info.slot));
     copy_vectors(in + r * g.hidden * 2, n_vec, 1, LoadNc{}, [&](int32_t) { return dst; });
   }
   block_signal_all(g, WindowLayout::kCombineArrived);
 }
 
-template <class Epilogue>
+template <bool kExpertSide, class Epilogue>
 __device__ void combine_recv(const CombineParams& p, unsigned long long seq, Epilogue& epi) {
   const GroupView& g = p.g;
   if (!block_wait_signal(g, all_ranks_mask(g), WindowLayout::kCombineArrived, kOpCombineRecv,
@@ -80,21 +202,41 @@ __device__ void combine_recv(const CombineParams& p, unsigned long long seq, Epi
   const int32_t num_tokens = *reinterpret_cast<volatile int32_t*>(&g.state->num_tokens);
   const char* recv = window_at(g, g.rank, wl.combine_recv_offset());
 
-  // Work items are (token, part): a token's columns are split into `split` interleaved parts of
-  // 256-column steps when there are too few tokens to keep every warp busy (decode), so more
-  // loads are in flight; with many tokens split = 1 and a warp takes whole tokens.
-  const int32_t warps = gridDim.x * kCombineWarps;
-  const int32_t steps = (H + kWarpSize * 8 - 1) / (kWarpSize * 8);
-  const int32_t want = num_tokens > 0 ? (2 * warps + num_tokens - 1) / num_tokens : 1;
-  const int32_t split = want < steps ? want : steps;
-  const int64_t items = int64_t(num_tokens) * split;
-  for (int64_t item = blockIdx.x * kCombineWarps + threadIdx.x / kWarpSize; item < items;
-       item += warps) {
+  // Work items are (token, part) (WorkSplit).
+  const WorkSplit ws = WorkSplit::make(num_tokens, H);
+  const int32_t split = ws.split;
+  const ExpertMap em = g.experts();
+  for (int64_t item = WorkSplit::first_item(); item < ws.items; item += WorkSplit::stride()) {
     const int32_t t = int32_t(item / split), part = int32_t(item % split);
-    // Every lane gets the token's ids and weights before the column loops: lanes run those
+    // Every lane gets what the token's rows need before the column loops: lanes run those
     // loops a different number of times when H / 8 is not a multiple of 32, so no shuffle may
     // sit inside them.
     const int32_t id = lane < K ? p.topk[int64_t(t) * K + lane] : -1;
+    const char* slots = recv + cl.offset(t, 0);
+    const int32_t first = (part * kWarpSize + lane) * 8, stride = split * kWarpSize * 8;
+    if constexpr (kExpertSide) {
+      // One row per rank the token went to, in rank order.
+      const uint32_t rank_mask = __reduce_or_sync(0xffffffffu, id >= 0 ? 1u << em.rank_of(id) : 0u);
+      const int32_t n = __popc(rank_mask);
+      for (int32_t c = first; c < H; c += stride) {
+        uint4 raw[WindowLayout::kMaxPeers];
+#pragma unroll
+        for (int j = 0; j < WindowLayout::kMaxPeers; ++j)
+          if (j < n) raw[j] = ld_plain_v4(slots + j * cl.row_bytes() + int64_t(c) * 2);
+        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int j = 0; j < WindowLayout::kMaxPeers; ++j) {
+          if (j >= n) continue;
+          float y[8];
+          unpack_bf16x8(raw[j], y);
+#pragma unroll
+          for (int i = 0; i < 8; ++i)
+            acc[i] = __fadd_rn(acc[i], y[i]);
+        }
+        emit8(epi, t, c, acc);
+      }
+      continue;
+    }
     const float w = (lane < K && p.weights != nullptr) ? p.weights[int64_t(t) * K + lane] : 0.f;
     int32_t ids[kMaxTopK];
     float ws[kMaxTopK];
@@ -103,8 +245,6 @@ __device__ void combine_recv(const CombineParams& p, unsigned long long seq, Epi
       ids[k] = __shfl_sync(0xffffffffu, id, k);
       ws[k] = __shfl_sync(0xffffffffu, w, k);
     }
-    const char* slots = recv + cl.offset(t, 0);
-    const int32_t first = (part * kWarpSize + lane) * 8, stride = split * kWarpSize * 8;
     if (p.weights != nullptr) {
       for (int32_t c = first; c < H; c += stride) {
         // All K loads first (predicated, no branch between them, so they are in flight
@@ -120,7 +260,8 @@ __device__ void combine_recv(const CombineParams& p, unsigned long long seq, Epi
           float y[8];
           unpack_bf16x8(raw[k], y);
 #pragma unroll
-          for (int i = 0; i < 8; ++i) acc[i] = fmaf(ws[k], y[i], acc[i]);
+          for (int i = 0; i < 8; ++i)
+            acc[i] = fmaf(ws[k], y[i], acc[i]);
         }
         emit8(epi, t, c, acc);
       }
@@ -145,40 +286,46 @@ __device__ void combine_recv(const CombineParams& p, unsigned long long seq, Epi
   }
 }
 
-template <class Epilogue, bool kSend, bool kRecv>
-__global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineParams p,
-                                                                     Epilogue epi) {
+// kExpertSide (the last dispatch carried the weights) is a template parameter so that each
+// kernel holds one reduction's code: together they would not fit the registers.
+template <class Epilogue, bool kSend, bool kRecv, bool kExpertSide>
+__global__ void __launch_bounds__(kCombineThreads, 1)
+    combine_kernel(CombineParams p, Epilogue epi) {
   if (block_aborted(p.g)) return;
   const unsigned long long seq = p.g.state->combine_seq + 1;
-  if (kSend) combine_send(p, seq);
-  if (kRecv && !block_aborted(p.g)) combine_recv(p, seq, epi);
+  if (kSend) combine_send<kExpertSide>(p, seq);
+  if (kRecv && !block_aborted(p.g)) combine_recv<kExpertSide>(p, seq, epi);
 }
 
-// Loads the three combine kernels for `Epilogue` on the current device. CUDA loads a kernel
-// lazily at its first launch, and loading waits for the device to go idle: a first launch
-// queued behind a kernel that is waiting for peers would stall the host until that wait times
-// out. Set-up therefore loads every kernel before the first operation.
+// The kernel of one form (fused, send, receive) and reduction.
+template <class Epilogue, bool kExpertSide>
+auto combine_kernel_of(bool send, bool recv) {
+  return send && recv ? combine_kernel<Epilogue, true, true, kExpertSide>
+                      : (send ? combine_kernel<Epilogue, true, false, kExpertSide>
+                              : combine_kernel<Epilogue, false, true, kExpertSide>);
+}
+
+// Loads the combine kernels for `Epilogue` on the current device. CUDA loads a kernel lazily at
+// its first launch, and loading waits for the device to go idle: a first launch queued behind a
+// kernel that is waiting for peers would stall the host until that wait times out. Set-up
+// therefore loads every kernel before the first operation.
 template <class Epilogue>
 void load_combine_kernels() {
   cudaFuncAttributes a;
-  check_cuda(cudaFuncGetAttributes(&a, combine_kernel<Epilogue, true, true>), "load combine");
-  check_cuda(cudaFuncGetAttributes(&a, combine_kernel<Epilogue, true, false>), "load combine");
-  check_cuda(cudaFuncGetAttributes(&a, combine_kernel<Epilogue, false, true>), "load combine");
+  for (auto [send, recv] : {std::pair<bool, bool>{true, true}, {true, false}, {false, true}}) {
+    check_cuda(cudaFuncGetAttributes(&a, combine_kernel_of<Epilogue, false>(send, recv)),
+               "load combine");
+    check_cuda(cudaFuncGetAttributes(&a, combine_kernel_of<Epilogue, true>(send, recv)),
+               "load combine");
+  }
 }
 
 template <class Epilogue>
 void launch_combine(const CombineParams& p, const Epilogue& epi, bool send, bool recv,
                     cudaStream_t stream) {
-  const int blocks = p.g.num_blocks;
-  if (send && recv)
-    launch_cooperative(combine_kernel<Epilogue, true, true>, blocks, kCombineThreads, 0, stream,
-                       p, epi);
-  else if (send)
-    launch_cooperative(combine_kernel<Epilogue, true, false>, blocks, kCombineThreads, 0, stream,
-                       p, epi);
-  else
-    launch_cooperative(combine_kernel<Epilogue, false, true>, blocks, kCombineThreads, 0, stream,
-                       p, epi);
+  auto kernel = p.expert_side ? combine_kernel_of<Epilogue, true>(send, recv)
+                              : combine_kernel_of<Epilogue, false>(send, recv);
+  launch_cooperative(kernel, p.g.num_blocks, kCombineThreads, 0, stream, p, epi);
 }
 
 }  // namespace detail

@@ -94,6 +94,10 @@ struct RankScratch {
   int32_t* unit_prefix;  // [n_units + 1, num_keys] exclusive prefix over units; last row = totals
   int32_t* chunk_pos;    // [num_chunks(max_tokens), n_ranks] messages to rank r from the chunk's
                          // unit before the chunk (add unit_prefix for the stream position)
+  // What the last dispatch's receive side found, for the expert-side combine (which walks the
+  // received messages): written by the receiver's block 0.
+  int32_t* recv_base;   // [n_ranks, n_local]: first output row of source s in group g
+  int32_t* recv_count;  // [n_ranks]: messages received from source s
 };
 
 struct DispatchParams {
@@ -101,6 +105,7 @@ struct DispatchParams {
   RankScratch scratch;
   const void* tokens;
   const int32_t* topk_ids;
+  const float* weights;  // [T, K] router weights carried in the headers, or null
   int32_t num_tokens;
   int32_t pad_;
   // outputs (wait / fused)
@@ -115,6 +120,12 @@ struct DispatchParams {
 struct CombineParams {
   GroupView g;
   const int32_t* topk;  // this rank's validated topk_ids of the last dispatch (scratch.topk)
+  // The last dispatch carried router weights: the expert side sums each received token's rows
+  // with them and returns one row per (token, rank); the token side adds those rows.
+  int32_t expert_side;
+  int32_t pad_;
+  const int32_t* recv_base;   // scratch.recv_base
+  const int32_t* recv_count;  // scratch.recv_count
   // send side
   const void* expert_out;
   const uint32_t* row_offsets;
