@@ -11,6 +11,13 @@
 
 namespace epcomm {
 
+// Rows a dispatch can deliver to one rank: max_tokens tokens from each of n_ranks sources, each
+// expanded into at most min(K, n_local) of the rank's groups (without format padding).
+EPCOMM_HD constexpr int64_t max_routed_rows(int32_t max_tokens, int32_t n_ranks, int32_t top_k,
+                                            int32_t n_local) {
+  return int64_t(max_tokens) * n_ranks * (top_k < n_local ? top_k : n_local);
+}
+
 // What combine needs to send a dispatched row home. One per dispatch output row.
 struct SrcInfo {
   int32_t token;  // token index on the source rank

@@ -6,6 +6,7 @@
 
 #include "epcomm/error.h"
 #include "epcomm/formats/scale_layouts.h"
+#include "epcomm/layout.h"
 
 namespace epcomm {
 
@@ -103,8 +104,8 @@ Sizes compute_sizes(const Config& cfg, int n_ranks) {
   s.n_ranks = n_ranks;
   s.n_local_experts = cfg.n_experts / n_ranks;
   s.num_groups = s.n_local_experts;
-  const int64_t per_token = std::min<int64_t>(cfg.top_k, s.n_local_experts);
-  s.max_routed_rows = int64_t(cfg.max_tokens_per_rank) * n_ranks * per_token;
+  s.max_routed_rows =
+      max_routed_rows(cfg.max_tokens_per_rank, n_ranks, cfg.top_k, s.n_local_experts);
   const DispatchOutputLayout out =
       DispatchOutputLayout::make(cfg.format, cfg.hidden, s.max_routed_rows, s.num_groups);
   s.max_recv_rows = out.rows;

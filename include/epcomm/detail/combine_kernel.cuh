@@ -81,33 +81,34 @@ __device__ inline void combine_send_expert_side(const CombineParams& p) {
   const int lane = threadIdx.x % kWarpSize;
   const char* in = static_cast<const char*>(p.expert_out);
 
+  // Messages interleaved over sources, (message m, source) m-major, with each rank starting at
+  // the source after itself: at any moment the grid's warps write to every owner at once. Taking
+  // one source after another would make all ranks write to rank 0 first, then all to rank 1 ...
+  // (measured: the prefill send took 2070 µs that way, more than the token side's 8 rows).
   int32_t count[WindowLayout::kMaxPeers];
-  int64_t total = 0;
+  int32_t most = 0;
   for (int32_t s = 0; s < WindowLayout::kMaxPeers; ++s) {
     const int32_t c = s < g.n_ranks ? p.recv_count[s] : 0;
     count[s] = c < 0 ? 0 : (c > g.max_tokens ? g.max_tokens : c);
-    total += count[s];
+    most = count[s] > most ? count[s] : most;
   }
-  const WorkSplit ws = WorkSplit::make(total, H);
+  const WorkSplit ws = WorkSplit::make(int64_t(most) * g.n_ranks, H);
   constexpr int kU = 4;  // 256-column steps per pass: loads in flight per lane and row
   for (int64_t item = WorkSplit::first_item(); item < ws.items; item += WorkSplit::stride()) {
-    int64_t m = item / ws.split;
+    const int64_t slot_item = item / ws.split;
     const int32_t part = int32_t(item % ws.split);
-    int32_t s = 0;  // the message's source (an unrolled scan keeps count[] in registers)
+    const int32_t m = int32_t(slot_item / g.n_ranks);
+    const int32_t s = int32_t((slot_item % g.n_ranks + g.rank + 1) % g.n_ranks);
+    int32_t count_s = 0;  // count[s] by an unrolled select keeps count[] in registers
 #pragma unroll
-    for (int32_t q = 0; q < WindowLayout::kMaxPeers; ++q) {
-      if (s == q && m >= count[q]) {
-        m -= count[q];
-        ++s;
-      }
-    }
+    for (int32_t q = 0; q < WindowLayout::kMaxPeers; ++q)
+      if (q == s) count_s = count[q];
+    if (m >= count_s) continue;
     const MessageHeader* h = reinterpret_cast<const MessageHeader*>(
-        window_at(g, g.rank, wl.dispatch_recv_offset() + rl.offset(s, int32_t(m))));
+        window_at(g, g.rank, wl.dispatch_recv_offset() + rl.offset(s, m)));
     const int32_t token = h->token, slot = h->rank_slot;
     const int32_t n = min(int32_t(h->n_entries), K);
-    if (token < 0 || token >= g.max_tokens || slot < 0 || slot >= K)
-      continue;  // never write
-                 // outside
+    if (token < 0 || token >= g.max_tokens || slot < 0 || slot >= K) continue;  // stay inside
     int64_t row = -1;
     float w = 0.0f;
     if (lane < n) {

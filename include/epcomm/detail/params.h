@@ -75,8 +75,7 @@ struct GroupView {
   }
   // Rows a dispatch can deliver here, and the output's rows and scale layouts.
   EPCOMM_HD int64_t max_routed_rows() const {
-    const int32_t per_token = top_k < n_local() ? top_k : n_local();
-    return int64_t(max_tokens) * n_ranks * per_token;
+    return epcomm::max_routed_rows(max_tokens, n_ranks, top_k, n_local());
   }
   EPCOMM_HD DispatchOutputLayout output() const {
     return DispatchOutputLayout::make(format, hidden, max_routed_rows(), n_local());
