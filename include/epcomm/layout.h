@@ -188,20 +188,9 @@ struct WindowLayout {
   EPCOMM_HD int64_t chunk_flags_end() const {
     return align_up(chunk_flag_offset(n_ranks, 0), 256);
   }
-  // Combine arrival flags of the expert-side reduction: u64 [src][chunk] = the last call whose
-  // rows for messages [c * kChunkTokens, (c + 1) * kChunkTokens) of this rank's stream to src
-  // src has stored here (a chunk of the stream, not of the tokens).
-  EPCOMM_HD int64_t combine_flag_offset(int32_t src, int32_t chunk) const {
-    return chunk_flags_end() + (int64_t(src) * num_chunks(max_tokens) + chunk) * 8;
-  }
-  EPCOMM_HD int64_t combine_flags_end() const {
-    return align_up(combine_flag_offset(n_ranks, 0), 256);
-  }
-  EPCOMM_HD int64_t meta_offset(int32_t src) const {
-    return combine_flags_end() + src * meta().bytes();
-  }
+  EPCOMM_HD int64_t meta_offset(int32_t src) const { return chunk_flags_end() + src * meta().bytes(); }
   EPCOMM_HD int64_t meta_region_end() const {
-    return align_up(combine_flags_end() + int64_t(n_ranks) * meta().bytes(), 256);
+    return align_up(chunk_flags_end() + int64_t(n_ranks) * meta().bytes(), 256);
   }
   EPCOMM_HD int64_t dispatch_recv_offset() const { return meta_region_end(); }
   EPCOMM_HD int64_t combine_recv_offset() const {

@@ -35,7 +35,6 @@ namespace {
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / kWarpSize;
 constexpr int kUnitTokens = kWarps * kWarpSize;  // tokens ranked together by one block
-static_assert(kUnitTokens == kRankUnitTokens, "combine finds stream positions by this unit");
 constexpr int kUnroll = 4;                       // 16-byte vectors in flight per lane
 
 // ---- 1. ranking -----------------------------------------------------------------------------

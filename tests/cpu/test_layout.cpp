@@ -105,10 +105,7 @@ TEST(Layout, WindowRegionsDoNotOverlap) {
   EXPECT_EQ(w.chunk_flag_offset(0, 0), w.signals_bytes());
   EXPECT_EQ(w.chunk_flag_offset(1, 0) - w.chunk_flag_offset(0, 0), 8 * (4096 / kChunkTokens));
   EXPECT_LE(w.chunk_flag_offset(7, 4096 / kChunkTokens - 1) + 8, w.chunk_flags_end());
-  EXPECT_EQ(w.combine_flag_offset(0, 0), w.chunk_flags_end());
-  EXPECT_EQ(w.combine_flag_offset(1, 0) - w.combine_flag_offset(0, 0), 8 * (4096 / kChunkTokens));
-  EXPECT_LE(w.combine_flag_offset(7, 4096 / kChunkTokens - 1) + 8, w.combine_flags_end());
-  EXPECT_EQ(w.meta_offset(0), w.combine_flags_end());
+  EXPECT_EQ(w.meta_offset(0), w.chunk_flags_end());
   EXPECT_LE(w.meta_offset(7) + w.meta().bytes(), w.dispatch_recv_offset());
   EXPECT_LE(w.dispatch_recv_offset() + w.dispatch_recv().bytes(8), w.combine_recv_offset());
   EXPECT_LE(w.combine_recv_offset() + w.combine_recv().bytes(), w.bytes());

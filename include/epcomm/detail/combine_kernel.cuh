@@ -51,51 +51,27 @@ __device__ __forceinline__ void emit8(StoreBf16& epi, int32_t token, int32_t col
   st_v4(epi.out + int64_t(token) * epi.hidden + col, pack_bf16x8(v));
 }
 
-// Rows of H columns handed to the warps of blocks [b0, b0 + n_blocks) as (row, part) items,
-// block rb = blockIdx.x - b0 taking items rb * warps + warp, then every n_blocks * warps: a
-// row's columns are split into `split` interleaved parts of 256-column steps when there are
-// too few rows to keep every warp busy twice over (decode), so more loads are in flight; with
-// many rows split = 1.
+// Rows of H columns handed to the grid's warps as (row, part) items: a row's columns are split
+// into `split` interleaved parts of 256-column steps when there are too few rows to keep every
+// warp busy twice over (decode), so more loads are in flight; with many rows split = 1.
 struct WorkSplit {
   int32_t split;
   int64_t items;
-  int64_t first;   // this warp's first item
-  int64_t stride;  // warps taking part
-  __device__ static WorkSplit make(int64_t rows, int32_t hidden, int32_t rb, int32_t n_blocks) {
-    const int64_t warps = int64_t(n_blocks) * kCombineWarps;
+  __device__ static WorkSplit make(int64_t rows, int32_t hidden) {
+    const int64_t warps = int64_t(gridDim.x) * kCombineWarps;
     const int32_t steps = (hidden + kWarpSize * 8 - 1) / (kWarpSize * 8);
     const int64_t want = rows > 0 ? (2 * warps + rows - 1) / rows : 1;
     const int32_t split = want < steps ? int32_t(want) : steps;
-    return WorkSplit{split, rows * split, int64_t(rb) * kCombineWarps + threadIdx.x / kWarpSize,
-                     warps};
+    return WorkSplit{split, rows * split};
   }
+  __device__ static int64_t first_item() {
+    return int64_t(blockIdx.x) * kCombineWarps + threadIdx.x / kWarpSize;
+  }
+  __device__ static int64_t stride() { return int64_t(gridDim.x) * kCombineWarps; }
 };
 
-// The fused expert-side combine splits the grid like the fused dispatch: two thirds of the
-// blocks send (their rows are at the links from about 16 blocks on: the send half of prefill took
-// 979 µs with 16 blocks, 1060 with 24), the rest add the rows as their stream chunks arrive.
-// Under 16 blocks every block sends, then receives. Returns the number of senders.
-__host__ __device__ constexpr int32_t combine_senders(int32_t blocks) {
-  return blocks < 16 ? blocks : 2 * blocks / 3;
-}
-
-// Every block of a fused or receive combine arrives here once; the last one releases
-// kCombineAck[me] = seq in every source (this rank's combine buffer is free again) and bumps the
-// local combine_seq.
-__device__ inline void combine_done(const GroupView& g, unsigned long long seq) {
-  if (last_block_done(g, &g.state->combine_done) && threadIdx.x == 0) {
-    for (int32_t s = 0; s < g.n_ranks; ++s)
-      st_release_sys(signal_word(g, s, WindowLayout::kCombineAck, g.rank), seq);
-    g.state->combine_seq = seq;
-  }
-}
-
 // The expert side's half of the expert-side reduction: one pre-summed row per received message.
-// When the last (message, part) of a stream chunk of source s is stored, the warp that stored it
-// raises that chunk's flag at s (the warps' fences, then an atomic count per chunk: the warp that
-// completes it fences again and releases the flag).
-__device__ inline void combine_send_expert_side(const CombineParams& p, unsigned long long seq,
-                                                int32_t rb, int32_t n_rb) {
+__device__ inline void combine_send_expert_side(const CombineParams& p) {
   const GroupView& g = p.g;
   const WindowLayout wl = g.layout();
   const CombineRecvLayout cl = wl.combine_recv();
@@ -116,10 +92,9 @@ __device__ inline void combine_send_expert_side(const CombineParams& p, unsigned
     count[s] = c < 0 ? 0 : (c > g.max_tokens ? g.max_tokens : c);
     most = count[s] > most ? count[s] : most;
   }
-  const WorkSplit ws = WorkSplit::make(int64_t(most) * g.n_ranks, H, rb, n_rb);
-  const int32_t max_chunks = num_chunks(g.max_tokens);
+  const WorkSplit ws = WorkSplit::make(int64_t(most) * g.n_ranks, H);
   constexpr int kU = 4;  // 256-column steps per pass: loads in flight per lane and row
-  for (int64_t item = ws.first; item < ws.items; item += ws.stride) {
+  for (int64_t item = WorkSplit::first_item(); item < ws.items; item += WorkSplit::stride()) {
     const int64_t slot_item = item / ws.split;
     const int32_t part = int32_t(item % ws.split);
     const int32_t m = int32_t(slot_item / g.n_ranks);
@@ -132,10 +107,8 @@ __device__ inline void combine_send_expert_side(const CombineParams& p, unsigned
     const MessageHeader* h = reinterpret_cast<const MessageHeader*>(
         window_at(g, g.rank, wl.dispatch_recv_offset() + rl.offset(s, m)));
     const int32_t token = h->token, slot = h->rank_slot;
-    // A header out of range stores nothing (never a write outside a peer's buffer) but still
-    // counts towards its chunk.
-    const bool valid = token >= 0 && token < g.max_tokens && slot >= 0 && slot < K;
-    const int32_t n = valid ? min(int32_t(h->n_entries), K) : 0;
+    const int32_t n = min(int32_t(h->n_entries), K);
+    if (token < 0 || token >= g.max_tokens || slot < 0 || slot >= K) continue;  // stay inside
     int64_t row = -1;
     float w = 0.0f;
     if (lane < n) {
@@ -144,7 +117,7 @@ __device__ inline void combine_send_expert_side(const CombineParams& p, unsigned
       if (row >= row_limit) row = -1;
       w = e.weight;
     }
-    char* dst = window_at(g, s, wl.combine_recv_offset() + cl.offset(valid ? token : 0, slot));
+    char* dst = window_at(g, s, wl.combine_recv_offset() + cl.offset(token, slot));
     // Every lane runs these loops the same number of times (the shuffles sit inside).
     const int32_t step = kWarpSize * 8, stride = ws.split * step;
     for (int32_t base = part * step; base < H; base += kU * stride) {
@@ -178,39 +151,20 @@ __device__ inline void combine_send_expert_side(const CombineParams& p, unsigned
 #pragma unroll
       for (int u = 0; u < kU; ++u) {
         const int32_t c = base + u * stride + lane * 8;
-        if (valid && c < H) st_v4(dst + int64_t(c) * 2, pack_bf16x8(acc[u]));
+        if (c < H) st_v4(dst + int64_t(c) * 2, pack_bf16x8(acc[u]));
       }
     }
-    __syncwarp();
-    if (lane == 0) {
-      const int32_t chunk = m / kChunkTokens;
-      const int32_t in_chunk = min(kChunkTokens, count_s - chunk * kChunkTokens) * ws.split;
-      int32_t* counter = p.combine_count + int64_t(s) * max_chunks + chunk;
-      __threadfence_system();
-      if (atomicAdd(counter, 1) + 1 == in_chunk) {
-        __threadfence_system();
-        *counter = 0;  // nothing else touches it in this call; zero for the next one
-        st_release_sys(reinterpret_cast<unsigned long long*>(
-                           window_at(g, s, wl.combine_flag_offset(g.rank, chunk))),
-                       seq);
-      }
-    }
-    __syncwarp();
   }
 }
 
-// Sender block rb of n_rb. Every block of every combine adds 1 to kCombineArrived[me] in every
-// owner (receiver blocks of a split grid too), so the token-side receive can count
-// num_blocks per call whichever reduction earlier calls used.
 template <bool kExpertSide>
-__device__ inline void combine_send(const CombineParams& p, unsigned long long seq, int32_t rb,
-                                    int32_t n_rb) {
+__device__ inline void combine_send(const CombineParams& p, unsigned long long seq) {
   const GroupView& g = p.g;
   if (!block_wait_signal(g, all_ranks_mask(g), WindowLayout::kCombineAck, kOpCombineSend, kWaitAck,
                          [&](int32_t) { return seq - 1; }))
     return;
   if constexpr (kExpertSide) {
-    combine_send_expert_side(p, seq, rb, n_rb);
+    combine_send_expert_side(p);
     block_signal_all(g, WindowLayout::kCombineArrived);
     return;
   }
@@ -235,16 +189,12 @@ __device__ inline void combine_send(const CombineParams& p, unsigned long long s
   block_signal_all(g, WindowLayout::kCombineArrived);
 }
 
-// Receiver block rb of n_rb. Token side: waits for every source's blocks, then reduces.
-// Expert side: a warp waits only for the stream chunks holding its token's rows.
 template <bool kExpertSide, class Epilogue>
-__device__ void combine_recv(const CombineParams& p, unsigned long long seq, Epilogue& epi,
-                             int32_t rb, int32_t n_rb) {
+__device__ void combine_recv(const CombineParams& p, unsigned long long seq, Epilogue& epi) {
   const GroupView& g = p.g;
-  if (!kExpertSide && !block_wait_signal(g, all_ranks_mask(g), WindowLayout::kCombineArrived,
-                                         kOpCombineRecv, kWaitData, [&](int32_t) {
-                                           return seq * (unsigned long long)g.num_blocks;
-                                         }))
+  if (!block_wait_signal(g, all_ranks_mask(g), WindowLayout::kCombineArrived, kOpCombineRecv,
+                         kWaitData,
+                         [&](int32_t) { return seq * (unsigned long long)g.num_blocks; }))
     return;
   const WindowLayout wl = g.layout();
   const CombineRecvLayout cl = wl.combine_recv();
@@ -254,11 +204,10 @@ __device__ void combine_recv(const CombineParams& p, unsigned long long seq, Epi
   const char* recv = window_at(g, g.rank, wl.combine_recv_offset());
 
   // Work items are (token, part) (WorkSplit).
-  const WorkSplit ws = WorkSplit::make(num_tokens, H, rb, n_rb);
+  const WorkSplit ws = WorkSplit::make(num_tokens, H);
   const int32_t split = ws.split;
   const ExpertMap em = g.experts();
-  bool ok = true;
-  for (int64_t item = ws.first; ok && item < ws.items; item += ws.stride) {
+  for (int64_t item = WorkSplit::first_item(); item < ws.items; item += WorkSplit::stride()) {
     const int32_t t = int32_t(item / split), part = int32_t(item % split);
     // Every lane gets what the token's rows need before the column loops: lanes run those
     // loops a different number of times when H / 8 is not a multiple of 32, so no shuffle may
@@ -270,25 +219,6 @@ __device__ void combine_recv(const CombineParams& p, unsigned long long seq, Epi
       // One row per rank the token went to, in rank order.
       const uint32_t rank_mask = __reduce_or_sync(0xffffffffu, id >= 0 ? 1u << em.rank_of(id) : 0u);
       const int32_t n = __popc(rank_mask);
-      // Lane j < n waits for the chunk of rank r_j's stream (the j-th rank, ascending) that
-      // holds this token's row: its position there is where dispatch ranked it.
-      int got = 1;
-      if (lane < n) {
-        uint32_t m = rank_mask;
-        for (int32_t j = 0; j < lane; ++j)
-          m &= m - 1;
-        const int32_t r = __ffs(m) - 1;
-        const int32_t pos =
-            p.dest_pos[int64_t(t) * g.n_ranks + r] +
-            p.unit_prefix[int64_t(t / kRankUnitTokens) * em.num_keys() + em.rank_key(r)];
-        const unsigned long long* flag = reinterpret_cast<const unsigned long long*>(
-            window_at(g, g.rank, wl.combine_flag_offset(r, pos / kChunkTokens)));
-        got = wait_peers(g, 1u << r, kOpCombineRecv, kWaitData,
-                         [&](int32_t) { return ld_acquire_sys(flag) >= seq; });
-      }
-      ok = __all_sync(0xffffffffu, got) != 0;
-      if (!ok) break;  // a timeout (recorded, naming the rank) or an abort
-      __syncwarp();    // the other lanes read the rows after the waiting lanes' acquires
       for (int32_t c = first; c < H; c += stride) {
         uint4 raw[WindowLayout::kMaxPeers];
 #pragma unroll
@@ -350,8 +280,11 @@ __device__ void combine_recv(const CombineParams& p, unsigned long long seq, Epi
     }
   }
 
-  if (kExpertSide && block_aborted(g)) return;  // a warp gave up: no acknowledgement
-  combine_done(g, seq);
+  if (last_block_done(g, &g.state->combine_done) && threadIdx.x == 0) {
+    for (int32_t s = 0; s < g.n_ranks; ++s)
+      st_release_sys(signal_word(g, s, WindowLayout::kCombineAck, g.rank), seq);
+    g.state->combine_seq = seq;
+  }
 }
 
 // kExpertSide (the last dispatch carried the weights) is a template parameter so that each
@@ -361,20 +294,8 @@ __global__ void __launch_bounds__(kCombineThreads, 1)
     combine_kernel(CombineParams p, Epilogue epi) {
   if (block_aborted(p.g)) return;
   const unsigned long long seq = p.g.state->combine_seq + 1;
-  const int32_t blocks = gridDim.x, b = blockIdx.x;
-  const int32_t senders = kSend && kRecv && kExpertSide ? combine_senders(blocks) : blocks;
-  if (senders < blocks) {  // fused expert side, split grid
-    if (b < senders) {
-      combine_send<true>(p, seq, b, senders);
-      if (!block_aborted(p.g)) combine_done(p.g, seq);
-    } else {
-      block_signal_all(p.g, WindowLayout::kCombineArrived);
-      combine_recv<true>(p, seq, epi, b - senders, blocks - senders);
-    }
-    return;
-  }
-  if (kSend) combine_send<kExpertSide>(p, seq, b, blocks);
-  if (kRecv && !block_aborted(p.g)) combine_recv<kExpertSide>(p, seq, epi, b, blocks);
+  if (kSend) combine_send<kExpertSide>(p, seq);
+  if (kRecv && !block_aborted(p.g)) combine_recv<kExpertSide>(p, seq, epi);
 }
 
 // The kernel of one form (fused, send, receive) and reduction.

@@ -84,10 +84,6 @@ struct GroupView {
   EPCOMM_HD int32_t n_local() const { return n_experts / n_ranks; }
 };
 
-// Tokens ranked together by one block of the dispatch ranking pass: unit_prefix has a row per
-// unit of this many tokens.
-constexpr int32_t kRankUnitTokens = 512;
-
 // Scratch of the dispatch ranking pass (local device memory).
 struct RankScratch {
   int32_t* topk;         // [max_tokens, K] validated copy of this call's topk_ids (kept for combine)
@@ -101,9 +97,6 @@ struct RankScratch {
   // received messages): written by the receiver's block 0.
   int32_t* recv_base;   // [n_ranks, n_local]: first output row of source s in group g
   int32_t* recv_count;  // [n_ranks]: messages received from source s
-  // Expert-side combine: rows sent of each (source, stream chunk), reset to 0 by the warp that
-  // completes the chunk (so zero between calls).
-  int32_t* combine_count;  // [n_ranks, num_chunks(max_tokens)]
 };
 
 struct DispatchParams {
@@ -132,10 +125,6 @@ struct CombineParams {
   int32_t pad_;
   const int32_t* recv_base;   // scratch.recv_base
   const int32_t* recv_count;  // scratch.recv_count
-  int32_t* combine_count;     // scratch.combine_count
-  // The token side finds a token's position in each destination's stream as dispatch ranked it.
-  const int32_t* dest_pos;     // scratch.dest_pos
-  const int32_t* unit_prefix;  // scratch.unit_prefix
   // send side
   const void* expert_out;
   const uint32_t* row_offsets;
