@@ -40,21 +40,31 @@ int64_t first_difference(const uint8_t* a, const uint8_t* b, int64_t n) {
   return i;
 }
 
-// Weighted combine of every local rank; layouts[d] gives the rows of rank d's expert outputs.
-// With expert_side, also the expert-side reduction's (into *expert_side).
+// f(rank) of every local rank, computed in parallel, in local-rank order.
+template <class F>
+auto per_local_rank(const Team& team, F f) {
+  std::vector<decltype(f(int32_t(0)))> out(team.n_local());
+  parallel_for(team.n_local(), [&](size_t i) { out[i] = f(team.local()[i].rank); });
+  return out;
+}
+
+// Weighted combine of every local rank, token side; layouts[d] gives the rows of rank d's expert
+// outputs.
 std::vector<std::vector<double>> combine_reference(
     const ref::Problem& problem, const std::vector<ref::DispatchResult>& layouts,
-    const std::vector<std::vector<uint16_t>>& expert_out, const Team& team,
-    std::vector<std::vector<float>>* expert_side = nullptr) {
-  std::vector<std::vector<double>> out(team.n_local());
-  if (expert_side) expert_side->resize(team.n_local());
-  parallel_for(team.n_local(), [&](size_t i) {
-    out[i] = ref::combine(problem, layouts, expert_out, team.local()[i].rank, true);
-    if (expert_side)
-      (*expert_side)[i] =
-          ref::combine_expert_side(problem, layouts, expert_out, team.local()[i].rank);
+    const std::vector<std::vector<uint16_t>>& expert_out, const Team& team) {
+  return per_local_rank(team, [&](int32_t rank) {
+    return ref::combine(problem, layouts, expert_out, rank, true);
   });
-  return out;
+}
+
+// The same with the expert-side reduction.
+std::vector<std::vector<float>> combine_expert_side_reference(
+    const ref::Problem& problem, const std::vector<ref::DispatchResult>& layouts,
+    const std::vector<std::vector<uint16_t>>& expert_out, const Team& team) {
+  return per_local_rank(team, [&](int32_t rank) {
+    return ref::combine_expert_side(problem, layouts, expert_out, rank);
+  });
 }
 
 // Every rank's synthetic expert outputs, one per row of its layout (padding rows included).
@@ -169,7 +179,6 @@ Reference build_reference(const ref::Problem& problem, const Team& team,
                           const MessageFormat& message, const epcomm::Sizes& sizes,
                           bool with_nccl, bool expert_side) {
   Reference r;
-  std::vector<std::vector<float>>* es = expert_side ? &r.combine_expert_side : nullptr;
   r.message = message;
   const size_t n = size_t(problem.n_ranks);
   r.dispatch.resize(n);
@@ -178,7 +187,11 @@ Reference build_reference(const ref::Problem& problem, const Team& team,
     std::vector<std::vector<uint16_t>> expert_out;
     for (const ref::DispatchResult& d : r.dispatch)
       expert_out.push_back(d.tokens);
-    r.combine = combine_reference(problem, r.dispatch, expert_out, team, es);
+    // epcomm's check reads one of the two; the NCCL baseline's, the token side.
+    if (expert_side)
+      r.combine_expert_side = combine_expert_side_reference(problem, r.dispatch, expert_out, team);
+    if (!expert_side || with_nccl)
+      r.combine = combine_reference(problem, r.dispatch, expert_out, team);
     return r;
   }
 
@@ -201,8 +214,12 @@ Reference build_reference(const ref::Problem& problem, const Team& team,
       throw std::logic_error("epcomm_bench: padding reference::dispatch's rows does not give " +
                              std::string("reference::dispatch_quantized's on rank ") +
                              std::to_string(team.local()[i].rank));
-  r.combine = combine_reference(problem, padded,
-                                synthetic_expert_outputs(padded, problem.hidden), team, es);
+  const std::vector<std::vector<uint16_t>> padded_out =
+      synthetic_expert_outputs(padded, problem.hidden);
+  if (expert_side)
+    r.combine_expert_side = combine_expert_side_reference(problem, padded, padded_out, team);
+  else
+    r.combine = combine_reference(problem, padded, padded_out, team);
   if (with_nccl) {
     r.nccl_combine = combine_reference(problem, r.dispatch,
                                        synthetic_expert_outputs(r.dispatch, problem.hidden), team);

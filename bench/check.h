@@ -30,8 +30,9 @@ struct Reference {
   // reference::dispatch_quantized, its codes cut to the rows in use [0, row_offsets[G]) (all
   // that reference::compare_dispatch_quantized reads of them).
   std::vector<epcomm::reference::QuantDispatchResult> quant;
-  // Per local rank, weighted [T, H]: epcomm's combine, and the NCCL baseline's (quantised formats
-  // only: its expert outputs sit at other rows; for bf16 it is `combine`).
+  // Per local rank, weighted [T, H], token side: epcomm's combine (built when the run reduces on
+  // the token side, or for bf16 with the NCCL baseline), and the NCCL baseline's (quantised
+  // formats only: its expert outputs sit at other rows; for bf16 it is `combine`).
   std::vector<std::vector<double>> combine;
   std::vector<std::vector<double>> nccl_combine;
   // Per local rank, with the expert-side reduction: epcomm's combine as

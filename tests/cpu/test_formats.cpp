@@ -218,6 +218,18 @@ void expect_all(const std::vector<In>& inputs, Check check, const char* what) {
                      << " mismatch; first: " << first;
 }
 
+// A check for expect_all: encode(x) equals oracle(x); show prints a code in the message.
+template <typename Encode, typename Oracle, typename Show>
+auto matches_oracle(Encode encode, Oracle oracle, Show show) {
+  return [=](float x, std::string* why) {
+    const uint8_t got = encode(x), want = oracle(x);
+    if (got == want) return true;
+    *why = describe(x) + " -> " + show(got) + ", want " + show(want);
+    return false;
+  };
+}
+std::string decimal(uint8_t c) { return std::to_string(c); }
+
 // ---- e4m3 -----------------------------------------------------------------------------------
 
 TEST(FormatsE4m3, DecodesEveryCodeToItsDefinedValue) {
@@ -251,12 +263,7 @@ TEST(FormatsE4m3, EveryCodeRoundTrips) {
 }
 
 TEST(FormatsE4m3, MatchesNearestEvenOracle) {
-  auto check = [](float x, std::string* why) {
-    const uint8_t got = float_to_e4m3(x), want = oracle_e4m3(x);
-    if (got == want) return true;
-    *why = describe(x) + " -> " + hex(got) + ", want " + hex(want);
-    return false;
-  };
+  const auto check = matches_oracle([](float x) { return float_to_e4m3(x); }, oracle_e4m3, hex);
   expect_all(around_values(0x7e, e4m3_value), check, "representable values and midpoints");
   expect_all(mantissa_sweep(100, 145), check, "mantissa sweep 2^-27 .. 2^18");
   expect_all(random_floats(1 << 20), check, "random fp32 patterns");
@@ -328,12 +335,7 @@ TEST(FormatsE2m1, EveryCodeRoundTrips) {
 }
 
 TEST(FormatsE2m1, MatchesNearestEvenOracle) {
-  auto check = [](float x, std::string* why) {
-    const uint8_t got = float_to_e2m1(x), want = oracle_e2m1(x);
-    if (got == want) return true;
-    *why = describe(x) + " -> " + hex(got) + ", want " + hex(want);
-    return false;
-  };
+  const auto check = matches_oracle([](float x) { return float_to_e2m1(x); }, oracle_e2m1, hex);
   expect_all(around_values(0x7, e2m1_value), check, "representable values and midpoints");
   expect_all(mantissa_sweep(118, 136), check, "mantissa sweep 2^-9 .. 2^9");
   expect_all(random_floats(1 << 20), check, "random fp32 patterns");
@@ -413,12 +415,8 @@ TEST(FormatsE8m0, CeilRoundTripsAndRoundsUp) {
 }
 
 TEST(FormatsE8m0, CeilMatchesOracle) {
-  auto check = [](float x, std::string* why) {
-    const uint8_t got = float_to_e8m0_ceil(x), want = oracle_e8m0_ceil(x);
-    if (got == want) return true;
-    *why = describe(x) + " -> " + std::to_string(got) + ", want " + std::to_string(want);
-    return false;
-  };
+  const auto check =
+      matches_oracle([](float x) { return float_to_e8m0_ceil(x); }, oracle_e8m0_ceil, decimal);
   expect_all(exponent_sweep(), check, "every exponent");
   expect_all(random_floats(1 << 18), check, "random fp32 patterns");
 }
