@@ -124,6 +124,33 @@ void write_workload(JsonWriter& j, const WorkloadResult& r) {
     if (base && op.median_us() > 0) j.value(op.op.c_str(), base->median_us() / op.median_us());
   }
   j.end_object();
+  const StageSummary& s = r.stages;
+  if (s.calls > 0) {  // --trace: per kernel and mark, per rank in rank order (-1: not passed)
+    j.begin_object("stages");
+    j.value("calls", s.calls);
+    j.value("blocks", s.blocks);
+    j.numbers("dispatch_start_offset_us", s.start_offset_us);
+    const char* kernels[epcomm::kTraceKernels] = {"dispatch", "combine"};
+    const int n = int(s.start_offset_us.size());
+    for (int k = 0; k < epcomm::kTraceKernels; ++k) {
+      j.begin_object(kernels[k]);
+      for (int m = 0; m < epcomm::kTraceMarks; ++m) {
+        std::vector<double> first, last, passed;
+        for (int q = 0; q < n; ++q) {
+          first.push_back(s.first_us[s.at(q, k, m)]);
+          last.push_back(s.last_us[s.at(q, k, m)]);
+          passed.push_back(s.passed[s.at(q, k, m)]);
+        }
+        j.begin_object(epcomm::trace_mark_name(epcomm::TraceMark(m)));
+        j.numbers("first_us", first);
+        j.numbers("last_us", last);
+        j.numbers("blocks", passed);
+        j.end_object();
+      }
+      j.end_object();
+    }
+    j.end_object();
+  }
   j.end_object();
 }
 
@@ -173,6 +200,49 @@ void print_table_header() {
   std::fflush(stdout);
 }
 
+size_t StageSummary::at(int rank, int kernel, int mark) const {
+  return (size_t(rank) * epcomm::kTraceKernels + size_t(kernel)) * epcomm::kTraceMarks + size_t(mark);
+}
+
+namespace {
+
+// --trace: per kernel and mark, when the first and the last block passed it (the worst rank's
+// median), then the last block's time on each rank.
+void print_stages(const WorkloadResult& r) {
+  const StageSummary& s = r.stages;
+  const int n = int(s.start_offset_us.size());
+  if (s.calls == 0 || n == 0) return;
+  std::printf("%-12s stage marks of %d fused calls, %d blocks (µs after the rank's kernel start; "
+              "median over the calls; first/last: the first and last block to pass, worst rank)\n",
+              "", s.calls, s.blocks);
+  const char* kernels[epcomm::kTraceKernels] = {"dispatch", "combine"};
+  for (int k = 0; k < epcomm::kTraceKernels; ++k) {
+    std::printf("%-12s %-9s %-11s %6s %7s %7s   last, rank 0..%d\n", "", kernels[k], "mark",
+                "blocks", "first", "last", n - 1);
+    for (int m = 0; m < epcomm::kTraceMarks; ++m) {
+      double first = -1, last = -1, passed = 0;
+      for (int q = 0; q < n; ++q) {
+        first = std::max(first, s.first_us[s.at(q, k, m)]);
+        last = std::max(last, s.last_us[s.at(q, k, m)]);
+        passed = std::max(passed, s.passed[s.at(q, k, m)]);
+      }
+      if (passed == 0) continue;
+      std::printf("%-12s %-9s %-11s %6.0f %7.1f %7.1f  ", "", "",
+                  epcomm::trace_mark_name(epcomm::TraceMark(m)), passed, first, last);
+      for (int q = 0; q < n; ++q) std::printf(" %6.1f", s.last_us[s.at(q, k, m)]);
+      std::printf("\n");
+    }
+  }
+  if (s.start_offset_us.front() >= 0) {
+    std::printf("%-12s dispatch kernel start after the earliest rank's (globaltimer; assumes the "
+                "GPUs' timers agree):", "");
+    for (double v : s.start_offset_us) std::printf(" %.1f", v);
+    std::printf("\n");
+  }
+}
+
+}  // namespace
+
 void print_workload(const WorkloadResult& r) {
   if (!r.skipped.empty()) {
     std::printf("%-12s %s\n", r.workload.name.c_str(), r.skipped.c_str());
@@ -197,6 +267,7 @@ void print_workload(const WorkloadResult& r) {
   std::printf("%-12s %s dispatch, %.0f B per (token, rank) message; check:%s\n", "",
               r.workload.format.c_str(), r.dispatch_message_bytes,
               line.empty() ? "  skipped (--no-check)" : line.c_str());
+  print_stages(r);
   std::fflush(stdout);
 }
 

@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "epcomm/trace.h"
 #include "timing.h"
 #include "workloads.h"
 
@@ -28,6 +29,17 @@ struct CheckResult {
   std::string detail;  // e.g. the failing ranks
 };
 
+// The stage marks (epcomm/trace.h) of --trace's calls: for each rank, kernel and mark, the median
+// over the calls of the first and the last block's pass, µs after the rank's kernel start, and
+// how many blocks passed it.
+struct StageSummary {
+  int calls = 0;
+  int blocks = 0;
+  std::vector<double> first_us, last_us, passed;  // [rank][kernel][mark]
+  std::vector<double> start_offset_us;  // [rank]: kernel start after the earliest rank's (one process)
+  size_t at(int rank, int kernel, int mark) const;
+};
+
 struct WorkloadResult {
   Workload workload;  // with the overrides applied
   int num_sms = 0;
@@ -38,6 +50,7 @@ struct WorkloadResult {
   std::vector<double> messages;       // per rank: messages received (mean over input sets)
   std::vector<OpResult> ops;
   std::vector<CheckResult> checks;
+  StageSummary stages;  // --trace
 
   const OpResult* find(const std::string& op, const std::string& impl) const;
   // Logical bytes received per rank, mean over ranks, by an op named "dispatch..." or "combine...".

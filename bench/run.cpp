@@ -13,6 +13,8 @@
 //   the rows the dispatch just wrote (padding rows included; combine skips those).
 #include "run.h"
 
+#include <algorithm>
+#include <cstdint>
 #include <functional>
 
 #include <cstdio>
@@ -79,6 +81,7 @@ class WorkloadRun {
     cfg_.n_experts = w.experts;
     cfg_.max_tokens_per_rank = w.tokens;
     cfg_.num_sms = opt.num_sms.value_or(cfg_.num_sms);
+    cfg_.trace = opt.trace > 0;
     result_.num_sms = cfg_.num_sms;
   }
 
@@ -116,6 +119,7 @@ class WorkloadRun {
       }
       if (opt_.check) result_.checks.push_back(check_epcomm(form));
     }
+    if (opt_.trace > 0) trace_epcomm();
     groups_.clear();  // free epcomm's buffers before the baseline allocates its own
     free_epcomm_outputs();
     if (env_.comms) run_nccl();
@@ -308,6 +312,80 @@ class WorkloadRun {
       for (int h = 0; h < 4; ++h) halves_us[h].assign(team_.n_local(), {});
     run_epcomm_batches(form, 0, opt_.warmup, false, nullptr, nullptr);
     run_epcomm_batches(form, opt_.warmup, opt_.iters, true, dispatch_us, combine_us, halves_us);
+  }
+
+  // --trace: opt_.trace fused dispatch + combine calls issued like the timed ones (gated, L2
+  // flushed before each), one at a time, reading every rank's stage marks after each.
+  void trace_epcomm() {
+    env_.progress.phase(label("stage trace"));
+    constexpr int K = epcomm::kTraceKernels, M = epcomm::kTraceMarks;
+    const size_t n_local = team_.n_local();
+    // [local rank][kernel * M + mark] -> per-call samples of the first and last block, µs.
+    std::vector<std::vector<std::vector<double>>> first(n_local), last(n_local);
+    std::vector<std::vector<double>> offset(n_local);
+    std::vector<double> passed(n_local * K * M, 0.0);
+    for (size_t i = 0; i < n_local; ++i) first[i].resize(K * M), last[i].resize(K * M);
+    int blocks = 0;
+    for (int it = 0; it < opt_.trace; ++it) {
+      for_each_rank(team_, [&](size_t i, const LocalRank&) { env_.gate.hold(stream(i)); });
+      for_each_rank(team_, [&](size_t i, const LocalRank&) {
+        env_.flush.run(i, stream(i));
+        issue_dispatch(i, it % kInputSets, Form::kFused);
+        env_.flush.run(i, stream(i));
+        issue_combine(i, it % kInputSets, Form::kFused);
+      });
+      env_.gate.release();
+      std::vector<uint64_t> starts(n_local);
+      for_each_rank(team_, [&](size_t i, const LocalRank&) {
+        groups_[i]->synchronize(stream(i));
+        const epcomm::StageTrace t = groups_[i]->stage_trace();
+        blocks = t.blocks;
+        for (int k = 0; k < K; ++k) {
+          uint64_t start = UINT64_MAX;
+          for (int b = 0; b < t.blocks; ++b)
+            if (t.at(k, epcomm::kTraceStart, b) != 0) start = std::min(start, t.at(k, epcomm::kTraceStart, b));
+          if (k == 0) starts[i] = start;
+          for (int m = 0; m < M; ++m) {
+            uint64_t lo = UINT64_MAX, hi = 0;
+            int n = 0;
+            for (int b = 0; b < t.blocks; ++b) {
+              const uint64_t v = t.at(k, m, b);
+              if (v == 0 || v < start) continue;
+              lo = std::min(lo, v), hi = std::max(hi, v), ++n;
+            }
+            if (n == 0) continue;
+            first[i][k * M + m].push_back(double(lo - start) / 1e3);
+            last[i][k * M + m].push_back(double(hi - start) / 1e3);
+            passed[(i * K + k) * M + m] = n;
+          }
+        }
+      });
+      env_.gate.check();
+      const uint64_t earliest = *std::min_element(starts.begin(), starts.end());
+      for (size_t i = 0; i < n_local; ++i) offset[i].push_back(double(starts[i] - earliest) / 1e3);
+    }
+    auto median = [](std::vector<double> v) {
+      return v.empty() ? -1.0 : double(summarize(std::vector<float>(v.begin(), v.end())).median_us);
+    };
+    std::vector<double> local;  // per local rank: first[K*M], last[K*M], passed[K*M], offset
+    for (size_t i = 0; i < n_local; ++i) {
+      for (int j = 0; j < K * M; ++j) local.push_back(median(first[i][j]));
+      for (int j = 0; j < K * M; ++j) local.push_back(median(last[i][j]));
+      for (int j = 0; j < K * M; ++j) local.push_back(passed[i * K * M + j]);
+      local.push_back(team_.multi_process() ? -1.0 : median(offset[i]));
+    }
+    const size_t per_rank = 3 * K * M + 1;
+    const std::vector<double> all = team_.gather(local, per_rank);
+    StageSummary& s = result_.stages;
+    s.calls = opt_.trace;
+    s.blocks = blocks;
+    for (size_t r = 0; r * per_rank < all.size(); ++r) {
+      const double* v = all.data() + r * per_rank;
+      s.first_us.insert(s.first_us.end(), v, v + K * M);
+      s.last_us.insert(s.last_us.end(), v + K * M, v + 2 * K * M);
+      s.passed.insert(s.passed.end(), v + 2 * K * M, v + 3 * K * M);
+      s.start_offset_us.push_back(v[3 * K * M]);
+    }
   }
 
   CheckResult check_epcomm(Form form) {

@@ -29,6 +29,10 @@ send/recv baseline, timed and checked against the CPU reference.
   --reduce expert|token   where epcomm's weighted combine sums a token's expert rows: on the
                           expert side (weights given to dispatch; one row per (token, rank)
                           back; default) or on the token side (one row per (token, k) back)
+  --trace N               after the timing, N more fused calls with Config::trace set: print
+                          when each kernel's blocks pass each stage (epcomm/trace.h), µs after
+                          the rank's kernel start, median over the N calls (the timed calls of
+                          such a run also pay the marks' stores)
 
 One process drives every visible GPU, unless EPCOMM_RANK, EPCOMM_WORLD_SIZE and
 EPCOMM_BOOTSTRAP_DIR are set (one process per GPU, e.g. under epcomm_launch).
@@ -116,6 +120,8 @@ Options parse_options(int argc, char** argv) {
       if (where != "expert" && where != "token")
         throw std::invalid_argument("--reduce: '" + where + "' is neither expert nor token");
       opt.expert_side = where == "expert";
+    } else if (flag == "--trace") {
+      opt.trace = parse_int(flag, next(), 1);
     } else if (flag == "--list") {
       opt.list = true;
     } else {

@@ -38,6 +38,7 @@ struct Options {
   // epcomm's weighted combine: the router weights go to dispatch and each rank pre-sums its
   // experts' rows (true, default), or they go to combine and the token side sums (false).
   bool expert_side = true;
+  int trace = 0;  // > 0: that many more fused calls with Config::trace, stage breakdown printed
   bool list = false;
   std::string command_line;
 };

@@ -22,6 +22,7 @@ struct Config {
   float nvfp4_global_scale = 1.0f;  // NVFP4's global input scale gs (positive, finite)
   int32_t num_sms = 24;             // blocks per dispatch/combine kernel (one per SM)
   double timeout_seconds = 5.0;     // bound on every wait for a peer
+  bool trace = false;               // stamp each stage of every kernel (trace.h; profiling)
 
   // Throws Error(kInvalidArgument) naming the first bad field. n_ranks is the group size.
   void validate(int n_ranks) const;

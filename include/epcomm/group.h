@@ -26,6 +26,7 @@
 #include "epcomm/config.h"
 #include "epcomm/error.h"
 #include "epcomm/layout.h"
+#include "epcomm/trace.h"
 
 namespace epcomm {
 
@@ -126,6 +127,10 @@ class Group {
   // cudaStreamSynchronize(stream), then check().
   void synchronize(cudaStream_t stream);
   bool poisoned() const;
+
+  // The stage marks of this rank's last dispatch and last combine (Config::trace must be set;
+  // throws kInvalidArgument otherwise). Synchronises the device.
+  StageTrace stage_trace() const;
 
   // For the header-only combine with a custom epilogue (epcomm/combine_epilogue.cuh).
   // Checks the arguments and tracks the async/wait pairing; then launch, then after_launch().

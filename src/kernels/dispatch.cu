@@ -348,9 +348,11 @@ __device__ bool dispatch_send(const DispatchParams& p, unsigned long long seq, c
   __syncthreads();
 
   rank_units(p, seq, bitmap, warp_prefix);
+  trace_mark(g, kTraceDispatch, kTraceRanked);
   if (!grid_barrier(g)) return false;
   scan_units(p);
   if (!grid_barrier(g)) return false;
+  trace_mark(g, kTraceDispatch, kTraceRouted);
   if (int32_t(blockIdx.x) >= n_senders) return true;
 
   const bool bad = *reinterpret_cast<volatile unsigned long long*>(&g.state->bad_input) == seq;
@@ -361,8 +363,10 @@ __device__ bool dispatch_send(const DispatchParams& p, unsigned long long seq, c
   if (!block_wait_signal(g, all_ranks_mask(g), WindowLayout::kDispatchAck, kOpDispatchSend,
                          kWaitAck, [&](int32_t) { return seq - 1; }))
     return false;
+  trace_mark(g, kTraceDispatch, kTraceAcked);
   if (int32_t(blockIdx.x) == n_senders - 1) send_meta(p, seq, bad);
   send_messages<F>(p, num_tokens, blockIdx.x, n_senders, seq);
+  trace_mark(g, kTraceDispatch, kTraceSent);
   return true;
 }
 
@@ -636,6 +640,7 @@ __device__ void dispatch_recv(const DispatchParams& p, unsigned long long seq, c
   }
   __syncthreads();
   fill_padding<F>(p, rg, rb, n_rb);
+  trace_mark(g, kTraceDispatch, kTraceReady);
 
   // Work items (chunk, source, part), chunk-major so they come due in the order the chunks
   // arrive: a warp waits for the chunk's flag, then expands messages part, part + kParts, ... of
@@ -663,6 +668,7 @@ __device__ void dispatch_recv(const DispatchParams& p, unsigned long long seq, c
   // A warp that gave up has set the abort flag (or found it set): the block stops here.
   if (block_aborted(g)) return;
   dispatch_done(g, seq);
+  trace_mark(g, kTraceDispatch, kTraceDone);
 }
 
 // The fused kernel: every block ranks; then either the grid splits, some blocks sending while
@@ -701,10 +707,13 @@ template <bool kSend, bool kRecv, TokenFormat F>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams p) {
   extern __shared__ __align__(16) char smem[];
   if (block_aborted(p.g)) return;
+  trace_begin(p.g, kTraceDispatch, kSend ? kTraceStart : kTraceRecvStart,
+              kRecv ? kTraceMarks : kTraceRecvStart);
   const unsigned long long seq = p.g.state->dispatch_seq + 1;
   const int32_t blocks = gridDim.x, b = blockIdx.x;
   if (kSend && !kRecv) {
     dispatch_send<F>(p, seq, smem, blocks);
+    trace_mark(p.g, kTraceDispatch, kTraceDone);
     return;
   }
   if (!kSend) {
@@ -714,12 +723,14 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams p)
   const int32_t senders = fused_senders(blocks, F, p.num_tokens);
   if (!dispatch_send<F>(p, seq, smem, senders)) return;
   if (block_aborted(p.g)) return;
+  if (senders == blocks || b >= senders) trace_mark(p.g, kTraceDispatch, kTraceRecvStart);
   if (senders == blocks) {
     dispatch_recv<F>(p, seq, smem, b, blocks);
   } else if (b >= senders) {
     dispatch_recv<F>(p, seq, smem, b - senders, blocks - senders);
   } else {
     dispatch_done(p.g, seq);  // a sender: nothing to read
+    trace_mark(p.g, kTraceDispatch, kTraceDone);
   }
 }
 

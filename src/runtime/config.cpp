@@ -7,6 +7,7 @@
 #include "epcomm/error.h"
 #include "epcomm/formats/scale_layouts.h"
 #include "epcomm/layout.h"
+#include "epcomm/trace.h"
 
 namespace epcomm {
 
@@ -22,6 +23,21 @@ const char* error_code_name(ErrorCode code) {
     case ErrorCode::kDuplicateExpert: return "duplicate expert";
     case ErrorCode::kPoisoned: return "group poisoned";
     case ErrorCode::kBootstrap: return "bootstrap";
+  }
+  return "unknown";
+}
+
+const char* trace_mark_name(TraceMark m) {
+  switch (m) {
+    case kTraceStart: return "start";
+    case kTraceRanked: return "ranked";
+    case kTraceRouted: return "routed";
+    case kTraceAcked: return "acked";
+    case kTraceSent: return "sent";
+    case kTraceRecvStart: return "recv start";
+    case kTraceReady: return "ready";
+    case kTraceDone: return "done";
+    case kTraceMarks: break;
   }
   return "unknown";
 }

@@ -30,6 +30,7 @@ struct GroupState {
   char* scratch_mem = nullptr;
   RankScratch scratch{};
   DeviceErrorRecord* error_host = nullptr;
+  unsigned long long* trace = nullptr;  // Config::trace
   GroupView view{};
   bool poisoned = false;
   bool joined = false;  // set-up completed on every rank (teardown then synchronises with peers)
@@ -220,6 +221,12 @@ void GroupState::setup(const Config& config, Bootstrap& bs, int dev) {
   view.timeout_ns = (unsigned long long)(cfg.timeout_seconds * 1e9);
   view.state = state;
   view.error = error_dev;
+  if (cfg.trace) {
+    const size_t bytes = size_t(trace_words(cfg.num_sms)) * sizeof(unsigned long long);
+    check_cuda(cudaMalloc(&trace, bytes), "cudaMalloc(trace)");
+    check_cuda(cudaMemset(trace, 0, bytes), "cudaMemset(trace)");
+    view.trace = trace;
+  }
   prepare_dispatch_kernels(view);  // also loads the dispatch kernels
   load_combine_kernels_default();
   check_cuda(cudaDeviceSynchronize(), "set-up");
@@ -247,6 +254,7 @@ GroupState::~GroupState() {
   if (state) (void)cudaFree(state);
   if (scratch_mem) (void)cudaFree(scratch_mem);
   if (error_host) (void)cudaFreeHost(error_host);
+  if (trace) (void)cudaFree(trace);
   (void)cudaGetLastError();
 }
 
@@ -318,6 +326,20 @@ int Group::device() const { return s_->device; }
 const Config& Group::config() const { return s_->cfg; }
 const Sizes& Group::sizes() const { return s_->sizes; }
 bool Group::poisoned() const { return s_->poisoned; }
+
+StageTrace Group::stage_trace() const {
+  if (s_->trace == nullptr)
+    throw Error(ErrorCode::kInvalidArgument, "stage_trace: the group was set up without Config::trace");
+  detail::check_cuda(cudaSetDevice(s_->device), "cudaSetDevice");
+  detail::check_cuda(cudaDeviceSynchronize(), "stage_trace: cudaDeviceSynchronize");
+  StageTrace t;
+  t.blocks = s_->cfg.num_sms;
+  t.ns.resize(size_t(trace_words(t.blocks)));
+  detail::check_cuda(cudaMemcpy(t.ns.data(), s_->trace, t.ns.size() * sizeof(uint64_t),
+                                cudaMemcpyDeviceToHost),
+                     "stage_trace: cudaMemcpy");
+  return t;
+}
 
 // ---- errors -----------------------------------------------------------------------------------
 

@@ -163,9 +163,11 @@ __device__ inline void combine_send(const CombineParams& p, unsigned long long s
   if (!block_wait_signal(g, all_ranks_mask(g), WindowLayout::kCombineAck, kOpCombineSend, kWaitAck,
                          [&](int32_t) { return seq - 1; }))
     return;
+  trace_mark(g, kTraceCombine, kTraceAcked);
   if constexpr (kExpertSide) {
     combine_send_expert_side(p);
     block_signal_all(g, WindowLayout::kCombineArrived);
+    trace_mark(g, kTraceCombine, kTraceSent);
     return;
   }
   const WindowLayout wl = g.layout();
@@ -187,6 +189,7 @@ __device__ inline void combine_send(const CombineParams& p, unsigned long long s
     copy_vectors(in + r * g.hidden * 2, n_vec, 1, LoadNc{}, [&](int32_t) { return dst; });
   }
   block_signal_all(g, WindowLayout::kCombineArrived);
+  trace_mark(g, kTraceCombine, kTraceSent);
 }
 
 template <bool kExpertSide, class Epilogue>
@@ -196,6 +199,7 @@ __device__ void combine_recv(const CombineParams& p, unsigned long long seq, Epi
                          kWaitData,
                          [&](int32_t) { return seq * (unsigned long long)g.num_blocks; }))
     return;
+  trace_mark(g, kTraceCombine, kTraceReady);
   const WindowLayout wl = g.layout();
   const CombineRecvLayout cl = wl.combine_recv();
   const int lane = threadIdx.x % kWarpSize;
@@ -285,6 +289,7 @@ __device__ void combine_recv(const CombineParams& p, unsigned long long seq, Epi
       st_release_sys(signal_word(g, s, WindowLayout::kCombineAck, g.rank), seq);
     g.state->combine_seq = seq;
   }
+  trace_mark(g, kTraceCombine, kTraceDone);
 }
 
 // kExpertSide (the last dispatch carried the weights) is a template parameter so that each
@@ -293,9 +298,15 @@ template <class Epilogue, bool kSend, bool kRecv, bool kExpertSide>
 __global__ void __launch_bounds__(kCombineThreads, 1)
     combine_kernel(CombineParams p, Epilogue epi) {
   if (block_aborted(p.g)) return;
+  trace_begin(p.g, kTraceCombine, kSend ? kTraceStart : kTraceRecvStart,
+              kRecv ? kTraceMarks : kTraceRecvStart);
   const unsigned long long seq = p.g.state->combine_seq + 1;
   if (kSend) combine_send<kExpertSide>(p, seq);
-  if (kRecv && !block_aborted(p.g)) combine_recv<kExpertSide>(p, seq, epi);
+  if (!kRecv) trace_mark(p.g, kTraceCombine, kTraceDone);
+  if (kRecv && !block_aborted(p.g)) {
+    if (kSend) trace_mark(p.g, kTraceCombine, kTraceRecvStart);
+    combine_recv<kExpertSide>(p, seq, epi);
+  }
 }
 
 // The kernel of one form (fused, send, receive) and reduction.

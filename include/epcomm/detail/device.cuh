@@ -14,6 +14,7 @@
 
 #include "epcomm/detail/params.h"
 #include "epcomm/error.h"
+#include "epcomm/trace.h"
 
 namespace epcomm {
 namespace detail {
@@ -244,6 +245,20 @@ __device__ inline bool last_block_done(const GroupView& g, unsigned long long* c
   }
   __syncthreads();
   return last != 0;
+}
+
+// Stage trace (Config::trace, trace.h): thread 0 stamps the block's pass of mark m.
+__device__ __forceinline__ void trace_mark(const GroupView& g, TraceKernel k, TraceMark m) {
+  if (g.trace != nullptr && threadIdx.x == 0)
+    g.trace[trace_index(k, m, blockIdx.x, g.num_blocks)] = globaltimer_ns();
+}
+// A kernel's first mark: clears the marks [first, last) this form may set, then stamps `first`.
+__device__ inline void trace_begin(const GroupView& g, TraceKernel k, TraceMark first,
+                                   TraceMark last) {
+  if (g.trace == nullptr || threadIdx.x != 0) return;
+  for (int32_t m = first + 1; m < last; ++m)
+    g.trace[trace_index(k, m, blockIdx.x, g.num_blocks)] = 0;
+  trace_mark(g, k, first);
 }
 
 // bf16x8 <-> float x8.

@@ -69,6 +69,7 @@ struct GroupView {
   char* window[WindowLayout::kMaxPeers];  // every rank's symmetric window, as seen from here
   LocalState* state;
   DeviceErrorRecord* error;  // host-mapped
+  unsigned long long* trace;  // Config::trace: [trace_words(num_blocks)] stamps (trace.h), else null
 
   EPCOMM_HD WindowLayout layout() const {
     return WindowLayout{n_ranks, hidden, top_k, n_experts, max_tokens, format};
