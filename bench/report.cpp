@@ -129,9 +129,8 @@ void write_workload(JsonWriter& j, const WorkloadResult& r) {
     j.begin_object("stages");
     j.value("calls", s.calls);
     j.value("blocks", s.blocks);
-    j.numbers("dispatch_start_offset_us", s.start_offset_us);
     const char* kernels[epcomm::kTraceKernels] = {"dispatch", "combine"};
-    const int n = int(s.start_offset_us.size());
+    const int n = s.ranks();
     for (int k = 0; k < epcomm::kTraceKernels; ++k) {
       j.begin_object(kernels[k]);
       for (int m = 0; m < epcomm::kTraceMarks; ++m) {
@@ -200,6 +199,10 @@ void print_table_header() {
   std::fflush(stdout);
 }
 
+int StageSummary::ranks() const {
+  return int(first_us.size() / (size_t(epcomm::kTraceKernels) * epcomm::kTraceMarks));
+}
+
 size_t StageSummary::at(int rank, int kernel, int mark) const {
   return (size_t(rank) * epcomm::kTraceKernels + size_t(kernel)) * epcomm::kTraceMarks + size_t(mark);
 }
@@ -210,7 +213,7 @@ namespace {
 // median), then the last block's time on each rank.
 void print_stages(const WorkloadResult& r) {
   const StageSummary& s = r.stages;
-  const int n = int(s.start_offset_us.size());
+  const int n = s.ranks();
   if (s.calls == 0 || n == 0) return;
   std::printf("%-12s stage marks of %d fused calls, %d blocks (µs after the rank's kernel start; "
               "median over the calls; first/last: the first and last block to pass, worst rank)\n",
@@ -232,12 +235,6 @@ void print_stages(const WorkloadResult& r) {
       for (int q = 0; q < n; ++q) std::printf(" %6.1f", s.last_us[s.at(q, k, m)]);
       std::printf("\n");
     }
-  }
-  if (s.start_offset_us.front() >= 0) {
-    std::printf("%-12s dispatch kernel start after the earliest rank's (globaltimer; assumes the "
-                "GPUs' timers agree):", "");
-    for (double v : s.start_offset_us) std::printf(" %.1f", v);
-    std::printf("\n");
   }
 }
 

@@ -36,7 +36,7 @@ struct StageSummary {
   int calls = 0;
   int blocks = 0;
   std::vector<double> first_us, last_us, passed;  // [rank][kernel][mark]
-  std::vector<double> start_offset_us;  // [rank]: kernel start after the earliest rank's (one process)
+  int ranks() const;
   size_t at(int rank, int kernel, int mark) const;
 };
 

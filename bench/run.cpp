@@ -322,7 +322,6 @@ class WorkloadRun {
     const size_t n_local = team_.n_local();
     // [local rank][kernel * M + mark] -> per-call samples of the first and last block, µs.
     std::vector<std::vector<std::vector<double>>> first(n_local), last(n_local);
-    std::vector<std::vector<double>> offset(n_local);
     std::vector<double> passed(n_local * K * M, 0.0);
     for (size_t i = 0; i < n_local; ++i) first[i].resize(K * M), last[i].resize(K * M);
     int blocks = 0;
@@ -335,7 +334,6 @@ class WorkloadRun {
         issue_combine(i, it % kInputSets, Form::kFused);
       });
       env_.gate.release();
-      std::vector<uint64_t> starts(n_local);
       for_each_rank(team_, [&](size_t i, const LocalRank&) {
         groups_[i]->synchronize(stream(i));
         const epcomm::StageTrace t = groups_[i]->stage_trace();
@@ -344,7 +342,6 @@ class WorkloadRun {
           uint64_t start = UINT64_MAX;
           for (int b = 0; b < t.blocks; ++b)
             if (t.at(k, epcomm::kTraceStart, b) != 0) start = std::min(start, t.at(k, epcomm::kTraceStart, b));
-          if (k == 0) starts[i] = start;
           for (int m = 0; m < M; ++m) {
             uint64_t lo = UINT64_MAX, hi = 0;
             int n = 0;
@@ -361,20 +358,19 @@ class WorkloadRun {
         }
       });
       env_.gate.check();
-      const uint64_t earliest = *std::min_element(starts.begin(), starts.end());
-      for (size_t i = 0; i < n_local; ++i) offset[i].push_back(double(starts[i] - earliest) / 1e3);
     }
     auto median = [](std::vector<double> v) {
       return v.empty() ? -1.0 : double(summarize(std::vector<float>(v.begin(), v.end())).median_us);
     };
-    std::vector<double> local;  // per local rank: first[K*M], last[K*M], passed[K*M], offset
+    // (Each rank's marks are taken from its own kernel start: the GPUs' timers do not agree,
+    // measured hundreds of µs apart on one machine.)
+    std::vector<double> local;  // per local rank: first[K*M], last[K*M], passed[K*M]
     for (size_t i = 0; i < n_local; ++i) {
       for (int j = 0; j < K * M; ++j) local.push_back(median(first[i][j]));
       for (int j = 0; j < K * M; ++j) local.push_back(median(last[i][j]));
       for (int j = 0; j < K * M; ++j) local.push_back(passed[i * K * M + j]);
-      local.push_back(team_.multi_process() ? -1.0 : median(offset[i]));
     }
-    const size_t per_rank = 3 * K * M + 1;
+    const size_t per_rank = 3 * K * M;
     const std::vector<double> all = team_.gather(local, per_rank);
     StageSummary& s = result_.stages;
     s.calls = opt_.trace;
@@ -384,7 +380,6 @@ class WorkloadRun {
       s.first_us.insert(s.first_us.end(), v, v + K * M);
       s.last_us.insert(s.last_us.end(), v + K * M, v + 2 * K * M);
       s.passed.insert(s.passed.end(), v + 2 * K * M, v + 3 * K * M);
-      s.start_offset_us.push_back(v[3 * K * M]);
     }
   }
 

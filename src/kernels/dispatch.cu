@@ -43,12 +43,19 @@ constexpr int kUnroll = 4;                       // 16-byte vectors in flight pe
 __device__ void load_ids(const DispatchParams& p, int32_t t, unsigned long long seq,
                          int32_t (&ids)[kMaxTopK]) {
   const GroupView& g = p.g;
+  // Every load first, so that all K are in flight together: a check below may record an error,
+  // and its atomics and fences would otherwise hold each load until the check before it is done
+  // (measured: ranking a 512-token unit took 14.5 us with the loads inside the checks).
+  int32_t raw[kMaxTopK];
+#pragma unroll
+  for (int k = 0; k < kMaxTopK; ++k)
+    raw[k] = k < g.top_k ? p.topk_ids[int64_t(t) * g.top_k + k] : -1;
   bool bad = false;
 #pragma unroll
   for (int k = 0; k < kMaxTopK; ++k) {
     ids[k] = -1;
     if (k >= g.top_k) continue;
-    const int32_t id = p.topk_ids[int64_t(t) * g.top_k + k];
+    const int32_t id = raw[k];
     if (id < -1 || id >= g.n_experts) {
       record_error(g, ErrorCode::kBadExpertId, kOpDispatchSend, 0, t, k, id, kWaitNone);
       bad = true;
@@ -547,16 +554,12 @@ __device__ inline void dispatch_done(const GroupView& g, unsigned long long seq)
 // naming src) or an abort.
 __device__ inline bool warp_wait_chunk(const GroupView& g, int32_t src, int32_t chunk,
                                        unsigned long long seq) {
-  int ok = 1;
-  if (threadIdx.x % kWarpSize == 0) {
-    const unsigned long long* flag = reinterpret_cast<const unsigned long long*>(
-        window_at(g, g.rank, g.layout().chunk_flag_offset(src, chunk)));
-    ok = wait_peers(g, 1u << src, kOpDispatchRecv, kWaitData,
-                    [&](int32_t) { return ld_acquire_sys(flag) >= seq; });
-  }
-  ok = __shfl_sync(0xffffffffu, ok, 0);
-  __syncwarp();  // the other lanes read the chunk after lane 0's acquire
-  return ok != 0;
+  const unsigned long long* flag = reinterpret_cast<const unsigned long long*>(
+      window_at(g, g.rank, g.layout().chunk_flag_offset(src, chunk)));
+  const bool ok = warp_wait_peers(g, 1u << src, kOpDispatchRecv, kWaitData,
+                                  [&](int32_t) { return ld_acquire_sys(flag) >= seq; });
+  __syncwarp();  // the other lanes read the chunk after lane src's acquire
+  return ok;
 }
 
 // Receiver block rb of n_rb (all blocks of dispatch_wait; the non-senders of the fused kernel).
@@ -643,27 +646,32 @@ __device__ void dispatch_recv(const DispatchParams& p, unsigned long long seq, c
   trace_mark(g, kTraceDispatch, kTraceReady);
 
   // Work items (chunk, source, part), chunk-major so they come due in the order the chunks
-  // arrive: a warp waits for the chunk's flag, then expands messages part, part + kParts, ... of
-  // it (a chunk holds up to 16 messages per source; parts spread them over more warps).
-  constexpr int32_t kParts = 4;
+  // arrive: a warp waits for the chunk's flag, then expands messages part, part + parts, ... of
+  // it. A chunk holds up to 16 messages per source; parts spread them over more warps, at least
+  // 4 and up to one message per item when there are few chunks (decode: 8 per source), so that
+  // every warp of the grid has items.
   int32_t max_chunks = 0;
   for (int32_t s = 0; s < n_ranks; ++s) max_chunks = max(max_chunks, rg.n_chunks[s]);
-  const int64_t items = int64_t(max_chunks) * n_ranks * kParts;
+  const int64_t cells = max(int64_t(1), int64_t(max_chunks) * n_ranks);
+  const int64_t want = (2 * int64_t(n_rb) * kWarps + cells - 1) / cells;
+  const int32_t parts = int32_t(min(int64_t(kChunkTokens), max(int64_t(4), want)));
+  const int64_t items = cells * parts;
   bool ok = true;
   for (int64_t i = int64_t(rb) * kWarps + threadIdx.x / kWarpSize; ok && i < items;
        i += int64_t(n_rb) * kWarps) {
-    const int32_t part = int32_t(i % kParts);
-    const int32_t s = int32_t((i / kParts) % n_ranks);
-    const int32_t c = int32_t(i / (int64_t(kParts) * n_ranks));
+    const int32_t part = int32_t(i % parts);
+    const int32_t s = int32_t((i / parts) % n_ranks);
+    const int32_t c = int32_t(i / (int64_t(parts) * n_ranks));
     if (c >= rg.n_chunks[s]) continue;
+    const int32_t* starts =
+        reinterpret_cast<const int32_t*>(meta_at(s) + ml.chunk_start_offset());
+    const int32_t end = min(starts[c + 1], rg.stream_count[s]);
+    if (starts[c] + part >= end) continue;  // no message of this part: nothing to wait for
     if (!warp_wait_chunk(g, s, c, seq)) {
       ok = false;
       break;
     }
-    const int32_t* starts =
-        reinterpret_cast<const int32_t*>(meta_at(s) + ml.chunk_start_offset());
-    const int32_t end = min(starts[c + 1], rg.stream_count[s]);
-    for (int32_t m = starts[c] + part; m < end; m += kParts) expand_message<F>(p, rg, s, m);
+    for (int32_t m = starts[c] + part; m < end; m += parts) expand_message<F>(p, rg, s, m);
   }
   // A warp that gave up has set the abort flag (or found it set): the block stops here.
   if (block_aborted(g)) return;

@@ -93,7 +93,9 @@ __device__ inline void combine_send_expert_side(const CombineParams& p) {
     most = count[s] > most ? count[s] : most;
   }
   const WorkSplit ws = WorkSplit::make(int64_t(most) * g.n_ranks, H);
-  constexpr int kU = 4;  // 256-column steps per pass: loads in flight per lane and row
+  constexpr int kU = 4;     // 256-column steps per pass: loads in flight per lane and row
+  constexpr int kRows = 2;  // rows whose loads are in flight together (a message has ~1.5 on 8
+                            // ranks at top-8): one round trip per pass instead of one per row
   for (int64_t item = WorkSplit::first_item(); item < ws.items; item += WorkSplit::stride()) {
     const int64_t slot_item = item / ws.split;
     const int32_t part = int32_t(item % ws.split);
@@ -127,25 +129,36 @@ __device__ inline void combine_send_expert_side(const CombineParams& p) {
 #pragma unroll
         for (int i = 0; i < 8; ++i)
           acc[u][i] = 0.0f;
-      for (int32_t j = 0; j < n; ++j) {
-        const int64_t r = __shfl_sync(0xffffffffu, row, j);
-        const float wj = __shfl_sync(0xffffffffu, w, j);
-        if (r < 0) continue;
-        const char* src = in + r * H * 2;
-        uint4 raw[kU];
+      for (int32_t j0 = 0; j0 < n; j0 += kRows) {
+        int64_t r[kRows];
+        float wj[kRows];
+        uint4 raw[kRows][kU];
 #pragma unroll
-        for (int u = 0; u < kU; ++u) {
-          const int32_t c = base + u * stride + lane * 8;
-          if (c < H) raw[u] = ld_nc_v4(src + int64_t(c) * 2);
+        for (int q = 0; q < kRows; ++q) {
+          r[q] = __shfl_sync(0xffffffffu, row, (j0 + q) % kWarpSize);
+          wj[q] = __shfl_sync(0xffffffffu, w, (j0 + q) % kWarpSize);
+          if (j0 + q >= n) r[q] = -1;
         }
 #pragma unroll
-        for (int u = 0; u < kU; ++u) {
-          if (base + u * stride + lane * 8 >= H) continue;
-          float y[8];
-          unpack_bf16x8(raw[u], y);
+        for (int q = 0; q < kRows; ++q)
 #pragma unroll
-          for (int i = 0; i < 8; ++i)
-            acc[u][i] = fmaf(wj, y[i], acc[u][i]);
+          for (int u = 0; u < kU; ++u) {
+            const int32_t c = base + u * stride + lane * 8;
+            if (r[q] >= 0 && c < H) raw[q][u] = ld_nc_v4(in + (r[q] * H + c) * 2);
+          }
+        // The sums in row order (slot ascending), as before: the result is bit for bit the same.
+#pragma unroll
+        for (int q = 0; q < kRows; ++q) {
+          if (r[q] < 0) continue;
+#pragma unroll
+          for (int u = 0; u < kU; ++u) {
+            if (base + u * stride + lane * 8 >= H) continue;
+            float y[8];
+            unpack_bf16x8(raw[q][u], y);
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+              acc[u][i] = fmaf(wj[q], y[i], acc[u][i]);
+          }
         }
       }
 #pragma unroll

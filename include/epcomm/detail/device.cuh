@@ -153,30 +153,35 @@ __device__ inline bool block_aborted(const GroupView& g) {
 }
 
 // Waits until `ready(peer)` holds for every peer whose bit is set in `mask`, for at most the
-// group's timeout. On expiry records a timeout naming the peers still missing, sets the abort
-// flag (so every other wait of this rank gives up at once) and returns false. Called by one
-// thread.
+// group's timeout. Called by a whole warp: lane p polls peer p, so the peers' words are read in
+// parallel (one thread reading them in turn paid a round trip per peer, the acquire loads being
+// ordered). On expiry records a timeout naming the peers still missing, sets the abort flag (so
+// every other wait of this rank gives up at once) and returns false; the result is the warp's.
 template <class Ready>
-__device__ bool wait_peers(const GroupView& g, uint32_t mask, Op op, WaitWhat what,
-                           Ready ready) {
+__device__ __noinline__ bool warp_wait_peers(const GroupView& g, uint32_t mask, Op op, WaitWhat what,
+                                Ready ready) {
+  static_assert(WindowLayout::kMaxPeers <= kWarpSize, "a lane per peer");
+  const int lane = threadIdx.x % kWarpSize;
+  bool done = ((mask >> lane) & 1u) == 0;
   const unsigned long long start = globaltimer_ns();
-  uint32_t spins = 0;
-  while (mask != 0) {
-    for (uint32_t m = mask; m != 0; m &= m - 1) {
-      const int32_t peer = __ffs(m) - 1;
-      if (ready(peer)) mask &= ~(1u << peer);
-    }
-    if (mask == 0) break;
-    if ((++spins & 63) == 0) {
-      if (aborted(g)) return false;
-      if (globaltimer_ns() - start > g.timeout_ns) {
-        record_error(g, ErrorCode::kTimeout, op, int32_t(mask), -1, -1, 0, what);
-        atomicExch(&g.state->abort, 1);
-        return false;
+  for (uint32_t spins = 1;; ++spins) {
+    if (!done) done = ready(lane);
+    const uint32_t missing = __ballot_sync(0xffffffffu, !done);
+    if (missing == 0) return true;
+    if ((spins & 63) == 0) {
+      int give_up = 0;  // lane 0 decides for the warp
+      if (lane == 0) {
+        if (aborted(g)) {
+          give_up = 1;
+        } else if (globaltimer_ns() - start > g.timeout_ns) {
+          record_error(g, ErrorCode::kTimeout, op, int32_t(missing), -1, -1, 0, what);
+          atomicExch(&g.state->abort, 1);
+          give_up = 1;
+        }
       }
+      if (__shfl_sync(0xffffffffu, give_up, 0)) return false;
     }
   }
-  return true;
 }
 
 __device__ __forceinline__ uint32_t all_ranks_mask(const GroupView& g) {
@@ -190,9 +195,11 @@ __device__ bool block_wait(const GroupView& g, uint32_t mask, Op op, WaitWhat wh
                            Target target) {
   __shared__ int ok;
   __syncthreads();
-  if (threadIdx.x == 0) {
-    ok = wait_peers(g, mask, op, what,
-                    [&](int32_t peer) { return ld_acquire_sys(word(peer)) >= target(peer); });
+  if (threadIdx.x < kWarpSize) {
+    const bool r = warp_wait_peers(
+        g, mask, op, what,
+        [&](int32_t peer) { return ld_acquire_sys(word(peer)) >= target(peer); });
+    if (threadIdx.x == 0) ok = r;
   }
   __syncthreads();
   return ok != 0;
@@ -222,12 +229,18 @@ __device__ inline void block_signal_all(const GroupView& g, WindowLayout::Signal
 __device__ inline bool grid_barrier(const GroupView& g) {
   __shared__ int ok;
   __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    const unsigned long long old = atomicAdd(&g.state->barrier, 1ull);
-    const unsigned long long target = (old / g.num_blocks + 1) * g.num_blocks;
-    ok = wait_peers(g, 1u, kOpGridBarrier, kWaitBarrier,
-                    [&](int32_t) { return ld_acquire_gpu(&g.state->barrier) >= target; });
+  if (threadIdx.x < kWarpSize) {
+    unsigned long long target = 0;
+    if (threadIdx.x == 0) {
+      __threadfence();
+      const unsigned long long old = atomicAdd(&g.state->barrier, 1ull);
+      target = (old / g.num_blocks + 1) * g.num_blocks;
+    }
+    target = __shfl_sync(0xffffffffu, target, 0);
+    const bool r = warp_wait_peers(g, 1u, kOpGridBarrier, kWaitBarrier, [&](int32_t) {
+      return ld_acquire_gpu(&g.state->barrier) >= target;
+    });
+    if (threadIdx.x == 0) ok = r;
   }
   __syncthreads();
   return ok != 0;
