@@ -39,38 +39,42 @@ constexpr int kUnroll = 4;                       // 16-byte vectors in flight pe
 
 // ---- 1. ranking -----------------------------------------------------------------------------
 
-// Validates token t's ids (recording the first problem) and returns them with bad ids masked.
-__device__ void load_ids(const DispatchParams& p, int32_t t, unsigned long long seq,
-                         int32_t (&ids)[kMaxTopK]) {
+// Enters token t's ids in its warp's bitmaps (bm) and returns its destination ranks. A bad id
+// is recorded and masked (-1 in ids and scratch.topk); a duplicate shows as the lane's own bit
+// already set in the expert's word. The slot loops are not unrolled: unrolled over kMaxTopK,
+// with a pairwise duplicate check, the ranking was about 60 KB of straight-line code, and
+// fetching it after an L2 flush took 14 us per 512-token unit (x4 H200, stage trace).
+__device__ uint32_t enter_ids(const DispatchParams& p, int32_t t, unsigned long long seq,
+                              uint32_t* bm, int32_t (&ids)[kMaxTopK]) {
   const GroupView& g = p.g;
-  // Every load first, so that all K are in flight together: a check below may record an error,
-  // and its atomics and fences would otherwise hold each load until the check before it is done
-  // (measured: ranking a 512-token unit took 14.5 us with the loads inside the checks).
-  int32_t raw[kMaxTopK];
+  const ExpertMap em = g.experts();
+  const int32_t K = g.top_k;
+  const uint32_t bit = 1u << (threadIdx.x % kWarpSize);
 #pragma unroll
-  for (int k = 0; k < kMaxTopK; ++k)
-    raw[k] = k < g.top_k ? p.topk_ids[int64_t(t) * g.top_k + k] : -1;
+  for (int k = 0; k < kMaxTopK; ++k)  // the loads first, all in flight together
+    if (k < K) ids[k] = p.topk_ids[int64_t(t) * K + k];
   bool bad = false;
-#pragma unroll
-  for (int k = 0; k < kMaxTopK; ++k) {
-    ids[k] = -1;
-    if (k >= g.top_k) continue;
-    const int32_t id = raw[k];
+  uint32_t rank_mask = 0;
+#pragma unroll 1
+  for (int k = 0; k < K; ++k) {
+    int32_t id = ids[k];
     if (id < -1 || id >= g.n_experts) {
       record_error(g, ErrorCode::kBadExpertId, kOpDispatchSend, 0, t, k, id, kWaitNone);
       bad = true;
-      continue;
-    }
-#pragma unroll
-    for (int j = 0; j < k; ++j) {
-      if (id >= 0 && ids[j] == id) {
-        record_error(g, ErrorCode::kDuplicateExpert, kOpDispatchSend, 0, t, k, id, kWaitNone);
-        bad = true;
-      }
+      id = -1;
     }
     ids[k] = id;
+    p.scratch.topk[int64_t(t) * K + k] = id;
+    if (id < 0) continue;
+    if (atomicOr(&bm[id], bit) & bit) {
+      record_error(g, ErrorCode::kDuplicateExpert, kOpDispatchSend, 0, t, k, id, kWaitNone);
+      bad = true;
+    }
+    rank_mask |= 1u << em.rank_of(id);
   }
+  for (uint32_t m = rank_mask; m; m &= m - 1) atomicOr(&bm[em.rank_key(__ffs(m) - 1)], bit);
   if (bad) atomicMax(&g.state->bad_input, seq);
+  return rank_mask;
 }
 
 __device__ void rank_units(const DispatchParams& p, unsigned long long seq, uint32_t* bitmap,
@@ -88,18 +92,7 @@ __device__ void rank_units(const DispatchParams& p, unsigned long long seq, uint
     const bool valid = t < p.num_tokens;
     int32_t ids[kMaxTopK];
     uint32_t rank_mask = 0;
-    if (valid) {
-      load_ids(p, t, seq, ids);
-#pragma unroll
-      for (int k = 0; k < kMaxTopK; ++k) {
-        if (k >= K) continue;
-        p.scratch.topk[int64_t(t) * K + k] = ids[k];
-        if (ids[k] < 0) continue;
-        atomicOr(&bm[ids[k]], 1u << lane);
-        rank_mask |= 1u << em.rank_of(ids[k]);
-      }
-      for (uint32_t m = rank_mask; m; m &= m - 1) atomicOr(&bm[em.rank_key(__ffs(m) - 1)], 1u << lane);
-    }
+    if (valid) rank_mask = enter_ids(p, t, seq, bm, ids);
     __syncthreads();
     // Per key: tokens of earlier warps of the unit (warp_prefix) and of the whole unit.
     for (int32_t key = threadIdx.x; key < nk; key += kThreads) {
@@ -114,9 +107,9 @@ __device__ void rank_units(const DispatchParams& p, unsigned long long seq, uint
     if (valid) {
       const uint32_t lt = lanemask_lt();
       const uint16_t* wp = warp_prefix + warp * nk;
-#pragma unroll
-      for (int k = 0; k < kMaxTopK; ++k) {
-        if (k >= K || ids[k] < 0) continue;
+#pragma unroll 1
+      for (int k = 0; k < K; ++k) {
+        if (ids[k] < 0) continue;
         p.scratch.expert_pos[int64_t(t) * K + k] = wp[ids[k]] + __popc(bm[ids[k]] & lt);
       }
       for (int32_t r = 0; r < g.n_ranks; ++r) {
@@ -141,9 +134,9 @@ __device__ void rank_units(const DispatchParams& p, unsigned long long seq, uint
     }
     __syncthreads();
     if (valid) {  // clear only the words this lane set
-#pragma unroll
-      for (int k = 0; k < kMaxTopK; ++k)
-        if (k < K && ids[k] >= 0) bm[ids[k]] = 0;
+#pragma unroll 1
+      for (int k = 0; k < K; ++k)
+        if (ids[k] >= 0) bm[ids[k]] = 0;
       for (uint32_t m = rank_mask; m; m &= m - 1) bm[em.rank_key(__ffs(m) - 1)] = 0;
     }
     __syncwarp();
@@ -731,15 +724,17 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams p)
   const int32_t senders = fused_senders(blocks, F, p.num_tokens);
   if (!dispatch_send<F>(p, seq, smem, senders)) return;
   if (block_aborted(p.g)) return;
-  if (senders == blocks || b >= senders) trace_mark(p.g, kTraceDispatch, kTraceRecvStart);
-  if (senders == blocks) {
-    dispatch_recv<F>(p, seq, smem, b, blocks);
-  } else if (b >= senders) {
-    dispatch_recv<F>(p, seq, smem, b - senders, blocks - senders);
-  } else {
+  if (senders < blocks && b < senders) {
     dispatch_done(p.g, seq);  // a sender: nothing to read
     trace_mark(p.g, kTraceDispatch, kTraceDone);
+    return;
   }
+  // Every block receives (no split), or the blocks after the senders. One call site: the
+  // receive inlined twice would double the kernel's code, and instruction fetch is part of
+  // the latency here.
+  trace_mark(p.g, kTraceDispatch, kTraceRecvStart);
+  const int32_t first = senders == blocks ? 0 : senders;
+  dispatch_recv<F>(p, seq, smem, b - first, blocks - first);
 }
 
 // The three forms (fused, send, receive) of format F.

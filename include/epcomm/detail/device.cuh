@@ -122,7 +122,7 @@ __device__ __forceinline__ unsigned long long* signal_word(const GroupView& g, i
 }
 
 // The first error of a kernel wins; later ones are dropped.
-__device__ inline void record_error(const GroupView& g, ErrorCode code, Op op, int32_t peer_mask,
+static __device__ __noinline__ void record_error(const GroupView& g, ErrorCode code, Op op, int32_t peer_mask,
                                     int32_t token, int32_t slot, int32_t value,
                                     WaitWhat what) {
   DeviceErrorRecord* e = g.error;
