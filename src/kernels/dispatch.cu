@@ -338,7 +338,7 @@ __device__ void send_messages(const DispatchParams& p, int32_t num_tokens, int32
 // Ranking uses every block; then blocks [0, n_senders) send (the others go on to receive, in
 // the fused kernel).
 template <TokenFormat F>
-__device__ bool dispatch_send(const DispatchParams& p, unsigned long long seq, char* smem,
+__device__ __noinline__ bool dispatch_send(const DispatchParams& p, unsigned long long seq, char* smem,
                               int32_t n_senders) {
   const GroupView& g = p.g;
   const int32_t nk = g.experts().num_keys();
@@ -557,7 +557,7 @@ __device__ inline bool warp_wait_chunk(const GroupView& g, int32_t src, int32_t 
 
 // Receiver block rb of n_rb (all blocks of dispatch_wait; the non-senders of the fused kernel).
 template <TokenFormat F>
-__device__ void dispatch_recv(const DispatchParams& p, unsigned long long seq, char* smem,
+__device__ __noinline__ void dispatch_recv(const DispatchParams& p, unsigned long long seq, char* smem,
                               int32_t rb, int32_t n_rb) {
   const GroupView& g = p.g;
   const WindowLayout wl = g.layout();

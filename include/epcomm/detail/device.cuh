@@ -158,7 +158,7 @@ __device__ inline bool block_aborted(const GroupView& g) {
 // ordered). On expiry records a timeout naming the peers still missing, sets the abort flag (so
 // every other wait of this rank gives up at once) and returns false; the result is the warp's.
 template <class Ready>
-__device__ __noinline__ bool warp_wait_peers(const GroupView& g, uint32_t mask, Op op, WaitWhat what,
+__device__ bool warp_wait_peers(const GroupView& g, uint32_t mask, Op op, WaitWhat what,
                                 Ready ready) {
   static_assert(WindowLayout::kMaxPeers <= kWarpSize, "a lane per peer");
   const int lane = threadIdx.x % kWarpSize;
@@ -191,7 +191,7 @@ __device__ __forceinline__ uint32_t all_ranks_mask(const GroupView& g) {
 // The block waits until word(peer) >= target(peer) for every peer in `mask` (acquire); returns
 // false for every thread if the wait failed.
 template <class Word, class Target>
-__device__ bool block_wait(const GroupView& g, uint32_t mask, Op op, WaitWhat what, Word word,
+__device__ __noinline__ bool block_wait(const GroupView& g, uint32_t mask, Op op, WaitWhat what, Word word,
                            Target target) {
   __shared__ int ok;
   __syncthreads();
@@ -226,7 +226,7 @@ __device__ inline void block_signal_all(const GroupView& g, WindowLayout::Signal
 
 // Grid-wide barrier over the kernel's blocks (launched cooperatively, so all are resident).
 // The counter only grows: barrier n completes when it reaches (n + 1) * num_blocks.
-__device__ inline bool grid_barrier(const GroupView& g) {
+static __device__ __noinline__ bool grid_barrier(const GroupView& g) {
   __shared__ int ok;
   __syncthreads();
   if (threadIdx.x < kWarpSize) {
