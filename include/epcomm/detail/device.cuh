@@ -154,8 +154,7 @@ __device__ inline bool block_aborted(const GroupView& g) {
 
 // Waits until `ready(peer)` holds for every peer whose bit is set in `mask`, for at most the
 // group's timeout. Called by a whole warp: lane p polls peer p, so the peers' words are read in
-// parallel (one thread reading them in turn paid a round trip per peer, the acquire loads being
-// ordered). On expiry records a timeout naming the peers still missing, sets the abort flag (so
+// parallel. On expiry records a timeout naming the peers still missing, sets the abort flag (so
 // every other wait of this rank gives up at once) and returns false; the result is the warp's.
 template <class Ready>
 __device__ bool warp_wait_peers(const GroupView& g, uint32_t mask, Op op, WaitWhat what,
