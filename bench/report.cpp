@@ -130,20 +130,13 @@ void write_workload(JsonWriter& j, const WorkloadResult& r) {
     j.value("calls", s.calls);
     j.value("blocks", s.blocks);
     const char* kernels[epcomm::kTraceKernels] = {"dispatch", "combine"};
-    const int n = s.ranks();
     for (int k = 0; k < epcomm::kTraceKernels; ++k) {
       j.begin_object(kernels[k]);
       for (int m = 0; m < epcomm::kTraceMarks; ++m) {
-        std::vector<double> first, last, passed;
-        for (int q = 0; q < n; ++q) {
-          first.push_back(s.first_us[s.at(q, k, m)]);
-          last.push_back(s.last_us[s.at(q, k, m)]);
-          passed.push_back(s.passed[s.at(q, k, m)]);
-        }
         j.begin_object(epcomm::trace_mark_name(epcomm::TraceMark(m)));
-        j.numbers("first_us", first);
-        j.numbers("last_us", last);
-        j.numbers("blocks", passed);
+        j.numbers("first_us", s.per_rank(s.first_us, k, m));
+        j.numbers("last_us", s.per_rank(s.last_us, k, m));
+        j.numbers("blocks", s.per_rank(s.passed, k, m));
         j.end_object();
       }
       j.end_object();
@@ -207,6 +200,13 @@ size_t StageSummary::at(int rank, int kernel, int mark) const {
   return (size_t(rank) * epcomm::kTraceKernels + size_t(kernel)) * epcomm::kTraceMarks + size_t(mark);
 }
 
+std::vector<double> StageSummary::per_rank(const std::vector<double>& field, int kernel,
+                                           int mark) const {
+  std::vector<double> v;
+  for (int q = 0; q < ranks(); ++q) v.push_back(field[at(q, kernel, mark)]);
+  return v;
+}
+
 namespace {
 
 // --trace: per kernel and mark, when the first and the last block passed it (the worst rank's
@@ -223,16 +223,15 @@ void print_stages(const WorkloadResult& r) {
     std::printf("%-12s %-9s %-11s %6s %7s %7s   last, rank 0..%d\n", "", kernels[k], "mark",
                 "blocks", "first", "last", n - 1);
     for (int m = 0; m < epcomm::kTraceMarks; ++m) {
-      double first = -1, last = -1, passed = 0;
-      for (int q = 0; q < n; ++q) {
-        first = std::max(first, s.first_us[s.at(q, k, m)]);
-        last = std::max(last, s.last_us[s.at(q, k, m)]);
-        passed = std::max(passed, s.passed[s.at(q, k, m)]);
-      }
-      if (passed == 0) continue;
+      const std::vector<double> first = s.per_rank(s.first_us, k, m);
+      const std::vector<double> last = s.per_rank(s.last_us, k, m);
+      const std::vector<double> passed = s.per_rank(s.passed, k, m);
+      auto worst = [](const std::vector<double>& v) { return *std::max_element(v.begin(), v.end()); };
+      if (worst(passed) == 0) continue;
       std::printf("%-12s %-9s %-11s %6.0f %7.1f %7.1f  ", "", "",
-                  epcomm::trace_mark_name(epcomm::TraceMark(m)), passed, first, last);
-      for (int q = 0; q < n; ++q) std::printf(" %6.1f", s.last_us[s.at(q, k, m)]);
+                  epcomm::trace_mark_name(epcomm::TraceMark(m)), worst(passed), worst(first),
+                  worst(last));
+      for (double v : last) std::printf(" %6.1f", v);
       std::printf("\n");
     }
   }

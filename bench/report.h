@@ -38,6 +38,8 @@ struct StageSummary {
   std::vector<double> first_us, last_us, passed;  // [rank][kernel][mark]
   int ranks() const;
   size_t at(int rank, int kernel, int mark) const;
+  // One field's values of (kernel, mark), in rank order.
+  std::vector<double> per_rank(const std::vector<double>& field, int kernel, int mark) const;
 };
 
 struct WorkloadResult {
