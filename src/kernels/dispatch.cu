@@ -248,18 +248,46 @@ __device__ void quantize_to(const uint16_t* row, int32_t hidden, float gs, const
   }
 }
 
-// Raises chunk c's arrival flag in every destination once the block's stores of it are done.
-__device__ inline void signal_chunk(const GroupView& g, int32_t chunk, unsigned long long seq) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence_system();
-    const WindowLayout wl = g.layout();
-    for (int32_t d = 0; d < g.n_ranks; ++d)
-      st_release_sys(reinterpret_cast<unsigned long long*>(
-                         window_at(g, d, wl.chunk_flag_offset(g.rank, chunk))),
-                     seq);
+// Chunk arrival flags, raised by the last of a sender block's warps to finish its token of the
+// chunk, while the other warps go on to their next tokens: a block-wide barrier per chunk left
+// the block's stores draining with nothing new issued while thread 0 fenced (8 senders moved
+// ~200 GB/s on 4 x H200 where the plain store kernel moves 326 GB/s with 8 blocks, nvlink_probe).
+// Each warp counts its arrival in the ring slot of its chunk iteration; a warp up to
+// kSignalRing iterations ahead waits (on shared memory only) for the slot's previous round.
+constexpr int32_t kSignalRing = 4;
+struct ChunkSignals {
+  int32_t* arrivals;  // [kSignalRing] in shared memory, cumulative per slot
+
+  __device__ void init() const {
+    if (threadIdx.x < kSignalRing) arrivals[threadIdx.x] = 0;
+    __syncthreads();
   }
-}
+  // Called by a whole warp after its stores for chunk `chunk`, its iteration `it` of the
+  // block's loop. Ordering: the lanes' stores -> __syncwarp -> lane 0's CTA-scope release of its
+  // arrival -> the last warp's read of it -> that warp's system fence -> the flags (relaxed
+  // stores after the fence: a release pattern), so each destination that acquires a flag sees
+  // every warp's stores of the chunk.
+  __device__ void arrive(const GroupView& g, int32_t chunk, int32_t it,
+                         unsigned long long seq) const {
+    __syncwarp();
+    if (threadIdx.x % kWarpSize == 0) {
+      volatile int32_t* slot = arrivals + it % kSignalRing;
+      const int32_t round = it / kSignalRing;
+      while (*slot < round * kWarps) {  // the slot's previous chunk is not complete yet
+      }
+      __threadfence_block();
+      if (atomicAdd(const_cast<int32_t*>(slot), 1) == (round + 1) * kWarps - 1) {
+        __threadfence_system();
+        const WindowLayout wl = g.layout();
+        for (int32_t d = 0; d < g.n_ranks; ++d)
+          st_relaxed_sys(reinterpret_cast<unsigned long long*>(
+                             window_at(g, d, wl.chunk_flag_offset(g.rank, chunk))),
+                         seq);
+      }
+    }
+    __syncwarp();
+  }
+};
 
 // One token: its headers, then its payload, to every destination rank it goes to. Whole warp.
 template <TokenFormat F>
@@ -323,15 +351,19 @@ __device__ void send_token(const DispatchParams& p, int32_t t) {
 }
 
 // Sender block `sender` of n_senders takes chunks sender, sender + n_senders, ...: warp w sends
-// the chunk's token w, then the block raises the chunk's flag.
+// the chunk's token w; the last warp to finish the chunk raises its flag.
 template <TokenFormat F>
 __device__ void send_messages(const DispatchParams& p, int32_t num_tokens, int32_t sender,
                               int32_t n_senders, unsigned long long seq) {
   static_assert(kChunkTokens == kWarps, "one token of a chunk per warp");
-  for (int32_t chunk = sender; chunk < num_chunks(num_tokens); chunk += n_senders) {
+  __shared__ int32_t arrivals[kSignalRing];
+  const ChunkSignals signals{arrivals};
+  signals.init();
+  int32_t it = 0;
+  for (int32_t chunk = sender; chunk < num_chunks(num_tokens); chunk += n_senders, ++it) {
     const int32_t t = chunk * kChunkTokens + threadIdx.x / kWarpSize;
     if (t < num_tokens) send_token<F>(p, t);
-    signal_chunk(p.g, chunk, seq);
+    signals.arrive(p.g, chunk, it, seq);
   }
 }
 
@@ -555,11 +587,14 @@ __device__ inline bool warp_wait_chunk(const GroupView& g, int32_t src, int32_t 
   return ok;
 }
 
-// Receiver block rb of n_rb (all blocks of dispatch_wait; the non-senders of the fused kernel).
+// Receiver block rb of n_rb (all blocks of dispatch_wait; the non-senders of the fused kernel),
+// or a sender of the fused kernel that has sent its chunks and joins in (rb = -1: it takes work
+// items only; the receivers write the padding and the combine's bookkeeping).
 template <TokenFormat F>
 __device__ __noinline__ void dispatch_recv(const DispatchParams& p, unsigned long long seq, char* smem,
                               int32_t rb, int32_t n_rb) {
   const GroupView& g = p.g;
+  if (rb == 0 && threadIdx.x == 0) g.state->recv_item[(seq + 1) & 1] = 0;  // the next call's
   const WindowLayout wl = g.layout();
   const MetaLayout ml = wl.meta();
   const int32_t n_local = g.n_local(), n_ranks = g.n_ranks;
@@ -635,23 +670,29 @@ __device__ __noinline__ void dispatch_recv(const DispatchParams& p, unsigned lon
     }
   }
   __syncthreads();
-  fill_padding<F>(p, rg, rb, n_rb);
+  if (rb >= 0) fill_padding<F>(p, rg, rb, n_rb);
   trace_mark(g, kTraceDispatch, kTraceReady);
 
   // Work items (chunk, source, part), chunk-major so they come due in the order the chunks
-  // arrive: a warp waits for the chunk's flag, then expands messages part, part + parts, ... of
-  // it. A chunk holds up to 16 messages per source; parts spread them over more warps, at least
-  // 4 and up to one message per item when there are few chunks (decode: 8 per source), so that
-  // every warp of the grid has items.
+  // arrive: a warp takes the next item from the call's counter, waits for the chunk's flag, then
+  // expands messages part, part + parts, ... of it. A chunk holds up to 16 messages per source;
+  // parts spread them over more warps, at least 4 and up to one message per item when there are
+  // few chunks (decode: 8 per source), so that every warp of the grid has items. Taking items
+  // from a counter (not by warp index) lets senders that are done join, and keeps a warp that
+  // waited long from holding items others could take.
   int32_t max_chunks = 0;
   for (int32_t s = 0; s < n_ranks; ++s) max_chunks = max(max_chunks, rg.n_chunks[s]);
   const int64_t cells = max(int64_t(1), int64_t(max_chunks) * n_ranks);
   const int64_t want = (2 * int64_t(n_rb) * kWarps + cells - 1) / cells;
   const int32_t parts = int32_t(min(int64_t(kChunkTokens), max(int64_t(4), want)));
   const int64_t items = cells * parts;
-  bool ok = true;
-  for (int64_t i = int64_t(rb) * kWarps + threadIdx.x / kWarpSize; ok && i < items;
-       i += int64_t(n_rb) * kWarps) {
+  unsigned long long* counter = &g.state->recv_item[seq & 1];
+  const int lane = threadIdx.x % kWarpSize;
+  unsigned long long taken = lane == 0 ? atomicAdd(counter, 1ull) : 0ull;
+  for (;;) {
+    const int64_t i = int64_t(__shfl_sync(0xffffffffu, taken, 0));
+    if (i >= items) break;
+    if (lane == 0) taken = atomicAdd(counter, 1ull);  // the next item, in flight meanwhile
     const int32_t part = int32_t(i % parts);
     const int32_t s = int32_t((i / parts) % n_ranks);
     const int32_t c = int32_t(i / (int64_t(parts) * n_ranks));
@@ -660,10 +701,7 @@ __device__ __noinline__ void dispatch_recv(const DispatchParams& p, unsigned lon
         reinterpret_cast<const int32_t*>(meta_at(s) + ml.chunk_start_offset());
     const int32_t end = min(starts[c + 1], rg.stream_count[s]);
     if (starts[c] + part >= end) continue;  // no message of this part: nothing to wait for
-    if (!warp_wait_chunk(g, s, c, seq)) {
-      ok = false;
-      break;
-    }
+    if (!warp_wait_chunk(g, s, c, seq)) break;
     for (int32_t m = starts[c] + part; m < end; m += parts) expand_message<F>(p, rg, s, m);
   }
   // A warp that gave up has set the abort flag (or found it set): the block stops here.
@@ -673,13 +711,16 @@ __device__ __noinline__ void dispatch_recv(const DispatchParams& p, unsigned lon
 }
 
 // The fused kernel: every block ranks; then either the grid splits, some blocks sending while
-// the rest expand chunks as they arrive, or (few blocks) every block sends and then receives.
+// the rest expand chunks as they arrive (each sender joining the receivers once its chunks are
+// sent), or (few blocks) every block sends and then receives.
 // What the split rests on, measured on prefill (8 x H200, bf16): sending is bound by the links
 // from about 8 blocks on (8 of 24 move it as fast as 64 do), below that by the blocks (2
-// senders took 3.9 ms); receiving is bound by the blocks (8 took 1.45 ms, 24 0.49 ms). So:
+// senders took 3.9 ms); receiving is bound by the blocks (8 took 1.45 ms, 24 0.49 ms). With the
+// senders joining the receive (4 x H200, prefill, 24 blocks, one build per count): 8 senders
+// 787 µs, 10: 690, 12: 704, 16: 748. So:
 //  - fewer than kMinSplitBlocks blocks: no split (it would starve one side; 8 blocks split
 //    2 + 6 took 3.9 ms against 2.4 ms for send-then-receive);
-//  - bf16: a third of the blocks send, at least kLinkSenders;
+//  - bf16: 5/12 of the blocks send, at least kLinkSenders;
 //  - quantised formats: two thirds (quantising bounds the sender: prefill-fp8 with a third
 //    sending took 1995 µs against 1161 µs for async + wait on 24 blocks);
 //  - never more senders than chunks (a sender takes whole chunks: decode's 128 tokens are 8),
@@ -690,15 +731,15 @@ constexpr int32_t kLinkSenders = 8;
 __host__ __device__ constexpr int32_t fused_senders(int32_t blocks, TokenFormat f,
                                                     int32_t num_tokens) {
   if (blocks < kMinSplitBlocks) return blocks;
-  const int32_t third = blocks / 3;
-  const int32_t want = f == TokenFormat::kBF16 ? (third > kLinkSenders ? third : kLinkSenders)
+  const int32_t share = blocks * 5 / 12;
+  const int32_t want = f == TokenFormat::kBF16 ? (share > kLinkSenders ? share : kLinkSenders)
                                                : 2 * blocks / 3;
   const int32_t chunks = num_chunks(num_tokens) > 0 ? num_chunks(num_tokens) : 1;
   const int32_t n = want < chunks ? want : chunks;
   return n < blocks - 1 ? n : blocks - 1;
 }
 static_assert(fused_senders(8, TokenFormat::kBF16, 4096) == 8, "few blocks: no split");
-static_assert(fused_senders(24, TokenFormat::kBF16, 4096) == 8, "bf16: a third");
+static_assert(fused_senders(24, TokenFormat::kBF16, 4096) == 10, "bf16: 5/12");
 static_assert(fused_senders(16, TokenFormat::kBF16, 4096) == 8, "bf16: at least 8");
 static_assert(fused_senders(24, TokenFormat::kFp8Blockwise, 4096) == 16, "quantised: 2/3");
 static_assert(fused_senders(24, TokenFormat::kFp8Blockwise, 128) == 8, "no more than chunks");
@@ -724,14 +765,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams p)
   const int32_t senders = fused_senders(blocks, F, p.num_tokens);
   if (!dispatch_send<F>(p, seq, smem, senders)) return;
   if (block_aborted(p.g)) return;
-  if (senders < blocks && b < senders) {
-    dispatch_done(p.g, seq);  // a sender: nothing to read
-    trace_mark(p.g, kTraceDispatch, kTraceDone);
-    return;
-  }
-  // Every block receives (no split), or the blocks after the senders. One call site: the
-  // receive inlined twice would double the kernel's code, and instruction fetch is part of
-  // the latency here.
+  // Every block receives (no split), or the blocks after the senders, joined by each sender
+  // once it has sent its chunks. One call site: the receive inlined twice would double the
+  // kernel's code, and instruction fetch is part of the latency here.
   trace_mark(p.g, kTraceDispatch, kTraceRecvStart);
   const int32_t first = senders == blocks ? 0 : senders;
   dispatch_recv<F>(p, seq, smem, b - first, blocks - first);

@@ -40,8 +40,9 @@ enum WaitWhat : int32_t {
   kWaitBarrier = 4,  // the other blocks of this kernel
 };
 
-// Local (not peer-visible) device state of a rank. Counters only grow; nothing is reset
-// between calls, which is what makes graph replay and back-to-back calls safe.
+// Local (not peer-visible) device state of a rank. Counters only grow, except recv_item: the
+// receiving kernel of dispatch call seq zeroes call seq + 1's at its start (no two receiving
+// kernels of a group run at once), so graph replay and back-to-back calls stay safe.
 struct LocalState {
   unsigned long long dispatch_seq;  // calls of dispatch completed on this rank
   unsigned long long combine_seq;   // calls of combine completed on this rank
@@ -49,6 +50,7 @@ struct LocalState {
   unsigned long long dispatch_done;  // blocks that finished a dispatch receive (cumulative)
   unsigned long long combine_done;   // blocks that finished a combine receive (cumulative)
   unsigned long long bad_input;      // seq of the last dispatch whose topk_ids were rejected
+  unsigned long long recv_item[2];   // dispatch receive work items taken, by seq parity
   int32_t num_tokens;                // T of the last dispatch (0 when its input was rejected)
   int32_t abort;                     // set after a timeout: every wait gives up at once
 };

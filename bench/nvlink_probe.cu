@@ -1,0 +1,320 @@
+// epcomm_nvlink_probe: how fast can one GPU move bytes to (or from) its NVLink peers while every
+// other GPU does the same, and by which transport? The question behind the prefill floors in
+// docs/performance.md: the dispatch's send half moves its bytes with 16-byte SM stores at about
+// 285 GB/s per GPU, and the bars need more.
+//
+// Every visible GPU takes part (one process, peer access between all). Each GPU holds, for each
+// peer, `msgs` messages of `bytes` bytes; a configuration moves all of them at once, all GPUs
+// started together by a gate in host memory, and is timed by device events (median of --iters).
+// Transports:
+//   st-push   warps load 16-byte vectors (8 in flight per lane) and store them into the peer
+//   st-pull   warps load from the peer and store locally
+//   tma-push  one lane per warp drives a ring of shared-memory slots: bulk copy global -> shared
+//             (completing on an mbarrier), then bulk copy shared -> the peer's memory
+//   tma-pull  the same ring, loading from the peer and storing locally
+// Messages go to the peers interleaved (message i to peer rank + 1 + i % (n - 1)), as the
+// dispatch's senders do. Every configuration's result is checked byte for byte.
+//
+// Usage: epcomm_nvlink_probe [--msgs N] [--bytes B] [--iters N] [--blocks 8,16,24]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace {
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    std::fprintf(stderr, "nvlink_probe: %s: %s\n", what, cudaGetErrorString(e));
+    std::exit(1);
+  }
+}
+
+constexpr int kMaxGpus = 8;
+
+struct Args {
+  const char* src[kMaxGpus];  // rank r's source: region d (msgs messages) is for rank d
+  char* dst[kMaxGpus];        // rank r's destination: region s came from rank s
+  int rank, n;
+  long long msgs;  // messages per (source, destination) pair
+  int bytes;       // per message, a multiple of 16
+  int pull;        // 0: read local, write the peer; 1: read the peer, write local
+  int slots;       // tma: ring slots per driving warp
+};
+
+// Message i of this rank: its source and destination addresses.
+__device__ __forceinline__ void message(const Args& a, long long i, const char*& from, char*& to) {
+  const int j = int(i % (a.n - 1));
+  const long long k = i / (a.n - 1);
+  const int peer = (a.rank + 1 + j) % a.n;
+  const long long b = a.bytes;
+  if (a.pull) {
+    from = a.src[peer] + (a.rank * a.msgs + k) * b;
+    to = a.dst[a.rank] + (peer * a.msgs + k) * b;
+  } else {
+    from = a.src[a.rank] + (peer * a.msgs + k) * b;
+    to = a.dst[peer] + (a.rank * a.msgs + k) * b;
+  }
+}
+
+__global__ void gate_kernel(const volatile int* flag) {
+  while (*flag == 0) {
+  }
+}
+
+__global__ void st_kernel(Args a) {
+  const int lane = threadIdx.x % 32;
+  const long long warps = (long long)gridDim.x * (blockDim.x / 32);
+  const long long total = a.msgs * (a.n - 1);
+  const int n_vec = a.bytes / 16;
+  for (long long i = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; i < total; i += warps) {
+    const char* from;
+    char* to;
+    message(a, i, from, to);
+    for (int v0 = 0; v0 < n_vec; v0 += 32 * 8) {
+      uint4 buf[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        const int v = v0 + u * 32 + lane;
+        if (v < n_vec) {
+          const uint4* p = reinterpret_cast<const uint4*>(from) + v;
+          if (a.pull)  // the peer's memory: a plain load
+            asm volatile("ld.global.v4.u32 {%0,%1,%2,%3}, [%4];"
+                         : "=r"(buf[u].x), "=r"(buf[u].y), "=r"(buf[u].z), "=r"(buf[u].w)
+                         : "l"(p));
+          else
+            asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                         : "=r"(buf[u].x), "=r"(buf[u].y), "=r"(buf[u].z), "=r"(buf[u].w)
+                         : "l"(p));
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        const int v = v0 + u * 32 + lane;
+        if (v < n_vec) reinterpret_cast<uint4*>(to)[v] = buf[u];
+      }
+    }
+  }
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return uint32_t(__cvta_generic_to_shared(p));
+}
+
+__global__ void tma_kernel(Args a) {
+  extern __shared__ __align__(128) char smem[];
+  __shared__ __align__(8) unsigned long long bar[64];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int S = a.slots;
+  char* ring = smem + size_t(warp) * S * a.bytes;
+  unsigned long long* mb = bar + warp * S;
+  if (lane == 0)
+    for (int s = 0; s < S; ++s)
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(mb + s)));
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  __syncthreads();
+  if (lane != 0) return;
+
+  const long long warps = (long long)gridDim.x * (blockDim.x / 32);
+  const long long first = blockIdx.x * (blockDim.x / 32) + warp;
+  const long long total = a.msgs * (a.n - 1);
+  const long long mine = first < total ? (total - first + warps - 1) / warps : 0;
+  auto load = [&](long long q) {  // local message q into slot q % S
+    const char* from;
+    char* to;
+    message(a, first + q * warps, from, to);
+    const uint32_t b = smem_addr(mb + q % S);
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(a.bytes)
+                 : "memory");
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+            "r"(smem_addr(ring + (q % S) * a.bytes)),
+        "l"(from), "r"(a.bytes), "r"(b)
+        : "memory");
+  };
+  for (long long q = 0; q < S && q < mine; ++q) load(q);
+  for (long long q = 0; q < mine; ++q) {
+    const uint32_t b = smem_addr(mb + q % S);
+    const uint32_t parity = uint32_t((q / S) & 1);
+    uint32_t done = 0;
+    while (!done)
+      asm volatile(
+          "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+          : "=r"(done)
+          : "r"(b), "r"(parity)
+          : "memory");
+    const char* from;
+    char* to;
+    message(a, first + q * warps, from, to);
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(to),
+                 "r"(smem_addr(ring + (q % S) * a.bytes)), "r"(a.bytes)
+                 : "memory");
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    // Refill the slot of message q - 1 once its store has read it (one store may stay in flight).
+    if (q >= 1 && q - 1 + S < mine) {
+      asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+      load(q - 1 + S);
+    }
+  }
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
+uint32_t pattern(int rank, long long word) {
+  uint64_t x = uint64_t(rank) * 0x9E3779B97F4A7C15ull + uint64_t(word) * 0xBF58476D1CE4E5B9ull;
+  x ^= x >> 31;
+  return uint32_t(x * 0x94D049BB133111EBull >> 32);
+}
+
+std::vector<int> parse_list(const char* s) {
+  std::vector<int> v;
+  for (const char* p = s; *p;) {
+    v.push_back(std::atoi(p));
+    while (*p && *p != ',') ++p;
+    if (*p == ',') ++p;
+  }
+  return v;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  long long msgs = 2048;
+  int bytes = 14336, iters = 20;
+  std::vector<int> blocks_list = {8, 16, 24, 32};
+  for (int i = 1; i < argc; ++i) {
+    const std::string k = argv[i];
+    const char* v = i + 1 < argc ? argv[i + 1] : "";
+    if (k == "--msgs") msgs = std::atoll(v), ++i;
+    else if (k == "--bytes") bytes = std::atoi(v), ++i;
+    else if (k == "--iters") iters = std::atoi(v), ++i;
+    else if (k == "--blocks") blocks_list = parse_list(v), ++i;
+    else {
+      std::fprintf(stderr, "usage: %s [--msgs N] [--bytes B] [--iters N] [--blocks a,b,c]\n", argv[0]);
+      return 2;
+    }
+  }
+  if (bytes % 16 != 0 || bytes <= 0 || msgs <= 0 || iters <= 0) {
+    std::fprintf(stderr, "nvlink_probe: --bytes must be a positive multiple of 16\n");
+    return 2;
+  }
+  int n = 0;
+  check(cudaGetDeviceCount(&n), "cudaGetDeviceCount");
+  if (n < 2) {
+    std::printf("nvlink_probe: %d GPU(s) visible; needs at least 2\n", n);
+    return 0;
+  }
+  n = std::min(n, kMaxGpus);
+  const size_t region = size_t(msgs) * bytes, buf_bytes = region * n;
+  std::vector<char*> src(n), dst(n);
+  std::vector<cudaStream_t> stream(n);
+  std::vector<cudaEvent_t> ev0(n), ev1(n);
+  for (int r = 0; r < n; ++r) {
+    check(cudaSetDevice(r), "cudaSetDevice");
+    for (int p = 0; p < n; ++p)
+      if (p != r) {
+        const cudaError_t e = cudaDeviceEnablePeerAccess(p, 0);
+        if (e != cudaErrorPeerAccessAlreadyEnabled) check(e, "cudaDeviceEnablePeerAccess");
+      }
+    check(cudaMalloc(&src[r], buf_bytes), "cudaMalloc");
+    check(cudaMalloc(&dst[r], buf_bytes), "cudaMalloc");
+    std::vector<uint32_t> h(buf_bytes / 4);
+    for (size_t w = 0; w < h.size(); ++w) h[w] = pattern(r, (long long)w);
+    check(cudaMemcpy(src[r], h.data(), buf_bytes, cudaMemcpyHostToDevice), "cudaMemcpy");
+    check(cudaStreamCreateWithFlags(&stream[r], cudaStreamNonBlocking), "cudaStreamCreate");
+    check(cudaEventCreate(&ev0[r]), "cudaEventCreate");
+    check(cudaEventCreate(&ev1[r]), "cudaEventCreate");
+    check(cudaFuncSetAttribute(tma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 220 * 1024),
+          "cudaFuncSetAttribute");
+  }
+  int* gate = nullptr;
+  check(cudaHostAlloc(&gate, sizeof(int), cudaHostAllocMapped | cudaHostAllocPortable),
+        "cudaHostAlloc");
+
+  cudaDeviceProp prop{};
+  check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
+  std::printf("nvlink_probe: %d x %s, %lld messages of %d B per (source, destination) pair, "
+              "%.1f MB over NVLink per GPU per run, median of %d runs\n",
+              n, prop.name, msgs, bytes, double(region) * (n - 1) / 1e6, iters);
+  std::printf("%-9s %6s %6s %6s %10s %10s %10s  %s\n", "transport", "blocks", "warps", "slots",
+              "median_us", "min_us", "GB/s/GPU", "check");
+
+  struct Cfg {
+    const char* name;
+    bool tma, pull;
+    int warps, slots;
+  };
+  std::vector<Cfg> cfgs;
+  const int max_slots_bytes = 200 * 1024;
+  for (bool pull : {false, true}) {
+    cfgs.push_back({pull ? "st-pull" : "st-push", false, pull, 16, 0});
+    for (int w : {1, 2, 4}) {
+      const int s = std::min(max_slots_bytes / (w * bytes), 64 / w);
+      if (s >= 2) cfgs.push_back({pull ? "tma-pull" : "tma-push", true, pull, w, s});
+    }
+  }
+  bool all_ok = true;
+  for (const Cfg& c : cfgs) {
+    for (int blocks : blocks_list) {
+      std::vector<float> times;
+      for (int it = 0; it < iters + 2; ++it) {
+        *reinterpret_cast<volatile int*>(gate) = 0;
+        for (int r = 0; r < n; ++r) {
+          check(cudaSetDevice(r), "cudaSetDevice");
+          int* dgate = nullptr;
+          check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&dgate), gate, 0),
+                "cudaHostGetDevicePointer");
+          if (it == 0) check(cudaMemsetAsync(dst[r], 0xEE, buf_bytes, stream[r]), "cudaMemset");
+          gate_kernel<<<1, 1, 0, stream[r]>>>(dgate);
+          check(cudaEventRecord(ev0[r], stream[r]), "cudaEventRecord");
+          Args a{};
+          for (int p = 0; p < n; ++p) a.src[p] = src[p], a.dst[p] = dst[p];
+          a.rank = r, a.n = n, a.msgs = msgs, a.bytes = bytes, a.pull = c.pull, a.slots = c.slots;
+          if (c.tma)
+            tma_kernel<<<blocks, 32 * c.warps, size_t(c.warps) * c.slots * bytes, stream[r]>>>(a);
+          else
+            st_kernel<<<blocks, 32 * c.warps, 0, stream[r]>>>(a);
+          check(cudaGetLastError(), "launch");
+          check(cudaEventRecord(ev1[r], stream[r]), "cudaEventRecord");
+        }
+        *reinterpret_cast<volatile int*>(gate) = 1;
+        float worst = 0;
+        for (int r = 0; r < n; ++r) {
+          check(cudaEventSynchronize(ev1[r]), "cudaEventSynchronize");
+          float ms = 0;
+          check(cudaEventElapsedTime(&ms, ev0[r], ev1[r]), "cudaEventElapsedTime");
+          worst = std::max(worst, ms);
+        }
+        if (it >= 2) times.push_back(worst * 1000.0f);
+      }
+      // Check: rank r's region s must hold rank s's region r.
+      bool ok = true;
+      std::vector<uint32_t> h(region / 4);
+      for (int r = 0; r < n && ok; ++r)
+        for (int s = 0; s < n && ok; ++s) {
+          if (s == r) continue;
+          check(cudaMemcpy(h.data(), dst[r] + s * region, region, cudaMemcpyDeviceToHost),
+                "cudaMemcpy");
+          const long long base = (long long)(r * region / 4);
+          for (size_t w = 0; w < h.size(); ++w)
+            if (h[w] != pattern(s, base + (long long)w)) {
+              ok = false;
+              break;
+            }
+        }
+      all_ok = all_ok && ok;
+      std::sort(times.begin(), times.end());
+      const double med = times[times.size() / 2];
+      std::printf("%-9s %6d %6d %6d %10.1f %10.1f %10.1f  %s\n", c.name, blocks, c.warps,
+                  c.slots, med, times.front(), double(region) * (n - 1) / (med * 1e3),
+                  ok ? "ok" : "WRONG");
+      std::fflush(stdout);
+    }
+  }
+  std::printf(all_ok ? "all checks passed\n" : "CHECK FAILED\n");
+  return all_ok ? 0 : 1;
+}
