@@ -721,8 +721,10 @@ __device__ __noinline__ void dispatch_recv(const DispatchParams& p, unsigned lon
 //  - fewer than kMinSplitBlocks blocks: no split (it would starve one side; 8 blocks split
 //    2 + 6 took 3.9 ms against 2.4 ms for send-then-receive);
 //  - bf16: 5/12 of the blocks send, at least kLinkSenders;
-//  - quantised formats: two thirds (quantising bounds the sender: prefill-fp8 with a third
-//    sending took 1995 µs against 1161 µs for async + wait on 24 blocks);
+//  - quantised formats: 5/6 (quantising bounds the sender: before the join, prefill-fp8 with a
+//    third sending took 1995 µs against 1161 µs for async + wait on 24 blocks; with the join,
+//    4 x H200, 24 blocks, prefill-fp8 / gpt-oss: 10 senders 1333 / 172 µs, 12: 1133 / 153,
+//    16: 883 / 126, 20: 865 / 116, 23: 862 / 113);
 //  - never more senders than chunks (a sender takes whole chunks: decode's 128 tokens are 8),
 //    and at least one receiver.
 // Returns the number of senders; `blocks` means send, then receive.
@@ -733,7 +735,7 @@ __host__ __device__ constexpr int32_t fused_senders(int32_t blocks, TokenFormat 
   if (blocks < kMinSplitBlocks) return blocks;
   const int32_t share = blocks * 5 / 12;
   const int32_t want = f == TokenFormat::kBF16 ? (share > kLinkSenders ? share : kLinkSenders)
-                                               : 2 * blocks / 3;
+                                               : blocks * 5 / 6;
   const int32_t chunks = num_chunks(num_tokens) > 0 ? num_chunks(num_tokens) : 1;
   const int32_t n = want < chunks ? want : chunks;
   return n < blocks - 1 ? n : blocks - 1;
@@ -741,7 +743,7 @@ __host__ __device__ constexpr int32_t fused_senders(int32_t blocks, TokenFormat 
 static_assert(fused_senders(8, TokenFormat::kBF16, 4096) == 8, "few blocks: no split");
 static_assert(fused_senders(24, TokenFormat::kBF16, 4096) == 10, "bf16: 5/12");
 static_assert(fused_senders(16, TokenFormat::kBF16, 4096) == 8, "bf16: at least 8");
-static_assert(fused_senders(24, TokenFormat::kFp8Blockwise, 4096) == 16, "quantised: 2/3");
+static_assert(fused_senders(24, TokenFormat::kFp8Blockwise, 4096) == 20, "quantised: 5/6");
 static_assert(fused_senders(24, TokenFormat::kFp8Blockwise, 128) == 8, "no more than chunks");
 static_assert(fused_senders(24, TokenFormat::kBF16, 0) == 1, "no tokens: one sender");
 
