@@ -588,7 +588,7 @@ __device__ inline bool warp_wait_chunk(const GroupView& g, int32_t src, int32_t 
 }
 
 // Receiver block rb of n_rb (all blocks of dispatch_wait; the non-senders of the fused kernel),
-// or a sender of the fused kernel that has sent its chunks and joins in (rb = -1: it takes work
+// or a sender of the fused kernel that has sent its chunks and joins in (rb < 0: it takes work
 // items only; the receivers write the padding and the combine's bookkeeping).
 template <TokenFormat F>
 __device__ __noinline__ void dispatch_recv(const DispatchParams& p, unsigned long long seq, char* smem,
