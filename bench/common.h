@@ -41,6 +41,16 @@ inline int32_t parse_int(const std::string& flag, const std::string& value, int3
   return int32_t(v);
 }
 
+// Appends the non-empty comma-separated items of `list` to *out.
+inline void split_list(const std::string& list, std::vector<std::string>* out) {
+  size_t start = 0;
+  while (start <= list.size()) {
+    const size_t comma = std::min(list.find(',', start), list.size());
+    if (comma > start) out->push_back(list.substr(start, comma - start));
+    start = comma + 1;
+  }
+}
+
 inline void set_device(int device) {
   CHECK_CUDA(cudaSetDevice(device));
 }

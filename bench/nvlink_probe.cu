@@ -21,19 +21,15 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
+#include <exception>
 #include <string>
 #include <vector>
 
-namespace {
+#include "common.h"
 
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    std::fprintf(stderr, "nvlink_probe: %s: %s\n", what, cudaGetErrorString(e));
-    std::exit(1);
-  }
-}
+using epbench::DeviceArray;
+
+namespace {
 
 constexpr int kMaxGpus = 8;
 
@@ -170,151 +166,166 @@ uint32_t pattern(int rank, long long word) {
   return uint32_t(x * 0x94D049BB133111EBull >> 32);
 }
 
-std::vector<int> parse_list(const char* s) {
-  std::vector<int> v;
-  for (const char* p = s; *p;) {
-    v.push_back(std::atoi(p));
-    while (*p && *p != ',') ++p;
-    if (*p == ',') ++p;
+// The pieces of one run: every GPU's buffers, streams and events, and the start gate.
+struct Rig {
+  int n = 0;
+  size_t region = 0;  // bytes per (source, destination) pair
+  std::vector<DeviceArray<char>> src, dst;
+  std::vector<cudaStream_t> stream;
+  std::vector<cudaEvent_t> ev0, ev1;
+  int* gate = nullptr;  // mapped host memory: the gate kernels spin until it is 1
+};
+
+struct Transport {
+  const char* name;
+  bool tma, pull;
+  int warps, slots;
+};
+
+// Median and min of `iters` runs (after 2 warm-up ones) of transport c on `blocks` blocks per
+// GPU, each the slowest GPU's event time; then whether every destination holds its sources' bytes.
+bool run(Rig& r, const Transport& c, int blocks, long long msgs, int bytes, int iters,
+         double* median_us, double* min_us) {
+  std::vector<float> times;
+  for (int it = 0; it < iters + 2; ++it) {
+    *reinterpret_cast<volatile int*>(r.gate) = 0;
+    for (int d = 0; d < r.n; ++d) {
+      epbench::set_device(d);
+      if (it == 0) CHECK_CUDA(cudaMemsetAsync(r.dst[d].get(), 0xEE, r.dst[d].size(), r.stream[d]));
+      gate_kernel<<<1, 1, 0, r.stream[d]>>>(r.gate);  // mapped, portable: valid on every GPU
+      CHECK_CUDA(cudaEventRecord(r.ev0[d], r.stream[d]));
+      Args a{};
+      for (int q = 0; q < r.n; ++q) a.src[q] = r.src[q].get(), a.dst[q] = r.dst[q].get();
+      a.rank = d, a.n = r.n, a.msgs = msgs, a.bytes = bytes, a.pull = c.pull, a.slots = c.slots;
+      if (c.tma)
+        tma_kernel<<<blocks, 32 * c.warps, size_t(c.warps) * c.slots * bytes, r.stream[d]>>>(a);
+      else
+        st_kernel<<<blocks, 32 * c.warps, 0, r.stream[d]>>>(a);
+      CHECK_CUDA(cudaGetLastError());
+      CHECK_CUDA(cudaEventRecord(r.ev1[d], r.stream[d]));
+    }
+    *reinterpret_cast<volatile int*>(r.gate) = 1;
+    float worst = 0;
+    for (int d = 0; d < r.n; ++d) {
+      CHECK_CUDA(cudaEventSynchronize(r.ev1[d]));
+      float ms = 0;
+      CHECK_CUDA(cudaEventElapsedTime(&ms, r.ev0[d], r.ev1[d]));
+      worst = std::max(worst, ms);
+    }
+    if (it >= 2) times.push_back(worst * 1000.0f);
   }
-  return v;
+  std::sort(times.begin(), times.end());
+  *median_us = times[times.size() / 2];
+  *min_us = times.front();
+  // Rank d's region s must hold rank s's region d.
+  for (int d = 0; d < r.n; ++d)
+    for (int s = 0; s < r.n; ++s) {
+      if (s == d) continue;
+      const std::vector<uint32_t> h =
+          epbench::download(reinterpret_cast<const uint32_t*>(r.dst[d].get() + s * r.region),
+                            r.region / 4);
+      const long long base = (long long)(d * r.region / 4);
+      for (size_t w = 0; w < h.size(); ++w)
+        if (h[w] != pattern(s, base + (long long)w)) return false;
+    }
+  return true;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+int probe(int argc, char** argv) {
   long long msgs = 2048;
   int bytes = 14336, iters = 20;
   std::vector<int> blocks_list = {8, 16, 24, 32};
   for (int i = 1; i < argc; ++i) {
     const std::string k = argv[i];
-    const char* v = i + 1 < argc ? argv[i + 1] : "";
-    if (k == "--msgs") msgs = std::atoll(v), ++i;
-    else if (k == "--bytes") bytes = std::atoi(v), ++i;
-    else if (k == "--iters") iters = std::atoi(v), ++i;
-    else if (k == "--blocks") blocks_list = parse_list(v), ++i;
-    else {
-      std::fprintf(stderr, "usage: %s [--msgs N] [--bytes B] [--iters N] [--blocks a,b,c]\n", argv[0]);
+    if (i + 1 >= argc || (k != "--msgs" && k != "--bytes" && k != "--iters" && k != "--blocks")) {
+      std::fprintf(stderr, "usage: %s [--msgs N] [--bytes B] [--iters N] [--blocks a,b,c]\n",
+                   argv[0]);
       return 2;
     }
+    const std::string v = argv[++i];
+    if (k == "--msgs") msgs = epbench::parse_int(k, v, 1);
+    if (k == "--bytes") bytes = epbench::parse_int(k, v, 16);
+    if (k == "--iters") iters = epbench::parse_int(k, v, 1);
+    if (k == "--blocks") {
+      std::vector<std::string> items;
+      epbench::split_list(v, &items);
+      blocks_list.clear();
+      for (const std::string& b : items) blocks_list.push_back(epbench::parse_int(k, b, 1));
+    }
   }
-  if (bytes % 16 != 0 || bytes <= 0 || msgs <= 0 || iters <= 0) {
-    std::fprintf(stderr, "nvlink_probe: --bytes must be a positive multiple of 16\n");
+  if (bytes % 16 != 0) {
+    std::fprintf(stderr, "nvlink_probe: --bytes must be a multiple of 16\n");
     return 2;
   }
-  int n = 0;
-  check(cudaGetDeviceCount(&n), "cudaGetDeviceCount");
-  if (n < 2) {
-    std::printf("nvlink_probe: %d GPU(s) visible; needs at least 2\n", n);
+  Rig r;
+  CHECK_CUDA(cudaGetDeviceCount(&r.n));
+  if (r.n < 2) {
+    std::printf("nvlink_probe: %d GPU(s) visible; needs at least 2\n", r.n);
     return 0;
   }
-  n = std::min(n, kMaxGpus);
-  const size_t region = size_t(msgs) * bytes, buf_bytes = region * n;
-  std::vector<char*> src(n), dst(n);
-  std::vector<cudaStream_t> stream(n);
-  std::vector<cudaEvent_t> ev0(n), ev1(n);
-  for (int r = 0; r < n; ++r) {
-    check(cudaSetDevice(r), "cudaSetDevice");
-    for (int p = 0; p < n; ++p)
-      if (p != r) {
-        const cudaError_t e = cudaDeviceEnablePeerAccess(p, 0);
-        if (e != cudaErrorPeerAccessAlreadyEnabled) check(e, "cudaDeviceEnablePeerAccess");
+  r.n = std::min(r.n, kMaxGpus);
+  r.region = size_t(msgs) * bytes;
+  const size_t buf_bytes = r.region * r.n;
+  r.stream.resize(r.n), r.ev0.resize(r.n), r.ev1.resize(r.n);
+  for (int d = 0; d < r.n; ++d) {
+    epbench::set_device(d);
+    for (int q = 0; q < r.n; ++q)
+      if (q != d) {
+        const cudaError_t e = cudaDeviceEnablePeerAccess(q, 0);
+        if (e != cudaErrorPeerAccessAlreadyEnabled) CHECK_CUDA(e);
       }
-    check(cudaMalloc(&src[r], buf_bytes), "cudaMalloc");
-    check(cudaMalloc(&dst[r], buf_bytes), "cudaMalloc");
     std::vector<uint32_t> h(buf_bytes / 4);
-    for (size_t w = 0; w < h.size(); ++w) h[w] = pattern(r, (long long)w);
-    check(cudaMemcpy(src[r], h.data(), buf_bytes, cudaMemcpyHostToDevice), "cudaMemcpy");
-    check(cudaStreamCreateWithFlags(&stream[r], cudaStreamNonBlocking), "cudaStreamCreate");
-    check(cudaEventCreate(&ev0[r]), "cudaEventCreate");
-    check(cudaEventCreate(&ev1[r]), "cudaEventCreate");
-    check(cudaFuncSetAttribute(tma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 220 * 1024),
-          "cudaFuncSetAttribute");
+    for (size_t w = 0; w < h.size(); ++w) h[w] = pattern(d, (long long)w);
+    r.src.emplace_back(d, buf_bytes);
+    CHECK_CUDA(cudaMemcpy(r.src[d].get(), h.data(), buf_bytes, cudaMemcpyHostToDevice));
+    r.dst.emplace_back(d, buf_bytes);
+    CHECK_CUDA(cudaStreamCreateWithFlags(&r.stream[d], cudaStreamNonBlocking));
+    CHECK_CUDA(cudaEventCreate(&r.ev0[d]));
+    CHECK_CUDA(cudaEventCreate(&r.ev1[d]));
+    CHECK_CUDA(cudaFuncSetAttribute(tma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    220 * 1024));
   }
-  int* gate = nullptr;
-  check(cudaHostAlloc(&gate, sizeof(int), cudaHostAllocMapped | cudaHostAllocPortable),
-        "cudaHostAlloc");
+  CHECK_CUDA(cudaHostAlloc(&r.gate, sizeof(int), cudaHostAllocMapped | cudaHostAllocPortable));
 
   cudaDeviceProp prop{};
-  check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   std::printf("nvlink_probe: %d x %s, %lld messages of %d B per (source, destination) pair, "
               "%.1f MB over NVLink per GPU per run, median of %d runs\n",
-              n, prop.name, msgs, bytes, double(region) * (n - 1) / 1e6, iters);
+              r.n, prop.name, msgs, bytes, double(r.region) * (r.n - 1) / 1e6, iters);
   std::printf("%-9s %6s %6s %6s %10s %10s %10s  %s\n", "transport", "blocks", "warps", "slots",
               "median_us", "min_us", "GB/s/GPU", "check");
 
-  struct Cfg {
-    const char* name;
-    bool tma, pull;
-    int warps, slots;
-  };
-  std::vector<Cfg> cfgs;
+  std::vector<Transport> transports;
   const int max_slots_bytes = 200 * 1024;
   for (bool pull : {false, true}) {
-    cfgs.push_back({pull ? "st-pull" : "st-push", false, pull, 16, 0});
+    transports.push_back({pull ? "st-pull" : "st-push", false, pull, 16, 0});
     for (int w : {1, 2, 4}) {
       const int s = std::min(max_slots_bytes / (w * bytes), 64 / w);
-      if (s >= 2) cfgs.push_back({pull ? "tma-pull" : "tma-push", true, pull, w, s});
+      if (s >= 2) transports.push_back({pull ? "tma-pull" : "tma-push", true, pull, w, s});
     }
   }
   bool all_ok = true;
-  for (const Cfg& c : cfgs) {
+  for (const Transport& c : transports)
     for (int blocks : blocks_list) {
-      std::vector<float> times;
-      for (int it = 0; it < iters + 2; ++it) {
-        *reinterpret_cast<volatile int*>(gate) = 0;
-        for (int r = 0; r < n; ++r) {
-          check(cudaSetDevice(r), "cudaSetDevice");
-          int* dgate = nullptr;
-          check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&dgate), gate, 0),
-                "cudaHostGetDevicePointer");
-          if (it == 0) check(cudaMemsetAsync(dst[r], 0xEE, buf_bytes, stream[r]), "cudaMemset");
-          gate_kernel<<<1, 1, 0, stream[r]>>>(dgate);
-          check(cudaEventRecord(ev0[r], stream[r]), "cudaEventRecord");
-          Args a{};
-          for (int p = 0; p < n; ++p) a.src[p] = src[p], a.dst[p] = dst[p];
-          a.rank = r, a.n = n, a.msgs = msgs, a.bytes = bytes, a.pull = c.pull, a.slots = c.slots;
-          if (c.tma)
-            tma_kernel<<<blocks, 32 * c.warps, size_t(c.warps) * c.slots * bytes, stream[r]>>>(a);
-          else
-            st_kernel<<<blocks, 32 * c.warps, 0, stream[r]>>>(a);
-          check(cudaGetLastError(), "launch");
-          check(cudaEventRecord(ev1[r], stream[r]), "cudaEventRecord");
-        }
-        *reinterpret_cast<volatile int*>(gate) = 1;
-        float worst = 0;
-        for (int r = 0; r < n; ++r) {
-          check(cudaEventSynchronize(ev1[r]), "cudaEventSynchronize");
-          float ms = 0;
-          check(cudaEventElapsedTime(&ms, ev0[r], ev1[r]), "cudaEventElapsedTime");
-          worst = std::max(worst, ms);
-        }
-        if (it >= 2) times.push_back(worst * 1000.0f);
-      }
-      // Check: rank r's region s must hold rank s's region r.
-      bool ok = true;
-      std::vector<uint32_t> h(region / 4);
-      for (int r = 0; r < n && ok; ++r)
-        for (int s = 0; s < n && ok; ++s) {
-          if (s == r) continue;
-          check(cudaMemcpy(h.data(), dst[r] + s * region, region, cudaMemcpyDeviceToHost),
-                "cudaMemcpy");
-          const long long base = (long long)(r * region / 4);
-          for (size_t w = 0; w < h.size(); ++w)
-            if (h[w] != pattern(s, base + (long long)w)) {
-              ok = false;
-              break;
-            }
-        }
+      double med = 0, lo = 0;
+      const bool ok = run(r, c, blocks, msgs, bytes, iters, &med, &lo);
       all_ok = all_ok && ok;
-      std::sort(times.begin(), times.end());
-      const double med = times[times.size() / 2];
       std::printf("%-9s %6d %6d %6d %10.1f %10.1f %10.1f  %s\n", c.name, blocks, c.warps,
-                  c.slots, med, times.front(), double(region) * (n - 1) / (med * 1e3),
+                  c.slots, med, lo, double(r.region) * (r.n - 1) / (med * 1e3),
                   ok ? "ok" : "WRONG");
       std::fflush(stdout);
     }
-  }
   std::printf(all_ok ? "all checks passed\n" : "CHECK FAILED\n");
   return all_ok ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return probe(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "nvlink_probe: %s\n", e.what());
+    return 1;
+  }
 }

@@ -38,15 +38,6 @@ One process drives every visible GPU, unless EPCOMM_RANK, EPCOMM_WORLD_SIZE and
 EPCOMM_BOOTSTRAP_DIR are set (one process per GPU, e.g. under epcomm_launch).
 )";
 
-void split_names(const std::string& list, std::vector<std::string>* out) {
-  size_t start = 0;
-  while (start <= list.size()) {
-    const size_t comma = std::min(list.find(',', start), list.size());
-    if (comma > start) out->push_back(list.substr(start, comma - start));
-    start = comma + 1;
-  }
-}
-
 }  // namespace
 
 const std::vector<Workload>& all_workloads() {
@@ -89,7 +80,7 @@ Options parse_options(int argc, char** argv) {
       std::fputs(kUsage, stdout);
       std::exit(0);
     } else if (flag == "--workload") {
-      split_names(next(), &opt.workloads);
+      split_list(next(), &opt.workloads);
     } else if (flag == "--tokens") {
       opt.tokens = parse_int(flag, next(), 1);
     } else if (flag == "--hidden") {
