@@ -22,6 +22,7 @@
 #include <cub/block/block_scan.cuh>
 
 #include <type_traits>
+#include <utility>
 
 #include "epcomm/config.h"
 #include "epcomm/detail/device.cuh"
@@ -207,14 +208,20 @@ __device__ __forceinline__ uint4 pack_codes16(uint32_t c) {  // e2m1: 4 units
 }
 
 // Quantises one bf16 row of `hidden` values into the payload of each of n_dest messages: codes
-// (unit u's 8 codes at byte u * 8 or u * 4, stored 16 bytes at a time), then the row's scales (scale b at scales_offset + b
-// * scale bytes). All 32 lanes step together (lanes past the row's end carry zeros), so the
-// shuffles of a block's amax never sit in a loop whose trip count differs by lane.
+// (unit u's 8 codes at byte u * 8 or u * 4, stored 16 bytes at a time), then the row's scales
+// (scale b at scales_offset + b * scale bytes). All 32 lanes step together (lanes past the row's
+// end carry zeros), so the shuffles of a block's amax never sit in a loop whose trip count
+// differs by lane. Each step quantises kUnroll units per lane before it stores any: they are
+// independent, and a sender warp is bound by its own instruction latency (one block per SM, 4
+// warps per scheduler), so the overlap is what keeps the SM issuing.
 template <TokenFormat F>
 __device__ void quantize_to(const uint16_t* row, int32_t hidden, float gs, const MessageLayout& ml,
                             char* const* payload, int32_t n_dest) {
   using Quant = typename BlockQuantOf<F>::type;
   constexpr int32_t kLanes = Quant::kGroup / kLaneValues;  // lanes per scale block
+  using Codes = decltype(encode_unit(std::declval<Quant>(), std::declval<float (&)[kLaneValues]>()));
+  constexpr int kPack = int(16 / sizeof(Codes));  // units per 16-byte store: 2 (e4m3), 4 (e2m1)
+  using Scale = std::remove_const_t<decltype(stored_scale(std::declval<Quant>()))>;
   const int lane = threadIdx.x % kWarpSize;
   const int32_t units = hidden / kLaneValues;
   const int64_t scales_at = ml.scales_offset() - ml.payload_offset();
@@ -225,24 +232,26 @@ __device__ void quantize_to(const uint16_t* row, int32_t hidden, float gs, const
       const int32_t unit = base + k * kWarpSize + lane;
       raw[k] = unit < units ? ld_nc_v4(row + int64_t(unit) * kLaneValues) : make_uint4(0, 0, 0, 0);
     }
+    // The codes of kPack adjacent units go out as one 16-byte store by the first lane of each
+    // pack (units per row are a multiple of 4).
+    uint4 packed[kUnroll];
+    Scale scale[kUnroll];
 #pragma unroll
     for (int k = 0; k < kUnroll; ++k) {
-      if (base + k * kWarpSize >= units) break;  // the same for every lane
-      const int32_t unit = base + k * kWarpSize + lane;
       float z[kLaneValues];
       unpack_bf16x8(raw[k], z);
       const Quant q = BlockQuantOf<F>::make(lanes_amax<kLanes>(z), gs);
-      // The codes of 16 / sizeof(code) adjacent units (2 for e4m3, 4 for e2m1) go out as one
-      // 16-byte store by the first lane of each pack (units per row are a multiple of 4).
-      const uint4 packed = pack_codes16(encode_unit(q, z));
-      constexpr int kPack = int(16 / sizeof(encode_unit(q, z)));
-      if (unit >= units) continue;
-      const auto scale = stored_scale(q);
-      using Scale = std::remove_const_t<decltype(scale)>;
+      packed[k] = pack_codes16(encode_unit(q, z));
+      scale[k] = stored_scale(q);
+    }
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+      const int32_t unit = base + k * kWarpSize + lane;
+      if (unit >= units) break;  // so are this lane's later units
       for (int32_t j = 0; j < n_dest; ++j) {
-        if (lane % kPack == 0) st_v4(payload[j] + int64_t(unit / kPack) * 16, packed);
+        if (lane % kPack == 0) st_v4(payload[j] + int64_t(unit / kPack) * 16, packed[k]);
         if (unit % kLanes == 0)
-          reinterpret_cast<Scale*>(payload[j] + scales_at)[unit / kLanes] = scale;
+          reinterpret_cast<Scale*>(payload[j] + scales_at)[unit / kLanes] = scale[k];
       }
     }
   }

@@ -40,8 +40,8 @@ template <class Quant>
 __device__ __forceinline__ uint2 encode_unit_e4m3(const Quant& q, const float (&z)[kLaneValues]) {
   uint32_t w[2] = {0u, 0u};
 #pragma unroll
-  for (int i = 0; i < kLaneValues; ++i)
-    w[i / 4] |= uint32_t(q.encode(z[i])) << (8 * (i % 4));
+  for (int i = 0; i < kLaneValues; i += 2)  // q.encode of each value, two per conversion
+    w[i / 4] |= uint32_t(float2_to_e4m3x2(q.scaled(z[i]), q.scaled(z[i + 1]))) << (8 * (i % 4));
   return make_uint2(w[0], w[1]);
 }
 __device__ __forceinline__ uint2 encode_unit(const Fp8BlockQuant& q,

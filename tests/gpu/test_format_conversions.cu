@@ -4,7 +4,8 @@
 // rules, and the per-block quantisers of every format against the CPU reference encoders and
 // decoders on rows with near-tie values. Also checks the e4m3/e2m1 encoders against CUDA's own
 // conversions (hardware cvt.rn.satfinite where the GPU has it) on all 2^32 fp32 inputs, so kernels
-// may use either. Skips without a GPU.
+// may use either, and the kernels' e4m3 encoders (the hardware conversion on sm_89 and later)
+// against the integer one on all of them. Skips without a GPU.
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -266,19 +267,27 @@ __device__ void record(Mismatch* m, uint32_t input, uint32_t ours, uint32_t cuda
   }
 }
 
-// m[0]: e4m3 against __nv_cvt_float_to_fp8 (satfinite); NaN only needs to stay NaN, as the sign
-// of a converted NaN is not specified. m[1]: e2m1 against __nv_cvt_float_to_fp4 (round to
-// nearest), exactly.
+// m[0]: the integer e4m3 encoder (the host's) against __nv_cvt_float_to_fp8 (satfinite); NaN
+// only needs to stay NaN, as the sign of a converted NaN is not specified. m[1]: e2m1 against
+// __nv_cvt_float_to_fp4 (round to nearest), exactly. m[2]: the kernels' e4m3 encoders
+// (float_to_e4m3, and float2_to_e4m3x2 with x in either half: the hardware conversion on this
+// GPU) against the integer one, exactly, NaN signs included.
 __global__ void compare_with_cuda_kernel(Mismatch* m) {
   const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
   for (uint64_t u = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; u < (1ull << 32);
        u += stride) {
     const uint32_t b = uint32_t(u);
     const float x = __uint_as_float(b);
-    const uint8_t ours8 = float_to_e4m3(x);
+    const uint8_t ours8 = detail::e4m3_code_portable(x);
     const uint8_t cuda8 = __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);
     const bool same8 = e4m3_is_nan(ours8) ? e4m3_is_nan(cuda8) : ours8 == cuda8;
     if (!same8) record(&m[0], b, ours8, cuda8);
+    const float y = __uint_as_float(b ^ 0x80000000u);  // the other half: x's negation
+    const uint32_t want = ours8 | uint32_t(detail::e4m3_code_portable(y)) << 8;
+    const uint32_t pair = float2_to_e4m3x2(x, y), swapped = float2_to_e4m3x2(y, x);
+    const uint32_t single = float_to_e4m3(x);
+    if (pair != want || swapped != (want >> 8 | (want & 0xffu) << 8) || single != ours8)
+      record(&m[2], b, pair, want);
 #if defined(EPCOMM_TEST_HAVE_CUDA_FP4)
     const uint8_t ours4 = float_to_e2m1(x);
     const uint8_t cuda4 = __nv_cvt_float_to_fp4(x, __NV_E2M1, cudaRoundNearest);
@@ -289,11 +298,11 @@ __global__ void compare_with_cuda_kernel(Mismatch* m) {
 
 TEST_F(FormatConversionsGpu, EncodersMatchCudaConversionsOnEveryFloat) {
   DeviceArray<Mismatch> d_m;
-  EPCOMM_FMT_CUDA(d_m.alloc(2));
-  EPCOMM_FMT_CUDA(cudaMemset(d_m.ptr, 0, 2 * sizeof(Mismatch)));
+  EPCOMM_FMT_CUDA(d_m.alloc(3));
+  EPCOMM_FMT_CUDA(cudaMemset(d_m.ptr, 0, 3 * sizeof(Mismatch)));
   compare_with_cuda_kernel<<<2048, 256>>>(d_m.ptr);
   ASSERT_NO_FATAL_FAILURE(finish_launch());
-  Mismatch m[2];
+  Mismatch m[3];
   EPCOMM_FMT_CUDA(cudaMemcpy(m, d_m.ptr, sizeof m, cudaMemcpyDeviceToHost));
   EXPECT_EQ(m[0].count, 0ull) << "e4m3: first input " << hex(m[0].first_input) << " -> ours "
                               << hex(m[0].ours) << ", CUDA " << hex(m[0].cuda);
@@ -301,6 +310,9 @@ TEST_F(FormatConversionsGpu, EncodersMatchCudaConversionsOnEveryFloat) {
   EXPECT_EQ(m[1].count, 0ull) << "e2m1: first input " << hex(m[1].first_input) << " -> ours "
                               << hex(m[1].ours) << ", CUDA " << hex(m[1].cuda);
 #endif
+  EXPECT_EQ(m[2].count, 0ull) << "e4m3 kernel encoders: first input " << hex(m[2].first_input)
+                              << " -> pair (x, -x) " << hex(m[2].ours) << ", want "
+                              << hex(m[2].cuda);
 }
 
 // Decoded values as CUDA decodes them (through half, which holds every e4m3 and e2m1 value).

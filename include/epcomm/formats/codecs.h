@@ -13,7 +13,7 @@
 //
 // The encoders round to nearest, ties to even, and saturate: a finite value beyond the largest
 // finite magnitude, or an infinity, becomes that magnitude with its sign. That is PTX
-// `cvt.rn.satfinite`, so a kernel may use the hardware conversion where it has one
+// `cvt.rn.satfinite`, so the device build uses the e4m3 conversion where the GPU has one
 // (tests/gpu/test_format_conversions.cu checks they agree on every fp32 input). NaN gives e4m3
 // NaN (0x7f with the input's sign) and, e2m1 having none, +6 (0x7), as PTX does. Zero keeps its
 // sign; so does a value that rounds to zero.
@@ -141,12 +141,40 @@ constexpr float kE4m3Max = 448.0f;
 constexpr uint8_t kE4m3MaxCode = 0x7e;
 constexpr uint8_t kE4m3Nan = 0x7f;
 
-EPCOMM_HD uint8_t float_to_e4m3(float x) {
+namespace detail {
+// The e4m3 encoder in integer arithmetic, for the host and for GPUs without the conversion.
+EPCOMM_HD uint8_t e4m3_code_portable(float x) {
   const uint32_t u = float_as_bits(x);
   const uint32_t sign = (u >> 24) & 0x80u;
   const uint32_t a = u & 0x7fffffffu;
   if (a > 0x7f800000u) return uint8_t(sign | kE4m3Nan);
-  return uint8_t(sign | detail::minifloat_code_rne<3, 7, kE4m3MaxCode>(a));
+  return uint8_t(sign | minifloat_code_rne<3, 7, kE4m3MaxCode>(a));
+}
+}  // namespace detail
+
+// Two values at once: lo's code in bits 0-7, hi's in bits 8-15. On sm_89 and later one
+// cvt.rn.satfinite.e4m3x2.f32 does both (it rounds and saturates as above: every fp32 input
+// agrees, tests/gpu/test_format_conversions.cu); only a NaN's sign is taken from the input here,
+// as the conversion does not specify it (its NaN is 0x7f or 0xff, so & 0x7f leaves 0x7f).
+EPCOMM_HD uint16_t float2_to_e4m3x2(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  uint16_t r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  const uint32_t signs =
+      ((float_as_bits(lo) >> 24) & 0x80u) | ((float_as_bits(hi) >> 16) & 0x8000u);
+  return uint16_t((uint32_t(r) & 0x7f7fu) | signs);
+#else
+  return uint16_t(detail::e4m3_code_portable(lo) |
+                  (uint32_t(detail::e4m3_code_portable(hi)) << 8));
+#endif
+}
+
+EPCOMM_HD uint8_t float_to_e4m3(float x) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  return uint8_t(float2_to_e4m3x2(x, 0.0f));
+#else
+  return detail::e4m3_code_portable(x);
+#endif
 }
 
 EPCOMM_HD bool e4m3_is_nan(uint8_t c) {
@@ -164,12 +192,22 @@ EPCOMM_HD float e4m3_to_float(uint8_t c) {
 constexpr float kE2m1Max = 6.0f;
 constexpr uint8_t kE2m1MaxCode = 0x7;
 
+// Branch-free (the quantising kernels encode every value they send with it), in two ranges:
+//  |x| >= 1 (infinity and NaN too): round the fp32 pattern to one mantissa bit (fp32's bit 22),
+//    ties to even; a carry moves the exponent, and 1.0 (exponent field 127) is code 2, so the
+//    code is the rounded pattern >> 22 less (127 - 1) << 1, saturated at 6's code 7;
+//  |x| < 1: e2m1's step is 0.5 (codes 0, 1 and 2 for 1.0); fp32's step is 0.5 between 2^22 and
+//    2^23, so |x| + 2^22 rounds |x| to that step, ties to even, and the pattern's distance from
+//    2^22's is the code (an fp32 subnormal gives 0, also when flushed).
+// NaN gives +6 (0x7), as PTX cvt.rn.satfinite does; every other input keeps its sign.
 EPCOMM_HD uint8_t float_to_e2m1(float x) {
   const uint32_t u = float_as_bits(x);
   const uint32_t a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return kE2m1MaxCode;  // NaN -> +6, as PTX cvt.rn.satfinite does
-  const uint32_t sign = (u >> 28) & 0x8u;
-  return uint8_t(sign | detail::minifloat_code_rne<1, 1, kE2m1MaxCode>(a));
+  const uint32_t rounded = ((a + 0x1fffffu + ((a >> 22) & 1u)) >> 22) - 252u;
+  const uint32_t large = rounded < kE2m1MaxCode ? rounded : kE2m1MaxCode;
+  const uint32_t small = float_as_bits(bits_as_float(a) + 0x1p22f) - 0x4a800000u;
+  const uint32_t sign = a > 0x7f800000u ? 0u : (u >> 28) & 0x8u;
+  return uint8_t(sign | (a < 0x3f800000u ? small : large));
 }
 
 // Decodes the low nibble of `c`.
@@ -223,9 +261,15 @@ EPCOMM_HD uint8_t float_to_e8m0_ceil(float v) {
 
 // max(acc, |x|), ignoring NaN (fmaxf semantics): a block's amax is a fold of this from 0, in any
 // order.
+// acc must be such a fold's result (never NaN, never -0); on the device that makes it one
+// fmaxf with |x| (equal values have the same bits, and fmaxf(acc, NaN) is acc).
 EPCOMM_HD float abs_max(float acc, float x) {
+#if defined(__CUDA_ARCH__)
+  return fmaxf(acc, fabsf(x));
+#else
   const float a = bits_as_float(float_as_bits(x) & 0x7fffffffu);
   return a > acc ? a : acc;
+#endif
 }
 
 // ---- scale rules ----------------------------------------------------------------------------
@@ -279,7 +323,8 @@ struct Fp8BlockQuant {
     return Fp8BlockQuant{detail::div_rn(floor_amax, kE4m3Max)};
   }
   EPCOMM_HD static Fp8BlockQuant from_scale(float s) { return Fp8BlockQuant{s}; }
-  EPCOMM_HD uint8_t encode(float x) const { return float_to_e4m3(detail::div_rn(x, scale)); }
+  EPCOMM_HD float scaled(float x) const { return detail::div_rn(x, scale); }  // what is encoded
+  EPCOMM_HD uint8_t encode(float x) const { return float_to_e4m3(scaled(x)); }
   EPCOMM_HD float decode(uint8_t q) const { return detail::mul_rn(e4m3_to_float(q), scale); }
 };
 
@@ -324,7 +369,8 @@ struct Mxfp8BlockQuant {
   EPCOMM_HD static Mxfp8BlockQuant from_amax(float amax) {
     return from_code(mxfp8_scale_code(amax));
   }
-  EPCOMM_HD uint8_t encode(float x) const { return float_to_e4m3(detail::mul_rn(x, inv)); }
+  EPCOMM_HD float scaled(float x) const { return detail::mul_rn(x, inv); }  // what is encoded
+  EPCOMM_HD uint8_t encode(float x) const { return float_to_e4m3(scaled(x)); }
   EPCOMM_HD float decode(uint8_t q) const {
     return detail::mul_rn(e4m3_to_float(q), e8m0_to_float(scale_code));
   }
