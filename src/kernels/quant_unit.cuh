@@ -35,31 +35,24 @@ __device__ __forceinline__ Quant unit_quant(const float (&z)[kLaneValues]) {
   return Quant::from_amax(lanes_amax<Quant::kGroup / kLaneValues>(z));
 }
 
-// One unit's codes: 8 e4m3 bytes (FP8, MXFP8) or 8 e2m1 nibbles (NVFP4, MXFP4).
+// One unit's codes: 8 e4m3 bytes (FP8, MXFP8), two values per conversion, or 8 e2m1 nibbles
+// (NVFP4, MXFP4).
 template <class Quant>
-__device__ __forceinline__ uint2 encode_unit_e4m3(const Quant& q, const float (&z)[kLaneValues]) {
-  uint32_t w[2] = {0u, 0u};
+__device__ __forceinline__ auto encode_unit(const Quant& q, const float (&z)[kLaneValues]) {
+  if constexpr (Quant::kCodeBits == 8) {
+    uint32_t w[2] = {0u, 0u};
 #pragma unroll
-  for (int i = 0; i < kLaneValues; i += 2)  // q.encode of each value, two per conversion
-    w[i / 4] |= uint32_t(float2_to_e4m3x2(q.scaled(z[i]), q.scaled(z[i + 1]))) << (8 * (i % 4));
-  return make_uint2(w[0], w[1]);
-}
-__device__ __forceinline__ uint2 encode_unit(const Fp8BlockQuant& q,
-                                             const float (&z)[kLaneValues]) {
-  return encode_unit_e4m3(q, z);
-}
-__device__ __forceinline__ uint2 encode_unit(const Mxfp8BlockQuant& q,
-                                             const float (&z)[kLaneValues]) {
-  return encode_unit_e4m3(q, z);
-}
-
-template <class Quant>
-__device__ __forceinline__ uint32_t encode_unit(const Quant& q, const float (&z)[kLaneValues]) {
-  uint32_t w = 0u;
+    for (int i = 0; i < kLaneValues; i += 2)  // q.encode of each value
+      w[i / 4] |= uint32_t(float2_to_e4m3x2(q.scaled(z[i]), q.scaled(z[i + 1]))) << (8 * (i % 4));
+    return make_uint2(w[0], w[1]);
+  } else {
+    static_assert(Quant::kCodeBits == 4, "e4m3 bytes or e2m1 nibbles");
+    uint32_t w = 0u;
 #pragma unroll
-  for (int i = 0; i < kLaneValues / 2; ++i)
-    w |= uint32_t(pack_e2m1x2(q.encode(z[2 * i]), q.encode(z[2 * i + 1]))) << (8 * i);
-  return w;
+    for (int i = 0; i < kLaneValues / 2; ++i)
+      w |= uint32_t(pack_e2m1x2(q.encode(z[2 * i]), q.encode(z[2 * i + 1]))) << (8 * i);
+    return w;
+  }
 }
 
 // The scale a block stores: FP8's fp32 s, the others' code.

@@ -316,6 +316,7 @@ EPCOMM_HD uint8_t mxfp4_scale_code(float amax) {
 // Blockwise FP8, 128 values per fp32 scale: s = max(amax, 1e-4) / 448, q = e4m3(x / s).
 struct Fp8BlockQuant {
   static constexpr int32_t kGroup = 128;
+  static constexpr int32_t kCodeBits = 8;  // e4m3 codes
   float scale;  // s, stored as is
 
   EPCOMM_HD static Fp8BlockQuant from_amax(float amax) {
@@ -336,6 +337,7 @@ struct Fp8BlockQuant {
 // Decode: (e2m1 * sf) / gs.
 struct Nvfp4BlockQuant {
   static constexpr int32_t kGroup = 16;
+  static constexpr int32_t kCodeBits = 4;  // e2m1 codes
   uint8_t scale_code;  // e4m3, stored
   float scale;         // sf = e4m3_to_float(scale_code)
   float global_scale;  // gs
@@ -360,6 +362,7 @@ struct Nvfp4BlockQuant {
 // x * 2^(127-e), which is the same number. Decode: e4m3 * X.
 struct Mxfp8BlockQuant {
   static constexpr int32_t kGroup = 32;
+  static constexpr int32_t kCodeBits = 8;  // e4m3 codes
   uint8_t scale_code;  // e8m0, stored
   float inv;           // 1 / X, exact
 
@@ -380,6 +383,7 @@ struct Mxfp8BlockQuant {
 // q = e2m1(x * 2^(127-e)), saturating at +-6. Decode: e2m1 * X.
 struct Mxfp4BlockQuant {
   static constexpr int32_t kGroup = 32;
+  static constexpr int32_t kCodeBits = 4;  // e2m1 codes
   uint8_t scale_code;  // e8m0, stored
   float inv;           // 1 / X, exact
 
