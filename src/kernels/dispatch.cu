@@ -21,7 +21,6 @@
 // The fused kernel runs 1-2 on every block, then splits the grid: senders do 3, receivers 4.
 #include <cub/block/block_scan.cuh>
 
-#include <type_traits>
 #include <utility>
 
 #include "epcomm/config.h"
@@ -219,9 +218,9 @@ __device__ void quantize_to(const uint16_t* row, int32_t hidden, float gs, const
                             char* const* payload, int32_t n_dest) {
   using Quant = typename BlockQuantOf<F>::type;
   constexpr int32_t kLanes = Quant::kGroup / kLaneValues;  // lanes per scale block
-  using Codes = decltype(encode_unit(std::declval<Quant>(), std::declval<float (&)[kLaneValues]>()));
-  constexpr int kPack = int(16 / sizeof(Codes));  // units per 16-byte store: 2 (e4m3), 4 (e2m1)
-  using Scale = std::remove_const_t<decltype(stored_scale(std::declval<Quant>()))>;
+  // Units per 16-byte store: a unit's 8 codes take kCodeBits bytes, so 2 (e4m3) or 4 (e2m1).
+  constexpr int kPack = 16 / Quant::kCodeBits;
+  using Scale = decltype(stored_scale(std::declval<const Quant&>()));
   const int lane = threadIdx.x % kWarpSize;
   const int32_t units = hidden / kLaneValues;
   const int64_t scales_at = ml.scales_offset() - ml.payload_offset();
@@ -240,7 +239,7 @@ __device__ void quantize_to(const uint16_t* row, int32_t hidden, float gs, const
     for (int k = 0; k < kUnroll; ++k) {
       float z[kLaneValues];
       unpack_bf16x8(raw[k], z);
-      const Quant q = BlockQuantOf<F>::make(lanes_amax<kLanes>(z), gs);
+      const Quant q = make_block_quant<F>(lanes_amax<kLanes>(z), gs);
       packed[k] = pack_codes16(encode_unit(q, z));
       scale[k] = stored_scale(q);
     }

@@ -64,30 +64,36 @@ __device__ __forceinline__ uint8_t stored_scale(const Quant& q) {
   return q.scale_code;
 }
 
-// The block quantiser of a quantised TokenFormat, built from its block's amax (gs: NVFP4's
-// global scale, unused by the others).
+// The block quantiser of a quantised TokenFormat.
 template <TokenFormat F>
 struct BlockQuantOf;
 template <>
 struct BlockQuantOf<TokenFormat::kFp8Blockwise> {
   using type = Fp8BlockQuant;
-  __device__ static type make(float amax, float) { return type::from_amax(amax); }
 };
 template <>
 struct BlockQuantOf<TokenFormat::kNvfp4> {
   using type = Nvfp4BlockQuant;
-  __device__ static type make(float amax, float gs) { return type::from_amax(amax, gs); }
 };
 template <>
 struct BlockQuantOf<TokenFormat::kMxfp8> {
   using type = Mxfp8BlockQuant;
-  __device__ static type make(float amax, float) { return type::from_amax(amax); }
 };
 template <>
 struct BlockQuantOf<TokenFormat::kMxfp4> {
   using type = Mxfp4BlockQuant;
-  __device__ static type make(float amax, float) { return type::from_amax(amax); }
 };
+
+// Format F's quantiser of a block with this amax (gs: NVFP4's global scale, unused by the
+// others).
+template <TokenFormat F>
+__device__ __forceinline__ typename BlockQuantOf<F>::type make_block_quant(float amax, float gs) {
+  if constexpr (F == TokenFormat::kNvfp4) {
+    return Nvfp4BlockQuant::from_amax(amax, gs);
+  } else {
+    return BlockQuantOf<F>::type::from_amax(amax);
+  }
+}
 
 }  // namespace detail
 }  // namespace epcomm
