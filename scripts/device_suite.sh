@@ -1,24 +1,60 @@
 #!/usr/bin/env bash
-# The GPU suite on a device machine: build, every GPU test (single- and multi-process), then
-# compute-sanitizer memcheck and racecheck on a small 2-GPU case (SANITIZE=1). Logs under $OUT.
-# BUILD_ONLY=1 stops after the build.
+# The GPU suite on a device machine, in stages (STAGES, default all of them, in this order):
+#   build     configure and build (GoogleTest from .deps/googletest)
+#   gpu       every GPU test, one-process and multi-process, the kill test among them; ranks
+#             share the GPUs where there are fewer than a test's ranks
+#   soak      epcomm_soak, one process and 4 processes, SOAK_ITERS iterations each (default 10^4)
+#   sanitize  compute-sanitizer memcheck and racecheck on a 4-rank case (ranks share a GPU on a
+#             one-GPU machine), and memcheck on the bad-input tests
+# Logs under $OUT. Every command runs under a timeout. BUILD_ONLY=1 is STAGES=build.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 BUILD=build-device
-cmake -S . -B $BUILD -G Ninja -DCMAKE_BUILD_TYPE=Release ${EPCOMM_CMAKE_ARGS:-} \
-  -DEPCOMM_GTEST_SOURCE_DIR=$PWD/.deps/googletest >"$OUT/configure.log" 2>&1 || exit 1
-timeout 300 cmake --build $BUILD -j >"$OUT/build.log" 2>&1 || { grep -E "error|FAILED" "$OUT/build.log" | head -30; exit 1; }
-echo "build ok"
-[ -n "${BUILD_ONLY:-}" ] && exit 0
-(cd $BUILD && timeout ${SUITE_TIMEOUT:-420} ctest -L gpu -j1 --timeout 150 --output-on-failure) >"$OUT/ctest_gpu.log" 2>&1
-echo "ctest rc=$?"
-grep -E "tests passed|\*\*\*|Failed|Timeout|Not Run" "$OUT/ctest_gpu.log" | head -30
-if [ -n "${SANITIZE:-}" ]; then
-  small='Shapes/Sweep.MatchesReference/r2_h2048_k1_e8'
-  for tool in memcheck racecheck; do
-    timeout 150 compute-sanitizer --tool $tool --error-exitcode 3 \
-      $BUILD/tests/epcomm_gpu_tests --gtest_filter=$small >"$OUT/sanitizer_$tool.log" 2>&1
-    echo "compute-sanitizer $tool rc=$? : $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_$tool.log" | tail -1)"
+STAGES=${STAGES:-build gpu soak sanitize}
+[ -n "${BUILD_ONLY:-}" ] && STAGES=build
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+status=0
+
+if has build; then
+  cmake -S . -B $BUILD -G Ninja -DCMAKE_BUILD_TYPE=Release ${EPCOMM_CMAKE_ARGS:-} \
+    -DEPCOMM_GTEST_SOURCE_DIR=$PWD/.deps/googletest >"$OUT/configure.log" 2>&1 || { tail -20 "$OUT/configure.log"; exit 1; }
+  timeout 400 cmake --build $BUILD -j >"$OUT/build.log" 2>&1 || { grep -E "error|FAILED" "$OUT/build.log" | head -30; exit 1; }
+  echo "build ok"
+fi
+
+if has gpu; then
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | sed 's/^/gpu: /'
+  (cd $BUILD && timeout ${SUITE_TIMEOUT:-540} ctest -L gpu -j1 --timeout 240 -V) >"$OUT/ctest_gpu.log" 2>&1
+  rc=$?; echo "ctest rc=$rc"; [ $rc -eq 0 ] || status=1
+  grep -E "tests passed|\*\*\*Failed|\*\*\*Timeout|\*\*\*Exception|\(Skipped\)|Not Run" "$OUT/ctest_gpu.log" | head -40
+  total=$(grep -oE "tests passed, [0-9]+ tests failed out of [0-9]+|tests passed out of [0-9]+" "$OUT/ctest_gpu.log" | grep -oE "[0-9]+$" | tail -1)
+  shared=$(grep -E '^[0-9]+: \[epcomm\] [0-9]+ ranks share' "$OUT/ctest_gpu.log" | cut -d: -f1 | sort -u | wc -l)
+  skipped=$(grep -c "(Skipped)" "$OUT/ctest_gpu.log")
+  echo "tests that ran with ranks sharing a GPU: $shared of ${total:-?}; skipped: $skipped"
+  grep -E "epcomm_launch: rank [0-9]+ .*killed|KILL-TEST|kill test" "$OUT/ctest_gpu.log" | head -12
+fi
+
+if has soak; then
+  it=${SOAK_ITERS:-10000}
+  timeout ${SOAK_TIMEOUT:-280} $BUILD/tests/epcomm_soak --iterations $it >"$OUT/soak_one_process.log" 2>&1
+  rc=$?; echo "soak (one process) rc=$rc"; [ $rc -eq 0 ] || status=1
+  tail -3 "$OUT/soak_one_process.log"
+  timeout ${SOAK_TIMEOUT:-280} $BUILD/tests/epcomm_launch -n 4 -t ${SOAK_TIMEOUT:-280} -- \
+    $BUILD/tests/epcomm_soak --processes --iterations $it >"$OUT/soak_multi_process.log" 2>&1
+  rc=$?; echo "soak (4 processes) rc=$rc"; [ $rc -eq 0 ] || status=1
+  tail -3 "$OUT/soak_multi_process.log"
+fi
+
+if has sanitize; then
+  for spec in "memcheck:Shapes/Sweep.MatchesReference/r4_h2048_k8_e8" \
+              "racecheck:Shapes/Sweep.MatchesReference/r4_h2048_k8_e8" \
+              "memcheck:BadInput.*"; do
+    tool=${spec%%:*}; filter=${spec#*:}; log="$OUT/sanitizer_${tool}_${filter//[^A-Za-z0-9]/_}.log"
+    timeout ${SANITIZE_TIMEOUT:-240} compute-sanitizer --tool $tool --error-exitcode 3 \
+      $BUILD/tests/epcomm_gpu_tests --gtest_filter="$filter" >"$log" 2>&1
+    rc=$?; [ $rc -eq 0 ] || status=1
+    echo "compute-sanitizer $tool $filter rc=$rc : $(grep -E 'tests? ran|PASSED|FAILED' "$log" | tail -2 | tr '\n' ' ')$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -1)"
   done
 fi
+exit $status

@@ -23,6 +23,19 @@ struct Config {
   int32_t num_sms = 24;             // blocks per dispatch/combine kernel (one per SM)
   double timeout_seconds = 5.0;     // bound on every wait for a peer
   bool trace = false;               // stamp each stage of every kernel (trace.h; profiling)
+  // Several ranks may run on one GPU: ranks of one process (Group::create_local(cfg, {0, 0}))
+  // or processes sharing a device (their windows are mapped through CUDA IPC). Off (the
+  // default), two ranks on one GPU is a set-up error. For tests and CI on machines with fewer
+  // GPUs than ranks; the ranks then share the GPU's SMs and memory bandwidth. Every rank's
+  // blocks must be resident at once: set-up checks that ranks_on_gpu * num_sms fits
+  // (max_resident_blocks) and names the num_sms that would.
+  bool share_gpus = false;
+  // Rows this rank's dispatch output holds before format padding (Sizes::max_routed_rows).
+  // 0: the worst case, max_tokens_per_rank * n_ranks * min(top_k, n_local). A smaller cap
+  // shrinks every output a caller allocates; a dispatch that routes more rows than the cap to
+  // a rank writes no row there and reports ErrorCode::kRecvCapacity on that rank, naming the
+  // count (group.h).
+  int64_t max_recv_rows = 0;
 
   // Throws Error(kInvalidArgument) naming the first bad field. n_ranks is the group size.
   void validate(int n_ranks) const;
@@ -37,7 +50,8 @@ struct Sizes {
   int32_t n_ranks = 0;
   int32_t n_local_experts = 0;    // experts per rank
   int32_t num_groups = 0;         // G = n_local_experts
-  int64_t max_routed_rows = 0;    // rows that can arrive: max_tokens * n_ranks * min(K, G)
+  int64_t max_routed_rows = 0;    // rows that can arrive: max_tokens * n_ranks * min(K, G), or
+                                  // Config::max_recv_rows where that is smaller
   int64_t max_recv_rows = 0;      // rows of the dispatch output, format padding included
   int64_t token_bytes = 0;        // bytes of one dispatched row's codes (format_row_bytes)
   int64_t scales_bytes = 0;       // bytes of the dispatch scales output (0 for bf16)
@@ -45,5 +59,12 @@ struct Sizes {
 };
 
 Sizes compute_sizes(const Config& cfg, int n_ranks);
+
+// Blocks of epcomm's kernels that GPU `device` can hold at once for a group of n_ranks ranks
+// with this configuration (from the occupancy API and the SM count; the smallest over the
+// dispatch and combine kernels). Ranks that share the GPU must keep
+// ranks_on_gpu * num_sms <= this: their kernels wait on each other, so all their blocks must be
+// resident together. Loads the kernels on `device` (and leaves it the current device).
+int max_resident_blocks(const Config& cfg, int n_ranks, int device);
 
 }  // namespace epcomm

@@ -5,7 +5,18 @@
 namespace epcomm {
 namespace detail {
 
-void load_combine_kernels_default() { load_combine_kernels<StoreBf16>(); }
+int load_combine_kernels_default() {
+  load_combine_kernels<StoreBf16>();
+  int per_sm = 0, fewest = 1 << 30;
+  for (bool expert_side : {false, true}) {
+    auto kernel = expert_side ? combine_kernel_of<StoreBf16, true>(true, true)
+                              : combine_kernel_of<StoreBf16, false>(true, true);
+    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kCombineThreads, 0),
+               "cudaOccupancyMaxActiveBlocksPerMultiprocessor(combine)");
+    fewest = per_sm < fewest ? per_sm : fewest;
+  }
+  return fewest;
+}
 
 void launch_combine_default(const CombineParams& p, bool send, bool recv, cudaStream_t stream) {
   const StoreBf16 store{static_cast<uint16_t*>(p.out), p.g.hidden};

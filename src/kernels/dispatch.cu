@@ -595,6 +595,75 @@ __device__ inline bool warp_wait_chunk(const GroupView& g, int32_t src, int32_t 
   return ok;
 }
 
+// Checks what the sources announced before anything is written: every count, message count and
+// chunk start in range (a peer's record is never trusted to stay inside the buffers), and the
+// rows routed here within the receive capacity (Config::max_recv_rows). Every receiving block
+// finds the same verdict; block rb == 0 records the error. Returns 0, kBadPeerData or
+// kRecvCapacity.
+template <class MetaAt>
+__device__ int32_t check_sources(const DispatchParams& p, const RecvGroups& rg, const MetaLayout& ml,
+                                 MetaAt meta_at, int32_t rb) {
+  const GroupView& g = p.g;
+  const int32_t n_local = g.n_local(), n_ranks = g.n_ranks;
+  __shared__ int32_t bad_field, bad_src, bad_value;
+  __shared__ unsigned long long entries[WindowLayout::kMaxPeers];  // rows routed here, by source
+  if (threadIdx.x == 0) bad_field = 0;
+  if (threadIdx.x < WindowLayout::kMaxPeers) entries[threadIdx.x] = 0;
+  __syncthreads();
+  auto flag = [&](int32_t field, int32_t s, int32_t v) {
+    if (atomicCAS(&bad_field, 0, field) == 0) {
+      bad_src = s;
+      bad_value = v;
+    }
+  };
+  if (threadIdx.x < n_ranks) {
+    const int32_t s = threadIdx.x;
+    if (rg.stream_count[s] < 0 || rg.stream_count[s] > g.max_tokens)
+      flag(kFieldStreamCount, s, rg.stream_count[s]);
+    else if (rg.n_chunks[s] < 0 || rg.n_chunks[s] > ml.max_chunks)
+      flag(kFieldChunks, s, rg.n_chunks[s]);
+  }
+  for (int32_t i = threadIdx.x; i < n_ranks * n_local; i += kThreads) {
+    const int32_t s = i / n_local, c = rg.counts[i];
+    if (c < 0 || c > rg.stream_count[s])
+      flag(kFieldGroupCount, s, c);
+    else
+      atomicAdd(&entries[s], (unsigned long long)c);
+  }
+  int32_t most_chunks = 0;
+  for (int32_t s = 0; s < n_ranks; ++s)
+    most_chunks = max(most_chunks, min(max(rg.n_chunks[s], 0), ml.max_chunks));
+  for (int32_t i = threadIdx.x; i < n_ranks * (most_chunks + 1); i += kThreads) {
+    const int32_t s = i / (most_chunks + 1), c = i % (most_chunks + 1);
+    if (c > rg.n_chunks[s] || rg.n_chunks[s] > ml.max_chunks) continue;
+    const volatile int32_t* starts =
+        reinterpret_cast<const volatile int32_t*>(meta_at(s) + ml.chunk_start_offset());
+    const int32_t v = starts[c];
+    if (v < 0 || v > rg.stream_count[s] || (c > 0 && starts[c - 1] > v))
+      flag(kFieldChunkStart, s, v);
+  }
+  __syncthreads();
+  int32_t code = bad_field != 0 ? int32_t(ErrorCode::kBadPeerData) : 0;
+  unsigned long long routed = 0;
+  for (int32_t s = 0; s < n_ranks; ++s) routed += entries[s];
+  if (code == 0 && routed > (unsigned long long)g.max_routed_rows())
+    code = int32_t(ErrorCode::kRecvCapacity);
+  if (code != 0 && rb == 0 && threadIdx.x == 0) {
+    if (code == int32_t(ErrorCode::kBadPeerData)) {
+      record_error(g, ErrorCode::kBadPeerData, kOpDispatchRecv, int32_t(1u << bad_src), -1, -1,
+                   bad_value, WaitWhat(bad_field));
+    } else {
+      uint32_t senders = 0;
+      for (int32_t s = 0; s < n_ranks; ++s)
+        if (entries[s] > 0) senders |= 1u << s;
+      record_error(g, ErrorCode::kRecvCapacity, kOpDispatchRecv, int32_t(senders), -1, -1,
+                   int32_t(min(routed, 0x7fffffffull)), kWaitNone);
+    }
+  }
+  __syncthreads();  // bad_field is read again by the next call of this block
+  return code;
+}
+
 // Receiver block rb of n_rb (all blocks of dispatch_wait; the non-senders of the fused kernel),
 // or a sender of the fused kernel that has sent its chunks and joins in (rb < 0: it takes work
 // items only; the receivers write the padding and the combine's bookkeeping).
@@ -627,6 +696,20 @@ __device__ __noinline__ void dispatch_recv(const DispatchParams& p, unsigned lon
         *reinterpret_cast<const volatile int32_t*>(meta_at(threadIdx.x) + ml.n_chunks_offset());
   }
   __syncthreads();
+  if (check_sources(p, rg, ml, meta_at, rb) != 0) {
+    // Nothing is written but empty groups (row_offsets all 0, so combine sends nothing back
+    // from here); the call still completes, so the group stays usable.
+    if (rb == 0) {
+      for (int32_t grp = threadIdx.x; grp <= n_local; grp += kThreads) {
+        p.row_offsets[grp] = 0;
+        if (grp < n_local) p.expert_ids[grp] = grp;
+        if (format_swizzled(F) && grp < n_local) p.scales_offsets[grp] = 0;
+      }
+      if (threadIdx.x < n_ranks) p.scratch.recv_count[threadIdx.x] = 0;
+    }
+    dispatch_done(g, seq);
+    return;
+  }
 
   // row_offsets: exclusive scan of the group totals, each padded to the format's row alignment;
   // the swizzled formats also scan each group's scale tiles (n_local <= 1024 = 2 per thread).
@@ -825,7 +908,7 @@ void launch_dispatch(const DispatchParams& p, bool send, bool recv, cudaStream_t
   });
 }
 
-void prepare_dispatch_kernels(const GroupView& g) {
+int prepare_dispatch_kernels(const GroupView& g) {
   const int smem = int(dispatch_smem_bytes(g));
   int per_sm = 0;
   with_format(g.format, [&](auto k) {
@@ -836,14 +919,7 @@ void prepare_dispatch_kernels(const GroupView& g) {
     check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, K::fused, kThreads, smem),
                "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
   });
-  int sms = 0, dev = 0;
-  check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
-  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev),
-             "cudaDeviceGetAttribute");
-  if (per_sm * sms < g.num_blocks)
-    throw Error(ErrorCode::kInvalidArgument,
-                "num_sms = " + std::to_string(g.num_blocks) + " exceeds the " +
-                    std::to_string(per_sm * sms) + " dispatch blocks this GPU can hold at once");
+  return per_sm;
 }
 
 }  // namespace detail

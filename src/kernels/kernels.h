@@ -13,14 +13,16 @@ namespace detail {
 
 // Dispatch: send (async), receive (wait) or both (fused) in one cooperative launch.
 void launch_dispatch(const DispatchParams& p, bool send, bool recv, cudaStream_t stream);
-// Sets the kernels' shared-memory limits and checks that num_blocks blocks fit on the device.
-void prepare_dispatch_kernels(const GroupView& g);
+// Sets the kernels' shared-memory limits on the current device (which loads them) and returns
+// how many blocks of the fused kernel one SM holds.
+int prepare_dispatch_kernels(const GroupView& g);
 size_t dispatch_smem_bytes(const GroupView& g);
 int dispatch_threads();
 int dispatch_unit_tokens();  // tokens ranked per block-unit (sizes the ranking scratch)
 
-// Loads the library's combine kernels now (see load_combine_kernels in combine_kernel.cuh).
-void load_combine_kernels_default();
+// Loads the library's combine kernels now (see load_combine_kernels in combine_kernel.cuh) and
+// returns how many blocks of them one SM holds.
+int load_combine_kernels_default();
 // Combine with the plain bf16 store (or the un-reduced [T, K, H] copy when weights are null).
 void launch_combine_default(const CombineParams& p, bool send, bool recv, cudaStream_t stream);
 

@@ -23,6 +23,8 @@ const char* error_code_name(ErrorCode code) {
     case ErrorCode::kDuplicateExpert: return "duplicate expert";
     case ErrorCode::kPoisoned: return "group poisoned";
     case ErrorCode::kBootstrap: return "bootstrap";
+    case ErrorCode::kRecvCapacity: return "receive capacity exceeded";
+    case ErrorCode::kBadPeerData: return "bad data from a peer";
   }
   return "unknown";
 }
@@ -90,6 +92,8 @@ void Config::validate(int n_ranks) const {
     throw Error(ErrorCode::kInvalidArgument,
                 "epcomm config: timeout_seconds = " + std::to_string(timeout_seconds) +
                     " is invalid: between 0 and 3600 seconds");
+  require(max_recv_rows >= 0, "max_recv_rows", "0 (the worst case) or a positive row count",
+          max_recv_rows);
 }
 
 void check_configs_match(const Config* configs, int n_ranks) {
@@ -112,6 +116,8 @@ void check_configs_match(const Config* configs, int n_ranks) {
     field("nvfp4_global_scale", a.nvfp4_global_scale, b.nvfp4_global_scale);
     field("num_sms", a.num_sms, b.num_sms);
     field("timeout_seconds", a.timeout_seconds, b.timeout_seconds);
+    field("share_gpus", a.share_gpus, b.share_gpus);
+    field("max_recv_rows", double(a.max_recv_rows), double(b.max_recv_rows));
   }
 }
 
@@ -122,6 +128,8 @@ Sizes compute_sizes(const Config& cfg, int n_ranks) {
   s.num_groups = s.n_local_experts;
   s.max_routed_rows =
       max_routed_rows(cfg.max_tokens_per_rank, n_ranks, cfg.top_k, s.n_local_experts);
+  if (cfg.max_recv_rows > 0 && cfg.max_recv_rows < s.max_routed_rows)
+    s.max_routed_rows = cfg.max_recv_rows;
   const DispatchOutputLayout out =
       DispatchOutputLayout::make(cfg.format, cfg.hidden, s.max_routed_rows, s.num_groups);
   s.max_recv_rows = out.rows;

@@ -48,6 +48,7 @@ namespace {
 struct PeerInfo {
   int32_t pid;
   int32_t device;
+  int32_t resident_blocks;  // max_resident_blocks on this rank's GPU
   char host[64];
   char pci_bus_id[32];
   char uuid[16];
@@ -64,6 +65,65 @@ namespace {
 
 void check_setup(bool ok, int rank, const std::string& msg) {
   if (!ok) throw Error(ErrorCode::kSetup, rank_prefix(rank) + msg);
+}
+
+// What every kernel knows about the group, but the rank and the pointers.
+GroupView make_view(const Config& cfg, int n_ranks, const Sizes& sizes) {
+  GroupView v{};
+  v.n_ranks = n_ranks;
+  v.hidden = cfg.hidden;
+  v.top_k = cfg.top_k;
+  v.n_experts = cfg.n_experts;
+  v.max_tokens = cfg.max_tokens_per_rank;
+  v.num_blocks = cfg.num_sms;
+  v.format = cfg.format;
+  v.nvfp4_global_scale = cfg.nvfp4_global_scale;
+  v.routed_rows = sizes.max_routed_rows;
+  v.timeout_ns = (unsigned long long)(cfg.timeout_seconds * 1e9);
+  return v;
+}
+
+// Blocks of the group's kernels the current device holds at once; loads the kernels.
+int resident_blocks_here(const GroupView& v) {
+  const int per_sm = std::min(prepare_dispatch_kernels(v), load_combine_kernels_default());
+  int dev = 0, sms = 0;
+  check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
+  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev),
+             "cudaDeviceGetAttribute(multiProcessorCount)");
+  return per_sm * sms;
+}
+
+// Every rank's blocks must be resident at once (the kernels wait on each other). Checked for
+// each GPU over the ranks that use it, from the gathered set-up records, so every rank throws
+// the same error.
+void check_residency(const std::vector<PeerInfo>& all, const Config& cfg, int rank) {
+  const int n = int(all.size());
+  for (int r = 0; r < n; ++r) {
+    int sharing = 0, first = -1;
+    for (int q = 0; q < n; ++q)
+      if (std::memcmp(all[q].uuid, all[r].uuid, 16) == 0 &&
+          std::strncmp(all[q].host, all[r].host, sizeof(all[r].host)) == 0) {
+        if (first < 0) first = q;
+        ++sharing;
+      }
+    if (first != r) continue;  // each GPU once, at its first rank
+    const int64_t need = int64_t(sharing) * cfg.num_sms;
+    const int fit = all[r].resident_blocks;
+    if (need <= fit) continue;
+    std::ostringstream os;
+    os << rank_prefix(rank);
+    if (sharing == 1) {
+      os << "num_sms = " << cfg.num_sms << " blocks exceed the " << fit
+         << " that GPU " << all[r].pci_bus_id << " (rank " << r
+         << ") can hold at once; set num_sms <= " << fit;
+    } else {
+      os << sharing << " ranks share GPU " << all[r].pci_bus_id << " (first rank " << r
+         << "), each with num_sms = " << cfg.num_sms << ": " << need
+         << " blocks must be resident at once but the GPU holds " << fit
+         << "; set num_sms <= " << fit / sharing << " (max_resident_blocks / ranks on the GPU)";
+    }
+    throw Error(ErrorCode::kInvalidArgument, os.str());
+  }
 }
 
 }  // namespace
@@ -95,6 +155,7 @@ void GroupState::setup(const Config& config, Bootstrap& bs, int dev) {
   cudaDeviceProp prop{};
   check_cuda(cudaGetDeviceProperties(&prop, dev), "cudaGetDeviceProperties");
   std::memcpy(me.uuid, prop.uuid.bytes, 16);
+  if (local_error.empty()) me.resident_blocks = resident_blocks_here(make_view(cfg, n_ranks, sizes));
 
   const WindowLayout wl{n_ranks, cfg.hidden, cfg.top_k, cfg.n_experts, cfg.max_tokens_per_rank,
                         cfg.format};
@@ -129,14 +190,20 @@ void GroupState::setup(const Config& config, Bootstrap& bs, int dev) {
   for (const PeerInfo& p : all) cfgs.push_back(p.cfg);
   check_configs_match(cfgs.data(), n_ranks);
 
-  // Peer pointers: the same process -> peer access; another process -> CUDA IPC.
-  view = GroupView{};
+  for (int r = 0; r < n_ranks; ++r)
+    for (int q = 0; q < r; ++q)
+      check_setup(cfg.share_gpus || std::memcmp(all[q].uuid, all[r].uuid, 16) != 0 ||
+                      std::strncmp(all[q].host, all[r].host, sizeof(me.host)) != 0,
+                  rank,
+                  "ranks " + std::to_string(q) + " and " + std::to_string(r) +
+                      " use the same GPU (set Config::share_gpus to let ranks share one)");
+  check_residency(all, cfg, rank);
+
+  // Peer pointers: the same process -> its own pointer (same GPU) or peer access; another
+  // process -> CUDA IPC (also on the same GPU).
+  view = make_view(cfg, n_ranks, sizes);
   for (int r = 0; r < n_ranks; ++r) {
     const PeerInfo& p = all[r];
-    for (int q = 0; q < r; ++q)
-      check_setup(std::memcmp(all[q].uuid, p.uuid, 16) != 0, rank,
-                  "ranks " + std::to_string(q) + " and " + std::to_string(r) +
-                      " use the same GPU");
     if (r == rank) {
       view.window[r] = window;
       continue;
@@ -144,12 +211,13 @@ void GroupState::setup(const Config& config, Bootstrap& bs, int dev) {
     check_setup(std::strncmp(p.host, me.host, sizeof(me.host)) == 0, rank,
                 "rank " + std::to_string(r) + " is on host " + p.host +
                     "; this build connects the GPUs of one node only");
+    const bool same_gpu = std::memcmp(p.uuid, me.uuid, 16) == 0;
     int peer_dev = -1;
     if (cudaDeviceGetByPCIBusId(&peer_dev, p.pci_bus_id) != cudaSuccess) {
       (void)cudaGetLastError();
       peer_dev = -1;
     }
-    if (peer_dev >= 0) {
+    if (peer_dev >= 0 && !same_gpu) {
       int can = 0;
       check_cuda(cudaDeviceCanAccessPeer(&can, dev, peer_dev), "cudaDeviceCanAccessPeer");
       check_setup(can != 0, rank,
@@ -158,11 +226,13 @@ void GroupState::setup(const Config& config, Bootstrap& bs, int dev) {
                       std::to_string(r) + ")");
     }
     if (p.pid == me.pid) {
-      const cudaError_t e = cudaDeviceEnablePeerAccess(p.device, 0);
-      if (e == cudaErrorPeerAccessAlreadyEnabled) {
-        (void)cudaGetLastError();
-      } else {
-        check_cuda(e, "cudaDeviceEnablePeerAccess");
+      if (!same_gpu) {
+        const cudaError_t e = cudaDeviceEnablePeerAccess(p.device, 0);
+        if (e == cudaErrorPeerAccessAlreadyEnabled) {
+          (void)cudaGetLastError();
+        } else {
+          check_cuda(e, "cudaDeviceEnablePeerAccess");
+        }
       }
       view.window[r] = static_cast<char*>(p.window);
     } else {
@@ -210,15 +280,6 @@ void GroupState::setup(const Config& config, Bootstrap& bs, int dev) {
              "cudaHostGetDevicePointer");
 
   view.rank = rank;
-  view.n_ranks = n_ranks;
-  view.hidden = cfg.hidden;
-  view.top_k = cfg.top_k;
-  view.n_experts = cfg.n_experts;
-  view.max_tokens = cfg.max_tokens_per_rank;
-  view.num_blocks = cfg.num_sms;
-  view.format = cfg.format;
-  view.nvfp4_global_scale = cfg.nvfp4_global_scale;
-  view.timeout_ns = (unsigned long long)(cfg.timeout_seconds * 1e9);
   view.state = state;
   view.error = error_dev;
   if (cfg.trace) {
@@ -227,8 +288,6 @@ void GroupState::setup(const Config& config, Bootstrap& bs, int dev) {
     check_cuda(cudaMemset(trace, 0, bytes), "cudaMemset(trace)");
     view.trace = trace;
   }
-  prepare_dispatch_kernels(view);  // also loads the dispatch kernels
-  load_combine_kernels_default();
   check_cuda(cudaDeviceSynchronize(), "set-up");
   // Nobody may send before every window is zeroed and mapped.
   bs.barrier();
@@ -241,7 +300,11 @@ GroupState::~GroupState() {
   for (int d : local_devices.empty() ? std::vector<int>{device} : local_devices) {
     if (cudaSetDevice(d) == cudaSuccess) (void)cudaDeviceSynchronize();
   }
-  if (joined && owned_bootstrap == nullptr && bootstrap != nullptr) {
+  // A poisoned group skips it: a peer may be dead, and every peer's kernels gave up within the
+  // same bound.
+  const bool timed_out =
+      poisoned || (error_host != nullptr && error_host->code == int32_t(ErrorCode::kTimeout));
+  if (joined && !timed_out && owned_bootstrap == nullptr && bootstrap != nullptr) {
     try {
       bootstrap->barrier();
     } catch (const std::exception&) {
@@ -261,6 +324,12 @@ GroupState::~GroupState() {
 }  // namespace detail
 
 // ---- construction -----------------------------------------------------------------------------
+
+int max_resident_blocks(const Config& cfg, int n_ranks, int device) {
+  cfg.validate(n_ranks);
+  detail::check_cuda(cudaSetDevice(device), "cudaSetDevice");
+  return detail::resident_blocks_here(detail::make_view(cfg, n_ranks, compute_sizes(cfg, n_ranks)));
+}
 
 Group::Group(std::unique_ptr<detail::GroupState> state) : s_(std::move(state)) {}
 Group::~Group() = default;
@@ -366,6 +435,16 @@ const char* wait_name(int32_t what) {
   return "";
 }
 
+const char* peer_field_name(int32_t field) {
+  switch (field) {
+    case detail::kFieldStreamCount: return "a message count";
+    case detail::kFieldChunks: return "a chunk count";
+    case detail::kFieldGroupCount: return "a group's token count";
+    case detail::kFieldChunkStart: return "a chunk start";
+  }
+  return "a value";
+}
+
 std::string ranks_of(int32_t mask) {
   std::string s;
   for (int r = 0; r < 32; ++r)
@@ -403,6 +482,16 @@ void Group::check() {
     case ErrorCode::kDuplicateExpert:
       os << "topk_ids[" << e->token << "] names expert " << e->value
          << " twice (again at slot " << e->slot << "); this rank sent no token";
+      break;
+    case ErrorCode::kRecvCapacity:
+      os << e->value << " rows were routed to this rank (from rank(s) " << ranks_of(e->peer_mask)
+         << "), more than its receive capacity of " << s_->sizes.max_routed_rows
+         << " rows (Config::max_recv_rows); no row was written (row_offsets are all 0, so "
+            "combine returns nothing from this rank's experts) and the group stays usable";
+      break;
+    case ErrorCode::kBadPeerData:
+      os << "rank " << ranks_of(e->peer_mask) << " announced " << peer_field_name(e->wait_what)
+         << " = " << e->value << ", out of range; no row was written";
       break;
     default:
       os << error_code_name(ec);

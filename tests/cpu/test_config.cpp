@@ -185,3 +185,38 @@ TEST(Config, SizesOfEachFormat) {
   EXPECT_EQ(s.scales_bytes, routed * 90);
   EXPECT_EQ(s.num_scales_offsets, 0);
 }
+
+// A receive cap replaces the worst case in every output size (FP8 pads on top of it), is
+// validated, and must agree between ranks.
+TEST(Config, ReceiveCapSizesTheOutputs) {
+  Config c = good();  // worst case 128 * 8 * 8 = 8192 routed rows
+  c.max_recv_rows = 1000;
+  Sizes s = compute_sizes(c, 8);
+  EXPECT_EQ(s.max_routed_rows, 1000);
+  EXPECT_EQ(s.max_recv_rows, 1000);
+  c.format = TokenFormat::kFp8Blockwise;
+  s = compute_sizes(c, 8);
+  EXPECT_EQ(s.max_recv_rows, (1000 + 3 * 32 + 3) / 4 * 4);
+  EXPECT_EQ(s.scales_bytes, int64_t(7168 / 128) * s.max_recv_rows * 4);
+  c.max_recv_rows = 1 << 20;  // above the worst case: the worst case stands
+  EXPECT_EQ(compute_sizes(c, 8).max_routed_rows, 128 * 8 * 8);
+  c.max_recv_rows = -1;
+  try {
+    c.validate(8);
+    ADD_FAILURE() << "a negative max_recv_rows was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("max_recv_rows"), std::string::npos) << e.what();
+  }
+  Config cs[2] = {good(), good()};
+  cs[1].max_recv_rows = 500;
+  try {
+    check_configs_match(cs, 2);
+    ADD_FAILURE() << "different caps were accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("max_recv_rows"), std::string::npos) << e.what();
+  }
+  cs[1] = good();
+  cs[1].share_gpus = true;
+  EXPECT_THROW(check_configs_match(cs, 2), Error);
+}

@@ -27,12 +27,12 @@ class Sweep : public ::testing::TestWithParam<Case> {};
 
 }  // namespace
 
-// Random routing over the shapes of the issue: 2/4/8 GPUs, hidden 2048/2880/7168, K = 1/4/8,
+// Random routing over the shapes of the issue: 2/3/4/8 ranks (sharing GPUs where there are fewer), hidden 2048/2880/7168, K = 1/4/8,
 // 8..256 experts, fused and async+wait forms; weighted (token side) and un-reduced combine, and
 // the expert-side reduction (weights given to dispatch).
 TEST_P(Sweep, MatchesReference) {
   const Case c = GetParam();
-  EPCOMM_REQUIRE_GPUS(c.n_ranks);
+  EPCOMM_REQUIRE_GPU();
   LocalGroup lg(make_cfg(c.hidden, c.top_k, c.n_experts, c.max_tokens), c.n_ranks);
   uint64_t seed = 1;
   for (Form form : {Form::kFused, Form::kAsyncWait}) {
@@ -56,6 +56,8 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(Case{2, 7168, 8, 256, 128, 0.0, "r2_h7168_k8_e256"},
                       Case{2, 2048, 1, 8, 200, 0.0, "r2_h2048_k1_e8"},
                       Case{2, 2880, 4, 128, 96, 0.2, "r2_h2880_k4_e128_masked"},
+                      Case{3, 7168, 8, 96, 128, 0.0, "r3_h7168_k8_e96"},
+                      Case{3, 2048, 4, 12, 150, 0.1, "r3_h2048_k4_e12_masked"},
                       Case{4, 2880, 4, 128, 128, 0.0, "r4_h2880_k4_e128"},
                       Case{4, 7168, 8, 32, 64, 0.1, "r4_h7168_k8_e32_masked"},
                       Case{4, 2048, 8, 8, 100, 0.0, "r4_h2048_k8_e8"},
@@ -68,8 +70,8 @@ INSTANTIATE_TEST_SUITE_P(
 
 // T = 0, 1 and max on every rank, and ranks with different T.
 TEST(Edge, TokenCounts) {
-  EPCOMM_REQUIRE_GPUS(2);
-  const int n = std::min(gpu_count(), 8);
+  EPCOMM_REQUIRE_GPU();
+  const int n = suite_ranks();
   const int max_t = 1100;  // more than two ranking units of 512
   LocalGroup lg(make_cfg(2048, 8, 8 * n, max_t), n);
   const std::vector<std::vector<int32_t>> counts = {
@@ -90,8 +92,8 @@ TEST(Edge, TokenCounts) {
 // Every token of every rank routed to one expert (the most skewed load), with K = 1 and with one
 // live slot of 8.
 TEST(Edge, EveryTokenToOneExpert) {
-  EPCOMM_REQUIRE_GPUS(2);
-  const int n = std::min(gpu_count(), 8);
+  EPCOMM_REQUIRE_GPU();
+  const int n = suite_ranks();
   for (int K : {1, 8}) {
     LocalGroup lg(make_cfg(2880, K, 4 * n, 256), n);
     auto p = reference::make_problem(n, 2880, K, 4 * n,
@@ -110,8 +112,8 @@ TEST(Edge, EveryTokenToOneExpert) {
 
 // Async and wait with other GPU work between them on the same stream.
 TEST(Forms, AsyncWaitWithWorkBetween) {
-  EPCOMM_REQUIRE_GPUS(2);
-  const int n = std::min(gpu_count(), 8);
+  EPCOMM_REQUIRE_GPU();
+  const int n = suite_ranks();
   LocalGroup lg(make_cfg(7168, 8, 32 * n, 128), n);
   for (uint64_t seed = 20; seed < 23; ++seed) {
     const auto p = reference::make_problem(n, 7168, 8, 32 * n, random_counts(n, 128, seed), seed);
@@ -124,7 +126,7 @@ TEST(Forms, AsyncWaitWithWorkBetween) {
 
 // Block counts from 1 to more than the ranking needs, on the same data.
 TEST(Forms, AnyNumberOfBlocks) {
-  EPCOMM_REQUIRE_GPUS(2);
+  EPCOMM_REQUIRE_GPU();
   const int n = 2;
   for (int sms : {1, 3, 64, 132}) {
     LocalGroup lg(make_cfg(2048, 8, 64, 700, sms), n);
@@ -138,8 +140,8 @@ TEST(Forms, AnyNumberOfBlocks) {
 
 // 1000 back-to-back iterations with changing routing and T; every result checked.
 TEST(Stress, ThousandIterations) {
-  EPCOMM_REQUIRE_GPUS(2);
-  const int n = std::min(gpu_count(), 8);
+  EPCOMM_REQUIRE_GPU();
+  const int n = suite_ranks();
   const int H = 512, K = 4, E = 8 * n, max_t = 96;
   LocalGroup lg(make_cfg(H, K, E, max_t), n);
   for (int it = 0; it < 1000; ++it) {
@@ -157,8 +159,8 @@ TEST(Stress, ThousandIterations) {
 
 // The same inputs twice give bit-identical outputs (row order and reduction order are fixed).
 TEST(Determinism, SameInputsSameBits) {
-  EPCOMM_REQUIRE_GPUS(2);
-  const int n = std::min(gpu_count(), 8);
+  EPCOMM_REQUIRE_GPU();
+  const int n = suite_ranks();
   LocalGroup lg(make_cfg(7168, 8, 256, 256), n);
   const auto p = reference::make_problem(n, 7168, 8, 256, random_counts(n, 256, 77), 77);
   std::vector<std::vector<uint16_t>> first_d(static_cast<size_t>(n)),
@@ -192,8 +194,8 @@ struct StoreF32 {
 
 // A device epilogue receives the fp32 sums: within 1e-5 of the float64 reference.
 TEST(Combine, EpilogueGetsFp32Sums) {
-  EPCOMM_REQUIRE_GPUS(2);
-  const int n = std::min(gpu_count(), 8);
+  EPCOMM_REQUIRE_GPU();
+  const int n = suite_ranks();
   const int H = 2880, K = 8, E = 16 * n, max_t = 200;
   LocalGroup lg(make_cfg(H, K, E, max_t), n);
   for (int r = 0; r < n; ++r) {
@@ -254,8 +256,8 @@ TEST(Combine, EpilogueGetsFp32Sums) {
 // Dispatch + combine captured in a CUDA graph, replayed with new inputs in the same buffers;
 // with the token-side and with the expert-side reduction.
 TEST(Graph, CapturedRoundReplaysWithNewInputs) {
-  EPCOMM_REQUIRE_GPUS(2);
-  const int n = std::min(gpu_count(), 8);
+  EPCOMM_REQUIRE_GPU();
+  const int n = suite_ranks();
   const int H = 2048, K = 8, E = 8 * n, T = 160;
   LocalGroup lg(make_cfg(H, K, E, T), n);
   // Warm-up round (outside the graph), then capture.
@@ -314,8 +316,8 @@ TEST(Graph, CapturedRoundReplaysWithNewInputs) {
 // A rank that never launches: the others stop within the timeout with an error naming it, the
 // group is poisoned, and a new group in the same process works.
 TEST(Failure, MissingRankTimesOutNamingIt) {
-  EPCOMM_REQUIRE_GPUS(2);
-  const int n = std::min(gpu_count(), 4);
+  EPCOMM_REQUIRE_GPU();
+  const int n = 4;
   const int missing = 1;
   {
     LocalGroup lg(make_cfg(2048, 4, 8 * n, 64, 24, 1.0), n);
@@ -363,8 +365,8 @@ TEST(Failure, MissingRankTimesOutNamingIt) {
 
 // Set-up, teardown and set-up again in the same process.
 TEST(Setup, SecondInitWorks) {
-  EPCOMM_REQUIRE_GPUS(2);
-  const int n = std::min(gpu_count(), 8);
+  EPCOMM_REQUIRE_GPU();
+  const int n = suite_ranks();
   for (int i = 0; i < 3; ++i) {
     LocalGroup lg(make_cfg(2048, 8, 16 * n, 64), n);
     const auto p =
@@ -375,7 +377,7 @@ TEST(Setup, SecondInitWorks) {
 
 // Host-checked bad input: a clear error before anything is launched, and the next call works.
 TEST(BadInput, HostChecks) {
-  EPCOMM_REQUIRE_GPUS(2);
+  EPCOMM_REQUIRE_GPU();
   const int n = 2;
   LocalGroup lg(make_cfg(2048, 4, 16, 64), n);
   RankIO& io = *lg.io[0];
@@ -445,8 +447,8 @@ TEST(BadInput, HostChecks) {
 // Device-checked bad input on one rank: that rank reports the token and slot, sends nothing,
 // the others' outputs match the reference without it, and the next valid round works.
 TEST(BadInput, DeviceChecks) {
-  EPCOMM_REQUIRE_GPUS(2);
-  const int n = std::min(gpu_count(), 4);
+  EPCOMM_REQUIRE_GPU();
+  const int n = 4;
   const int H = 2048, K = 4, E = 8 * n, T = 100;
   LocalGroup lg(make_cfg(H, K, E, T), n);
   struct Bad {
@@ -498,4 +500,121 @@ TEST(BadInput, DeviceChecks) {
     ++seed;
     EXPECT_EQ(run_round(lg, good, RoundOptions{}), "");
   }
+}
+
+// Two ranks on one GPU only when the config says so; with it, a round works.
+TEST(Setup, SharingAGpuNeedsTheOptIn) {
+  EPCOMM_REQUIRE_GPU();
+  Config cfg = make_cfg(2048, 4, 16, 64, 8);
+  try {
+    Group::create_local(cfg, {0, 0});
+    ADD_FAILURE() << "two ranks on GPU 0 were accepted without share_gpus";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kSetup) << e.what();
+    EXPECT_NE(std::string(e.what()).find("use the same GPU"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("share_gpus"), std::string::npos) << e.what();
+  }
+  cfg.share_gpus = true;
+  LocalGroup lg(cfg, std::vector<int>{0, 0});
+  const auto p = reference::make_problem(2, 2048, 4, 16, {64, 37}, 71);
+  EXPECT_EQ(run_round(lg, p, RoundOptions{}), "");
+}
+
+// More blocks than fit when every sharing rank's grid must be resident: refused at set-up with
+// the count needed, the count that fits and the num_sms that would; that num_sms works.
+TEST(Setup, ResidencyIsCheckedBeforeAnyLaunch) {
+  EPCOMM_REQUIRE_GPU();
+  const int n = 4;
+  Config cfg = make_cfg(2048, 4, 16, 64);
+  cfg.share_gpus = true;
+  const int fit = max_resident_blocks(cfg, n, 0);
+  ASSERT_GE(fit, n);
+  cfg.num_sms = fit / n + 1;
+  const std::vector<int> devices(static_cast<size_t>(n), 0);
+  try {
+    Group::create_local(cfg, devices);
+    ADD_FAILURE() << n << " x " << cfg.num_sms << " blocks on one GPU holding " << fit
+                  << " were accepted";
+  } catch (const Error& e) {
+    const std::string w = e.what();
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << w;
+    EXPECT_NE(w.find(std::to_string(n * cfg.num_sms) + " blocks must be resident"),
+              std::string::npos)
+        << w;
+    EXPECT_NE(w.find("holds " + std::to_string(fit)), std::string::npos) << w;
+    EXPECT_NE(w.find("num_sms <= " + std::to_string(fit / n)), std::string::npos) << w;
+  }
+  cfg.num_sms = fit / n;
+  LocalGroup lg(cfg, devices);
+  const auto p = reference::make_problem(n, 2048, 4, 16, random_counts(n, 64, 72), 72);
+  EXPECT_EQ(run_round(lg, p, RoundOptions{}), "");
+}
+
+// Config::max_recv_rows: at the cap a round works; one row past it, the rank that would receive
+// too many reports the count and the cap, writes no row (its outputs keep their poison, its
+// row_offsets are all 0), the other ranks' outputs match the reference, and the next call works.
+TEST(BadInput, ReceiveCapacity) {
+  EPCOMM_REQUIRE_GPU();
+  const int n = 4, H = 2048, K = 4, E = 16, T = 64;
+  const auto p =
+      reference::make_problem(n, H, K, E, std::vector<int32_t>(static_cast<size_t>(n), T), 73);
+  const auto refs = reference_dispatch_all(p);
+  int64_t most = 0;
+  for (const auto& r : refs) most = std::max(most, r.rows());
+  {
+    Config cfg = make_cfg(H, K, E, T);
+    cfg.max_recv_rows = most;
+    LocalGroup lg(cfg, n);
+    EXPECT_EQ(lg.groups[0]->sizes().max_recv_rows, most);
+    EXPECT_EQ(run_round(lg, p, RoundOptions{}), "") << "at the cap";
+  }
+  Config cfg = make_cfg(H, K, E, T);
+  cfg.max_recv_rows = most - 1;
+  LocalGroup lg(cfg, n);
+  for (int r = 0; r < n; ++r) {
+    lg.io[size_t(r)]->upload(p.ranks[size_t(r)]);
+    lg.io[size_t(r)]->poison();
+  }
+  for (int r = 0; r < n; ++r) {
+    EPCOMM_CUDA_OK(cudaSetDevice(lg.io[size_t(r)]->device));
+    lg.groups[size_t(r)]->dispatch(lg.io[size_t(r)]->dispatch_input(),
+                                   lg.io[size_t(r)]->dispatch_output(), lg.io[size_t(r)]->stream);
+  }
+  int over = 0;
+  for (int r = 0; r < n; ++r) {
+    RankIO& io = *lg.io[size_t(r)];
+    const int64_t rows = refs[size_t(r)].rows();
+    if (rows <= most - 1) {
+      EXPECT_NO_THROW(lg.groups[size_t(r)]->synchronize(io.stream)) << "rank " << r;
+      EXPECT_EQ(io.check_dispatch(refs[size_t(r)]), "") << "rank " << r;
+      continue;
+    }
+    ++over;
+    try {
+      lg.groups[size_t(r)]->synchronize(io.stream);
+      ADD_FAILURE() << "rank " << r << " received " << rows << " rows past a cap of " << most - 1;
+    } catch (const Error& e) {
+      const std::string w = e.what();
+      EXPECT_EQ(e.code(), ErrorCode::kRecvCapacity) << w;
+      EXPECT_NE(w.find("rank " + std::to_string(r)), std::string::npos) << w;
+      EXPECT_NE(w.find(std::to_string(rows) + " rows were routed"), std::string::npos) << w;
+      EXPECT_NE(w.find("capacity of " + std::to_string(most - 1)), std::string::npos) << w;
+    }
+    EXPECT_FALSE(lg.groups[size_t(r)]->poisoned());
+    std::vector<uint8_t> bytes(io.out_tokens.bytes());
+    io.out_tokens.download(bytes.data(), bytes.size());
+    EXPECT_EQ(std::count(bytes.begin(), bytes.end(), uint8_t(0xff)), int64_t(bytes.size()))
+        << "rank " << r << ": rows were written past the capacity";
+    bytes.resize(io.src_info.bytes());
+    io.src_info.download(bytes.data(), bytes.size());
+    EXPECT_EQ(std::count(bytes.begin(), bytes.end(), uint8_t(0xff)), int64_t(bytes.size()))
+        << "rank " << r << ": src_info was written";
+    std::vector<uint32_t> offsets(size_t(io.n_groups + 1));
+    io.row_offsets.download(offsets.data(), offsets.size() * 4);
+    for (uint32_t o : offsets) EXPECT_EQ(o, 0u) << "rank " << r;
+  }
+  EXPECT_GE(over, 1);
+  // A round whose every rank stays under the cap works on the same group.
+  const auto small = reference::make_problem(n, H, K, E, random_counts(n, T / 4, 74), 74);
+  EXPECT_EQ(run_round(lg, small, RoundOptions{}), "");
 }

@@ -228,7 +228,7 @@ class FormatSweep : public ::testing::TestWithParam<SweepCase> {};
 // with reference::dispatch_quantized exactly (the first mismatch names rank, row and column).
 TEST_P(FormatSweep, MatchesReference) {
   const SweepCase c = GetParam();
-  EPCOMM_REQUIRE_GPUS(c.n_ranks);
+  EPCOMM_REQUIRE_GPU();
   LocalGroup lg(quant_cfg(c.format, c.hidden, c.top_k, c.n_experts, c.max_tokens, c.gs),
                 c.n_ranks);
   uint64_t seed = 100;
@@ -258,9 +258,9 @@ std::string format_name(const ::testing::TestParamInfo<TokenFormat>& info) {
 // 2. The GPU's codes and scales, dequantised where the grouped GEMM reads them, are within the
 // format's error bound of the bf16 values the rows came from.
 TEST_P(FormatBehaviour, DequantizedWithinErrorBound) {
-  EPCOMM_REQUIRE_GPUS(2);
+  EPCOMM_REQUIRE_GPU();
   const TokenFormat f = GetParam();
-  const int n = std::min(gpu_count(), 8);
+  const int n = suite_ranks();
   const int K = 8, E = 16 * n, T = 96;
   for (int32_t H : hidden_sizes(f)) {
     LocalGroup lg(quant_cfg(f, H, K, E, T), n);
@@ -284,9 +284,9 @@ TEST_P(FormatBehaviour, DequantizedWithinErrorBound) {
 // -1 matches no token. Weighted (bf16 tolerance), un-reduced (exact) and the expert-side
 // reduction (exact; weights carried by the quantised dispatch), both forms, masked slots.
 TEST_P(FormatBehaviour, CombineAfterDispatch) {
-  EPCOMM_REQUIRE_GPUS(2);
+  EPCOMM_REQUIRE_GPU();
   const TokenFormat f = GetParam();
-  const int n = std::min(gpu_count(), 8);
+  const int n = suite_ranks();
   const int K = 8, E = 32 * n, T = 100;  // ~25 rows per group: most FP8 groups get padding
   for (int32_t H : hidden_sizes(f)) {
     LocalGroup lg(quant_cfg(f, H, K, E, T), n);
@@ -311,9 +311,9 @@ TEST_P(FormatBehaviour, CombineAfterDispatch) {
 // so scales, swizzled tiles, FP8 padding rows and scales_offsets left by an earlier call must
 // not survive into a later one (the whole swizzled array is compared). Combine follows each.
 TEST_P(FormatBehaviour, SmallerDispatchLeavesNothingStale) {
-  EPCOMM_REQUIRE_GPUS(2);
+  EPCOMM_REQUIRE_GPU();
   const TokenFormat f = GetParam();
-  const int n = std::min(gpu_count(), 8);
+  const int n = suite_ranks();
   const int32_t H = f == TokenFormat::kFp8Blockwise ? 2048 : 2880;
   const int K = 8, E = 16 * n, T = 256;
   LocalGroup lg(quant_cfg(f, H, K, E, T), n);

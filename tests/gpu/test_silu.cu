@@ -630,41 +630,41 @@ void run_cases(const std::string& variant, const std::vector<int32_t>& inters) {
 }  // namespace
 
 TEST(Silu, Bf16MatchesReference) {
-  EPCOMM_REQUIRE_GPUS(1);
+  EPCOMM_REQUIRE_GPU();
   run_cases("bf16", {8, 128, 1024, 1536, 1440});
 }
 
 TEST(Silu, Fp8MatchesReference) {
-  EPCOMM_REQUIRE_GPUS(1);
+  EPCOMM_REQUIRE_GPU();
   run_cases("fp8", {128, 1024, 1536});
 }
 
 // Padding rows (src_info rank -1) hold random input that must not be read: zero codes and
 // scales.
 TEST(Silu, Fp8PaddingRowsFromSrcInfo) {
-  EPCOMM_REQUIRE_GPUS(1);
+  EPCOMM_REQUIRE_GPU();
   run_cases("fp8_src_info", {128, 1024, 1536});
 }
 
 // I = 16 and 48 fill only part of a 4-column scale word; 1440 (2880 / 2) leaves a partial last
 // column tile too.
 TEST(Silu, Nvfp4MatchesReference) {
-  EPCOMM_REQUIRE_GPUS(1);
+  EPCOMM_REQUIRE_GPU();
   run_cases("nvfp4", {16, 48, 128, 1024, 1536, 1440});
 }
 
 TEST(Silu, Nvfp4InterleavedMatchesReference) {
-  EPCOMM_REQUIRE_GPUS(1);
+  EPCOMM_REQUIRE_GPU();
   run_cases("nvfp4_interleaved", {16, 128, 1024, 1536, 1440});
 }
 
 TEST(Silu, Mxfp4MatchesReference) {
-  EPCOMM_REQUIRE_GPUS(1);
+  EPCOMM_REQUIRE_GPU();
   run_cases("mxfp4", {32, 128, 1024, 1536, 1440});
 }
 
 TEST(Silu, Mxfp4ClampedSwigluMatchesReference) {
-  EPCOMM_REQUIRE_GPUS(1);
+  EPCOMM_REQUIRE_GPU();
   run_cases("mxfp4_clamped", {32, 128, 1024, 1536, 1440});
 }
 
@@ -673,7 +673,7 @@ TEST(Silu, Mxfp4ClampedSwigluMatchesReference) {
 // must give the reference's result for the counts it finds on the device — and NVFP4's scale
 // tiles that an earlier replay used must come back zero.
 TEST(Silu, GraphReplayReadsRowCountOnDevice) {
-  EPCOMM_REQUIRE_GPUS(1);
+  EPCOMM_REQUIRE_GPU();
   EPCOMM_CUDA_OK(cudaSetDevice(kDevice));
   load_silu_kernels();
   const int32_t inter = 512, groups = 4;
@@ -717,7 +717,7 @@ TEST(Silu, GraphReplayReadsRowCountOnDevice) {
 
 // Host-side argument checks: each bad argument throws kInvalidArgument before any launch.
 TEST(Silu, RejectsBadArguments) {
-  EPCOMM_REQUIRE_GPUS(1);
+  EPCOMM_REQUIRE_GPU();
   EPCOMM_CUDA_OK(cudaSetDevice(kDevice));
   DeviceBuffer mem(kDevice, 1 << 20);
   mem.fill(0);  // row_offsets all 0: should a check be missing, its launch writes nothing

@@ -3,7 +3,10 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <mutex>
 #include <random>
+#include <set>
+#include <string>
 
 namespace epcomm {
 namespace testing {
@@ -15,6 +18,44 @@ int gpu_count() {
     return 0;
   }
   return n;
+}
+
+int device_of_rank(int rank) { return rank % std::max(gpu_count(), 1); }
+
+int ranks_per_gpu(int n_ranks) {
+  const int gpus = std::max(gpu_count(), 1);
+  return (n_ranks + gpus - 1) / gpus;
+}
+
+int suite_ranks() { return std::min(std::max(gpu_count(), 4), 8); }
+
+namespace {
+std::mutex shared_mu;
+std::set<std::string>& shared_tests() {
+  static std::set<std::string> names;
+  return names;
+}
+}  // namespace
+
+Config placed(Config cfg, int n_ranks) {
+  const int per_gpu = ranks_per_gpu(n_ranks);
+  if (per_gpu <= 1) return cfg;
+  cfg.share_gpus = true;
+  const int fit = max_resident_blocks(cfg, n_ranks, 0) / per_gpu;
+  cfg.num_sms = std::max(1, std::min(cfg.num_sms, fit));
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  std::lock_guard<std::mutex> lock(shared_mu);
+  const bool first = shared_tests().insert(info ? std::string(info->test_suite_name()) + "." + info->name()
+                                                : std::string("(outside a test)")).second;
+  if (first)
+    std::printf("[epcomm] %d ranks share %d GPU(s) (%d per GPU, num_sms %d each)\n", n_ranks,
+                std::max(gpu_count(), 1), per_gpu, cfg.num_sms);
+  return cfg;
+}
+
+int shared_gpu_tests() {
+  std::lock_guard<std::mutex> lock(shared_mu);
+  return int(shared_tests().size());
 }
 
 DeviceBuffer::DeviceBuffer(int device, size_t bytes) : device_(device), bytes_(bytes) {
@@ -262,8 +303,12 @@ reference::DispatchResult combine_layout(const reference::QuantDispatchResult& q
 
 LocalGroup::LocalGroup(const Config& cfg, int n_ranks) {
   std::vector<int> devs;
-  for (int d = 0; d < n_ranks; ++d) devs.push_back(d);
-  groups = Group::create_local(cfg, devs);
+  for (int r = 0; r < n_ranks; ++r) devs.push_back(device_of_rank(r));
+  groups = Group::create_local(placed(cfg, n_ranks), devs);
+  for (auto& g : groups) io.push_back(std::make_unique<RankIO>(*g));
+}
+LocalGroup::LocalGroup(const Config& cfg, const std::vector<int>& devices) {
+  groups = Group::create_local(cfg, devices);
   for (auto& g : groups) io.push_back(std::make_unique<RankIO>(*g));
 }
 LocalGroup::~LocalGroup() {

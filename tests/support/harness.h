@@ -27,12 +27,26 @@ namespace testing {
 
 // Visible GPUs (0 when the CUDA runtime finds none or no driver).
 int gpu_count();
-// Skips the calling test, with the reason, when fewer than n GPUs are visible.
-#define EPCOMM_REQUIRE_GPUS(n)                                                               \
-  do {                                                                                       \
-    const int have_ = ::epcomm::testing::gpu_count();                                        \
-    if (have_ < (n)) GTEST_SKIP() << "needs " << (n) << " GPUs, found " << have_;            \
+// Skips the calling test, with the reason, when no GPU is visible. Multi-rank tests need no more
+// than one: their ranks share the GPUs there are (placed()).
+#define EPCOMM_REQUIRE_GPU()                                                      \
+  do {                                                                            \
+    if (::epcomm::testing::gpu_count() < 1) GTEST_SKIP() << "needs a GPU, found none"; \
   } while (0)
+
+// Where the suite's ranks run: rank r of a group on GPU r % gpu_count().
+int device_of_rank(int rank);
+// Ranks per GPU of an n-rank group placed that way (1 when every rank has its own GPU).
+int ranks_per_gpu(int n_ranks);
+// The group's ranks for tests that use "as many as the machine has": every GPU, at least 4
+// ranks (sharing GPUs where there are fewer), at most 8.
+int suite_ranks();
+// `cfg` for an n-rank group placed as device_of_rank() says: where ranks share a GPU,
+// share_gpus is set and num_sms lowered (if needed) to max_resident_blocks / ranks_per_gpu, so
+// every rank's blocks are resident together. Notes the running test as one that shares GPUs.
+Config placed(Config cfg, int n_ranks);
+// Tests of this process that ran with ranks sharing a GPU (placed() with ranks_per_gpu > 1).
+int shared_gpu_tests();
 
 class DeviceBuffer {
  public:
@@ -128,9 +142,12 @@ std::vector<reference::QuantDispatchResult> reference_dispatch_quantized_all(
 // quantised output's rows.
 reference::DispatchResult combine_layout(const reference::QuantDispatchResult& q);
 
-// A one-process group on the first n GPUs with per-rank buffers.
+// A one-process group of n ranks with per-rank buffers, rank r on device_of_rank(r), the
+// config placed() for them.
 struct LocalGroup {
   LocalGroup(const Config& cfg, int n_ranks);
+  // Rank r on devices[r], with cfg as given (no placement).
+  LocalGroup(const Config& cfg, const std::vector<int>& devices);
   ~LocalGroup();
   std::vector<std::unique_ptr<Group>> groups;
   std::vector<std::unique_ptr<RankIO>> io;

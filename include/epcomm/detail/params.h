@@ -28,8 +28,18 @@ struct DeviceErrorRecord {
   int32_t peer_mask;  // timeouts: bit p set = rank p did not arrive
   int32_t token;      // bad input: the token
   int32_t slot;       // bad input: the top-k slot
-  int32_t value;      // bad input: the offending expert id
-  int32_t wait_what;  // timeouts: which signal was awaited (see WaitWhat)
+  int32_t value;      // bad input: the offending expert id; kRecvCapacity: the rows routed
+                      // here; kBadPeerData: the value out of range
+  int32_t wait_what;  // timeouts: which signal was awaited (see WaitWhat); kBadPeerData: which
+                      // field of the peer's record (PeerField)
+};
+
+// kBadPeerData: the field of a source's meta record that was out of range.
+enum PeerField : int32_t {
+  kFieldStreamCount = 1,  // messages sent here: [0, max_tokens]
+  kFieldChunks = 2,       // chunks: [0, num_chunks(max_tokens)]
+  kFieldGroupCount = 3,   // tokens for one group: [0, messages]
+  kFieldChunkStart = 4,   // chunk starts: ascending inside [0, messages]
 };
 
 enum WaitWhat : int32_t {
@@ -67,6 +77,7 @@ struct GroupView {
   TokenFormat format;     // the dispatch output's format
   float nvfp4_global_scale;
   int32_t pad_;
+  int64_t routed_rows;    // rows a dispatch may deliver here (Sizes::max_routed_rows: the cap)
   unsigned long long timeout_ns;
   char* window[WindowLayout::kMaxPeers];  // every rank's symmetric window, as seen from here
   LocalState* state;
@@ -77,9 +88,7 @@ struct GroupView {
     return WindowLayout{n_ranks, hidden, top_k, n_experts, max_tokens, format};
   }
   // Rows a dispatch can deliver here, and the output's rows and scale layouts.
-  EPCOMM_HD int64_t max_routed_rows() const {
-    return epcomm::max_routed_rows(max_tokens, n_ranks, top_k, n_local());
-  }
+  EPCOMM_HD int64_t max_routed_rows() const { return routed_rows; }
   EPCOMM_HD DispatchOutputLayout output() const {
     return DispatchOutputLayout::make(format, hidden, max_routed_rows(), n_local());
   }
