@@ -142,7 +142,10 @@ struct LocalRank {
 // device EPCOMM_LOCAL_RANK if set, else rank % (visible devices).
 class Team {
  public:
-  static std::unique_ptr<Team> create();
+  // One process: `ranks` ranks (0: one per visible GPU), rank r on GPU r % GPUs.
+  static std::unique_ptr<Team> create(int ranks = 0);
+  // More ranks than GPUs: ranks share GPUs (Config::share_gpus).
+  int ranks_per_gpu() const { return ranks_per_gpu_; }
   Team(const Team&) = delete;
   Team& operator=(const Team&) = delete;
   ~Team();
@@ -160,6 +163,7 @@ class Team {
  private:
   Team() = default;
   int n_ranks_ = 0;
+  int ranks_per_gpu_ = 1;
   std::vector<LocalRank> local_;
   std::unique_ptr<epcomm::Bootstrap> bootstrap_;
 };

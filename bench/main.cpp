@@ -13,13 +13,20 @@ int main(int argc, char** argv) {
   // The shared GPU machines must not use NVLink multicast (DEVICE.md); the caller may override.
   setenv("NCCL_NVLS_ENABLE", "0", 0);
   try {
-    const Options opt = parse_options(argc, argv);
+    Options opt = parse_options(argc, argv);
     if (opt.list) {
       print_workload_table();
       return 0;
     }
     const std::vector<Workload> workloads = select_workloads(opt);
-    const std::unique_ptr<Team> team = Team::create();
+    const std::unique_ptr<Team> team = Team::create(opt.ranks.value_or(0));
+    if (team->ranks_per_gpu() > 1 && opt.nccl) {
+      std::fprintf(stderr,
+                   "[epcomm_bench] %d ranks share each GPU: no NCCL baseline (NCCL needs a GPU "
+                   "per rank); timings measure the protocol's fixed costs, not links\n",
+                   team->ranks_per_gpu());
+      opt.nccl = false;
+    }
     Progress progress(team->root());
     std::unique_ptr<NcclComms> comms;
     if (opt.nccl) {
@@ -32,6 +39,8 @@ int main(int argc, char** argv) {
     RunInfo info = describe_run(opt.command_line, team->multi_process(), team->n_ranks(),
                                 team->local().front().device,
                                 opt.nccl ? nccl_version_string() : std::string());
+    if (team->ranks_per_gpu() > 1)
+      info.mode += ", " + std::to_string(team->ranks_per_gpu()) + " ranks per GPU (shared)";
     info.iters = opt.iters;
     info.warmup = opt.warmup;
     info.input_sets = kInputSets;

@@ -92,6 +92,8 @@ void write_workload(JsonWriter& j, const WorkloadResult& r) {
   j.value("format", w.format);
   j.value("zipf_s", w.zipf_s);
   j.value("num_sms", r.num_sms);
+  j.value("group_bytes_per_rank", r.group_bytes);
+  j.value("output_bytes_per_rank", r.output_bytes);
   j.value("ran", r.skipped.empty());
   if (!r.skipped.empty()) j.value("skipped", r.skipped);
   // Logical bytes count one message per (token, destination rank) of these sizes: dispatch, the
@@ -263,6 +265,8 @@ void print_workload(const WorkloadResult& r) {
   std::printf("%-12s %s dispatch, %.0f B per (token, rank) message; check:%s\n", "",
               r.workload.format.c_str(), r.dispatch_message_bytes,
               line.empty() ? "  skipped (--no-check)" : line.c_str());
+  std::printf("%-12s memory per rank (cudaMemGetInfo): group buffers %.3f GB, outputs %.3f GB; "
+              "%d blocks\n", "", r.group_bytes / 1e9, r.output_bytes / 1e9, r.num_sms);
   print_stages(r);
   std::fflush(stdout);
 }

@@ -53,6 +53,10 @@ struct WorkloadResult {
   std::vector<OpResult> ops;
   std::vector<CheckResult> checks;
   StageSummary stages;  // --trace
+  // Device memory per rank, measured with cudaMemGetInfo around the allocations (mean over
+  // ranks): the group's own buffers (Group::create), and the dispatch + combine outputs a caller
+  // allocates from Group::sizes().
+  double group_bytes = 0, output_bytes = 0;
 
   const OpResult* find(const std::string& op, const std::string& impl) const;
   // Logical bytes received per rank, mean over ranks, by an op named "dispatch..." or "combine...".

@@ -82,7 +82,7 @@ class WorkloadRun {
     cfg_.max_tokens_per_rank = w.tokens;
     cfg_.num_sms = opt.num_sms.value_or(cfg_.num_sms);
     cfg_.trace = opt.trace > 0;
-    result_.num_sms = cfg_.num_sms;
+    cfg_.share_gpus = team_.ranks_per_gpu() > 1;
   }
 
   WorkloadResult run() {
@@ -98,6 +98,12 @@ class WorkloadRun {
       return result_;
     }
     cfg_.format = *format;
+    if (cfg_.share_gpus && !opt_.num_sms) {  // every sharing rank's blocks resident at once
+      const int fit = epcomm::max_resident_blocks(cfg_, team_.n_ranks(), team_.local().front().device) /
+                      team_.ranks_per_gpu();
+      cfg_.num_sms = std::max(1, std::min(cfg_.num_sms, fit));
+    }
+    result_.num_sms = cfg_.num_sms;
     message_ = MessageFormat{cfg_.format, w_.hidden, cfg_.nvfp4_global_scale};
     result_.dispatch_message_bytes = double(message_.bytes());
     result_.combine_message_bytes = 2.0 * w_.hidden;
@@ -144,8 +150,36 @@ class WorkloadRun {
     }
   }
 
+  // Bytes the local ranks' devices lost to `allocate`, per local rank (cudaMemGetInfo).
+  template <class F>
+  double measure_per_rank(F&& allocate) {
+    std::vector<size_t> before;
+    for_each_rank(team_, [&](size_t, const LocalRank&) {
+      size_t free_b = 0, total_b = 0;
+      CHECK_CUDA(cudaDeviceSynchronize());
+      CHECK_CUDA(cudaMemGetInfo(&free_b, &total_b));
+      before.push_back(free_b);
+    });
+    allocate();
+    double used = 0;
+    std::vector<bool> seen(before.size(), false);
+    for_each_rank(team_, [&](size_t i, const LocalRank& r) {
+      for (size_t j = 0; j < i; ++j)
+        if (team_.local()[j].device == r.device) return;  // each device once
+      size_t free_b = 0, total_b = 0;
+      CHECK_CUDA(cudaDeviceSynchronize());
+      CHECK_CUDA(cudaMemGetInfo(&free_b, &total_b));
+      used += double(before[i]) - double(free_b);
+    });
+    return used / double(team_.n_local());
+  }
+
   void create_groups() {
     env_.progress.phase(label("set-up"));
+    result_.group_bytes = measure_per_rank([&] { create_groups_now(); });
+  }
+
+  void create_groups_now() {
     if (team_.multi_process()) {
       groups_.push_back(
           epcomm::Group::create(cfg_, *team_.bootstrap(), team_.local().front().device));
@@ -177,22 +211,31 @@ class WorkloadRun {
                                     DeviceArray<int32_t>(r.device, in.topk_ids),
                                     DeviceArray<float>(r.device, in.weights)});
       }
-      b.out_tokens = DeviceArray<uint8_t>(r.device, rows * size_t(sizes_.token_bytes));
-      if (sizes_.scales_bytes > 0)
-        b.scales = DeviceArray<uint8_t>(r.device, size_t(sizes_.scales_bytes));
-      if (sizes_.num_scales_offsets > 0)
-        b.scales_offsets = DeviceArray<uint32_t>(r.device, size_t(sizes_.num_scales_offsets));
-      b.row_offsets = DeviceArray<uint32_t>(r.device, size_t(sizes_.num_groups) + 1);
-      b.expert_ids = DeviceArray<int32_t>(r.device, size_t(sizes_.num_groups));
-      b.src_info = DeviceArray<epcomm::SrcInfo>(r.device, rows);
+      buffers_.push_back(std::move(b));
+      events_.emplace_back(r.device, kEventsPerIter * kBatch);
+    });
+    // The outputs a caller allocates from Group::sizes(), measured apart.
+    result_.output_bytes = measure_per_rank([&] {
+      for_each_rank(team_, [&](size_t i, const LocalRank& r) {
+        RankBuffers& b = buffers_[i];
+        b.out_tokens = DeviceArray<uint8_t>(r.device, rows * size_t(sizes_.token_bytes));
+        if (sizes_.scales_bytes > 0)
+          b.scales = DeviceArray<uint8_t>(r.device, size_t(sizes_.scales_bytes));
+        if (sizes_.num_scales_offsets > 0)
+          b.scales_offsets = DeviceArray<uint32_t>(r.device, size_t(sizes_.num_scales_offsets));
+        b.row_offsets = DeviceArray<uint32_t>(r.device, size_t(sizes_.num_groups) + 1);
+        b.expert_ids = DeviceArray<int32_t>(r.device, size_t(sizes_.num_groups));
+        b.src_info = DeviceArray<epcomm::SrcInfo>(r.device, rows);
+        b.combine_out = DeviceArray<uint16_t>(r.device, size_t(w_.tokens) * h);
+      });
+    });
+    for_each_rank(team_, [&](size_t i, const LocalRank& r) {
       if (message_.quantized()) {  // on the stream every later call of this rank uses
+        RankBuffers& b = buffers_[i];
         b.synthetic_experts = DeviceArray<uint16_t>(r.device, rows * h);
         fill_synthetic_expert_out(b.synthetic_experts.get(), r.rank, int64_t(rows), w_.hidden,
                                   r.stream);
       }
-      b.combine_out = DeviceArray<uint16_t>(r.device, size_t(w_.tokens) * h);
-      buffers_.push_back(std::move(b));
-      events_.emplace_back(r.device, kEventsPerIter * kBatch);
     });
   }
 

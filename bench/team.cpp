@@ -26,7 +26,7 @@ cudaStream_t make_stream(int device) {
 
 }  // namespace
 
-std::unique_ptr<Team> Team::create() {
+std::unique_ptr<Team> Team::create(int ranks) {
   int device_count = 0;
   CHECK_CUDA(cudaGetDeviceCount(&device_count));
   if (device_count == 0) throw std::runtime_error("no CUDA device visible");
@@ -38,9 +38,10 @@ std::unique_ptr<Team> Team::create() {
     const int device = local_device(rank, device_count);
     team->local_.push_back(LocalRank{rank, device, make_stream(device)});
   } else {
-    team->n_ranks_ = device_count;
-    for (int d = 0; d < device_count; ++d)
-      team->local_.push_back(LocalRank{d, d, make_stream(d)});
+    team->n_ranks_ = ranks > 0 ? ranks : device_count;
+    team->ranks_per_gpu_ = (team->n_ranks_ + device_count - 1) / device_count;
+    for (int r = 0; r < team->n_ranks_; ++r)
+      team->local_.push_back(LocalRank{r, r % device_count, make_stream(r % device_count)});
   }
   return team;
 }

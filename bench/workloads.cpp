@@ -20,7 +20,11 @@ send/recv baseline, timed and checked against the CPU reference.
   --format NAME           override the dispatch format: bf16, fp8-blockwise, nvfp4, mxfp8,
                           mxfp4 (H must suit it: a multiple of 128 for fp8-blockwise, of 32
                           for the others)
-  --sms N                 Config::num_sms (default 24)
+  --sms N                 Config::num_sms (default 24; with ranks sharing a GPU, at most what
+                          fits: max_resident_blocks / ranks per GPU)
+  --ranks N               one process, N ranks, rank r on GPU r % GPUs; more ranks than GPUs
+                          share them (Config::share_gpus; no NCCL baseline: it needs a GPU per
+                          rank). Timings then measure the protocol's fixed costs, not links
   --iters N               timed iterations (default 100)
   --warmup N              warm-up iterations (default 10)
   --json FILE             write every figure, with the machine and commit, to FILE
@@ -94,6 +98,8 @@ Options parse_options(int argc, char** argv) {
       if (!build_format(*opt.format))
         throw std::invalid_argument("--format: unknown format '" + *opt.format +
                                     "' (bf16, fp8-blockwise, nvfp4, mxfp8, mxfp4)");
+    } else if (flag == "--ranks") {
+      opt.ranks = parse_int(flag, next(), 1);
     } else if (flag == "--sms") {
       opt.num_sms = parse_int(flag, next(), 1);
     } else if (flag == "--iters") {

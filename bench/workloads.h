@@ -29,6 +29,9 @@ std::optional<epcomm::TokenFormat> build_format(const std::string& format);
 struct Options {
   std::vector<std::string> workloads;  // empty: every workload this build supports
   std::optional<int32_t> tokens, hidden, top_k, experts, num_sms;
+  // One process: this many ranks, rank r on GPU r % GPUs (sharing GPUs where there are fewer:
+  // Config::share_gpus, no NCCL baseline). Default: one rank per visible GPU.
+  std::optional<int32_t> ranks;
   std::optional<std::string> format;  // dispatch format override (a build_format name)
   int iters = 100;
   int warmup = 10;
