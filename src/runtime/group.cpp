@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <exception>
 #include <sstream>
@@ -467,7 +468,7 @@ static std::string describe_timeout(const detail::GroupState& s) {
 void Group::check() {
   volatile detail::DeviceErrorRecord* e = s_->error_host;
   const int32_t code = e->code;
-  if (code == 0 || code == -1) return;
+  if (code == 0) return;
   std::ostringstream os;
   os << "epcomm rank " << e->rank << ": " << op_name(e->op) << ": ";
   const ErrorCode ec = ErrorCode(code);
@@ -496,8 +497,12 @@ void Group::check() {
     default:
       os << error_code_name(ec);
   }
+  // Clear, then count the clear: the device may record again once the epoch has moved on.
+  const int32_t epoch = e->epoch;
   std::memset(const_cast<detail::DeviceErrorRecord*>(s_->error_host), 0,
               sizeof(detail::DeviceErrorRecord));
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  e->epoch = epoch + 1;
   throw Error(ec, os.str());
 }
 

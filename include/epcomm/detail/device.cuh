@@ -125,12 +125,16 @@ __device__ __forceinline__ unsigned long long* signal_word(const GroupView& g, i
       window_at(g, owner, g.layout().signal_offset(s, peer)));
 }
 
-// The first error of a kernel wins; later ones are dropped.
+// The first error since the host's last clear wins; later ones are dropped. The record lives in
+// host-mapped memory, which takes no atomics from the GPU where the host has no native atomics
+// (PCIe; compute-sanitizer reports them as invalid): the claim is an atomic on a device-memory
+// counter, the record plain stores with its code last.
 static __device__ __noinline__ void record_error(const GroupView& g, ErrorCode code, Op op, int32_t peer_mask,
                                     int32_t token, int32_t slot, int32_t value,
                                     WaitWhat what) {
   DeviceErrorRecord* e = g.error;
-  if (atomicCAS_system(&e->code, 0, -1) != 0) return;  // -1: being written
+  const unsigned int cleared = unsigned(*reinterpret_cast<volatile int32_t*>(&e->epoch));
+  if (atomicCAS(&g.state->errors_claimed, cleared, cleared + 1u) != cleared) return;
   e->op = op;
   e->rank = g.rank;
   e->peer_mask = peer_mask;
@@ -139,7 +143,7 @@ static __device__ __noinline__ void record_error(const GroupView& g, ErrorCode c
   e->value = value;
   e->wait_what = what;
   __threadfence_system();
-  atomicExch_system(&e->code, int32_t(code));
+  *reinterpret_cast<volatile int32_t*>(&e->code) = int32_t(code);
 }
 
 __device__ __forceinline__ bool aborted(const GroupView& g) {

@@ -32,6 +32,7 @@ struct DeviceErrorRecord {
                       // here; kBadPeerData: the value out of range
   int32_t wait_what;  // timeouts: which signal was awaited (see WaitWhat); kBadPeerData: which
                       // field of the peer's record (PeerField)
+  int32_t epoch;      // records the host has cleared (written by the host only)
 };
 
 // kBadPeerData: the field of a source's meta record that was out of range.
@@ -61,6 +62,8 @@ struct LocalState {
   unsigned long long combine_done;   // blocks that finished a combine receive (cumulative)
   unsigned long long bad_input;      // seq of the last dispatch whose topk_ids were rejected
   unsigned long long recv_item[2];   // dispatch receive work items taken, by seq parity
+  unsigned int errors_claimed;       // errors recorded: one may be while it equals the record's
+                                     // epoch (the host cleared every earlier one)
   int32_t num_tokens;                // T of the last dispatch (0 when its input was rejected)
   int32_t abort;                     // set after a timeout: every wait gives up at once
 };
