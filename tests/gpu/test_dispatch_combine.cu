@@ -467,15 +467,7 @@ TEST(BadInput, DeviceChecks) {
     const int bad_rank = 1, bad_token = 37, bad_slot = 2;
     int32_t* ids = p.ranks[bad_rank].topk_ids.data() + bad_token * K;
     ids[bad_slot] = b.slot_from >= 0 ? ids[b.slot_from] : b.value;
-    for (int r = 0; r < n; ++r) {
-      lg.io[size_t(r)]->upload(p.ranks[size_t(r)]);
-      lg.io[size_t(r)]->poison();
-    }
-    for (int r = 0; r < n; ++r) {
-      EPCOMM_CUDA_OK(cudaSetDevice(lg.io[size_t(r)]->device));
-      lg.groups[size_t(r)]->dispatch(lg.io[size_t(r)]->dispatch_input(),
-                                     lg.io[size_t(r)]->dispatch_output(), lg.io[size_t(r)]->stream);
-    }
+    lg.issue_dispatch(p);
     for (int r = 0; r < n; ++r) {
       if (r != bad_rank) {
         EXPECT_NO_THROW(lg.groups[size_t(r)]->synchronize(lg.io[size_t(r)]->stream));
@@ -571,15 +563,7 @@ TEST(BadInput, ReceiveCapacity) {
   Config cfg = make_cfg(H, K, E, T);
   cfg.max_recv_rows = most - 1;
   LocalGroup lg(cfg, n);
-  for (int r = 0; r < n; ++r) {
-    lg.io[size_t(r)]->upload(p.ranks[size_t(r)]);
-    lg.io[size_t(r)]->poison();
-  }
-  for (int r = 0; r < n; ++r) {
-    EPCOMM_CUDA_OK(cudaSetDevice(lg.io[size_t(r)]->device));
-    lg.groups[size_t(r)]->dispatch(lg.io[size_t(r)]->dispatch_input(),
-                                   lg.io[size_t(r)]->dispatch_output(), lg.io[size_t(r)]->stream);
-  }
+  lg.issue_dispatch(p);
   int over = 0;
   for (int r = 0; r < n; ++r) {
     RankIO& io = *lg.io[size_t(r)];

@@ -324,6 +324,18 @@ void LocalGroup::all(const std::function<void(int)>& f) {
   sync_all();
 }
 
+void LocalGroup::issue_dispatch(const reference::Problem& p) {
+  for (int r = 0; r < n(); ++r) {
+    io[size_t(r)]->upload(p.ranks[size_t(r)]);
+    io[size_t(r)]->poison();
+  }
+  for (int r = 0; r < n(); ++r) {
+    RankIO& x = *io[size_t(r)];
+    EPCOMM_CUDA_OK(cudaSetDevice(x.device));
+    groups[size_t(r)]->dispatch(x.dispatch_input(), x.dispatch_output(), x.stream);
+  }
+}
+
 void LocalGroup::sync_all() {
   for (int r = 0; r < n(); ++r) groups[size_t(r)]->synchronize(io[size_t(r)]->stream);
 }

@@ -156,6 +156,9 @@ struct LocalGroup {
   // check() on it. Never synchronizes before every rank's call was issued.
   void all(const std::function<void(int)>& f);
   void sync_all();
+  // Uploads every rank's input of `p`, poisons its outputs and issues the fused dispatch on every
+  // rank, without synchronising: for tests that then look at each rank's result or error.
+  void issue_dispatch(const reference::Problem& p);
 };
 
 enum class Form { kFused, kAsyncWait };
