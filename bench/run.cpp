@@ -162,7 +162,6 @@ class WorkloadRun {
     });
     allocate();
     double used = 0;
-    std::vector<bool> seen(before.size(), false);
     for_each_rank(team_, [&](size_t i, const LocalRank& r) {
       for (size_t j = 0; j < i; ++j)
         if (team_.local()[j].device == r.device) return;  // each device once
