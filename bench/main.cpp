@@ -34,7 +34,7 @@ int main(int argc, char** argv) {
       comms = std::make_unique<NcclComms>(*team);
     }
     Gate gate(!team->multi_process());
-    L2Flush flush(*team);
+    L2Flush flush(*team, opt.flush);
 
     RunInfo info = describe_run(opt.command_line, team->multi_process(), team->n_ranks(),
                                 team->local().front().device,

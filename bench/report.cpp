@@ -92,6 +92,7 @@ void write_workload(JsonWriter& j, const WorkloadResult& r) {
   j.value("format", w.format);
   j.value("zipf_s", w.zipf_s);
   j.value("num_sms", r.num_sms);
+  j.value("dispatch_path", r.path);
   j.value("group_bytes_per_rank", r.group_bytes);
   j.value("output_bytes_per_rank", r.output_bytes);
   j.value("ran", r.skipped.empty());
@@ -173,10 +174,16 @@ void print_preamble(const RunInfo& info) {
   std::printf("epcomm_bench  %s  %s x%d  %d ranks (%s)  commit %s  %s\n", info.hostname.c_str(),
               info.gpu_name.c_str(), info.gpu_count, info.n_ranks, info.mode.c_str(),
               info.commit.c_str(), info.date.c_str());
-  std::printf(
-      "%d timed iterations after %d warm-up; L2 flushed by a %.0f MiB memset before every timed "
-      "call; %d input sets (different routing) rotated.\n",
-      info.iters, info.warmup, double(info.l2_flush_bytes) / (1 << 20), info.input_sets);
+  if (info.l2_flush_bytes > 0)
+    std::printf(
+        "%d timed iterations after %d warm-up; L2 flushed by a %.0f MiB memset before every "
+        "timed call; %d input sets (different routing) rotated.\n",
+        info.iters, info.warmup, double(info.l2_flush_bytes) / (1 << 20), info.input_sets);
+  else
+    std::printf(
+        "%d timed iterations after %d warm-up; L2 NOT flushed (--no-flush: warm caches, a "
+        "diagnosis, not the standard method); %d input sets (different routing) rotated.\n",
+        info.iters, info.warmup, info.input_sets);
   std::printf(
       "Times in us: median = max over ranks of the per-rank median, min/max over all ranks and "
       "iterations.\nGB/s = logical bytes received per rank / median, one message per (token, "
@@ -265,8 +272,10 @@ void print_workload(const WorkloadResult& r) {
   std::printf("%-12s %s dispatch, %.0f B per (token, rank) message; check:%s\n", "",
               r.workload.format.c_str(), r.dispatch_message_bytes,
               line.empty() ? "  skipped (--no-check)" : line.c_str());
-  std::printf("%-12s memory per rank (cudaMemGetInfo): group buffers %.3f GB, outputs %.3f GB; "
-              "%d blocks\n", "", r.group_bytes / 1e9, r.output_bytes / 1e9, r.num_sms);
+  std::printf(
+      "%-12s memory per rank (cudaMemGetInfo): group buffers %.3f GB, outputs %.3f GB; "
+      "%d blocks, %s dispatch path\n",
+      "", r.group_bytes / 1e9, r.output_bytes / 1e9, r.num_sms, r.path.c_str());
   print_stages(r);
   std::fflush(stdout);
 }

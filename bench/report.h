@@ -45,6 +45,7 @@ struct StageSummary {
 struct WorkloadResult {
   Workload workload;  // with the overrides applied
   int num_sms = 0;
+  std::string path;     // the dispatch path the group ran (Config::resolved_path)
   std::string skipped;  // why it did not run; empty if it ran
   // Logical bytes: one message per (token, destination rank), of these sizes.
   double dispatch_message_bytes = 0;  // the dispatch format's codes + scales of one token

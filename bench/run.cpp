@@ -82,6 +82,7 @@ class WorkloadRun {
     cfg_.max_tokens_per_rank = w.tokens;
     cfg_.num_sms = opt.num_sms.value_or(cfg_.num_sms);
     cfg_.trace = opt.trace > 0;
+    cfg_.dispatch_path = opt.path;
     cfg_.share_gpus = team_.ranks_per_gpu() > 1;
   }
 
@@ -104,6 +105,8 @@ class WorkloadRun {
       cfg_.num_sms = std::max(1, std::min(cfg_.num_sms, fit));
     }
     result_.num_sms = cfg_.num_sms;
+    result_.path =
+        cfg_.resolved_path() == epcomm::DispatchPath::kLowLatency ? "low-latency" : "throughput";
     message_ = MessageFormat{cfg_.format, w_.hidden, cfg_.nvfp4_global_scale};
     result_.dispatch_message_bytes = double(message_.bytes());
     result_.combine_message_bytes = 2.0 * w_.hidden;

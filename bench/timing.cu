@@ -72,9 +72,10 @@ void Gate::check() const {
         "(a host synchronisation inside a call?)");
 }
 
-L2Flush::L2Flush(const Team& team) : L2Flush(local_devices(team)) {}
+L2Flush::L2Flush(const Team& team, bool enabled) : L2Flush(local_devices(team), enabled) {}
 
-L2Flush::L2Flush(const std::vector<int>& devices) {
+L2Flush::L2Flush(const std::vector<int>& devices, bool enabled) {
+  if (!enabled) return;
   for (int device : devices) {
     int l2 = 0;
     CHECK_CUDA(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device));
@@ -85,6 +86,7 @@ L2Flush::L2Flush(const std::vector<int>& devices) {
 }
 
 void L2Flush::run(size_t local_index, cudaStream_t stream) {
+  if (buffers_.empty()) return;
   CHECK_CUDA(cudaMemsetAsync(buffers_[local_index].get(), 0x5a, bytes_, stream));
 }
 

@@ -38,8 +38,9 @@ class Gate {
 // `devices`, in their order).
 class L2Flush {
  public:
-  explicit L2Flush(const Team& team);
-  explicit L2Flush(const std::vector<int>& devices);
+  // enabled = false (--no-flush): run() does nothing and bytes() is 0.
+  explicit L2Flush(const Team& team, bool enabled = true);
+  explicit L2Flush(const std::vector<int>& devices, bool enabled = true);
   void run(size_t local_index, cudaStream_t stream);
   size_t bytes() const { return bytes_; }
 

@@ -10,7 +10,7 @@ namespace epbench {
 namespace {
 
 const char* kUsage = R"(usage: epcomm_bench [options]
-Runs the PERF.md workloads: epcomm dispatch/combine (fused, async + wait) and the NCCL
+Runs the standard workloads: epcomm dispatch/combine (fused, async + wait) and the NCCL
 send/recv baseline, timed and checked against the CPU reference.
 
   --workload NAME[,NAME]  workloads to run (repeatable); default: every one this build supports
@@ -22,6 +22,9 @@ send/recv baseline, timed and checked against the CPU reference.
                           for the others)
   --sms N                 Config::num_sms (default 24; with ranks sharing a GPU, at most what
                           fits: max_resident_blocks / ranks per GPU)
+  --path auto|throughput|low-latency
+                          Config::dispatch_path (default auto: low-latency up to 512 tokens
+                          per rank, throughput above)
   --ranks N               one process, N ranks, rank r on GPU r % GPUs; more ranks than GPUs
                           share them (Config::share_gpus; no NCCL baseline: it needs a GPU per
                           rank). Timings then measure the protocol's fixed costs, not links
@@ -30,6 +33,9 @@ send/recv baseline, timed and checked against the CPU reference.
   --json FILE             write every figure, with the machine and commit, to FILE
   --no-nccl               skip the NCCL baseline
   --no-check              skip the checks against the CPU reference
+  --no-flush              do not flush L2 before each timed call: warm caches (inputs, the
+                          kernels' code), to see what the cold misses cost; not the standard
+                          method, never quote such figures as the benchmark's
   --reduce expert|token   where epcomm's weighted combine sums a token's expert rows: on the
                           expert side (weights given to dispatch; one row per (token, rank)
                           back; default) or on the token side (one row per (token, k) back)
@@ -110,6 +116,8 @@ Options parse_options(int argc, char** argv) {
       opt.json_path = next();
     } else if (flag == "--no-nccl") {
       opt.nccl = false;
+    } else if (flag == "--no-flush") {
+      opt.flush = false;
     } else if (flag == "--no-check") {
       opt.check = false;
     } else if (flag == "--reduce") {
@@ -117,6 +125,16 @@ Options parse_options(int argc, char** argv) {
       if (where != "expert" && where != "token")
         throw std::invalid_argument("--reduce: '" + where + "' is neither expert nor token");
       opt.expert_side = where == "expert";
+    } else if (flag == "--path") {
+      const std::string v = next();
+      if (v == "auto")
+        opt.path = epcomm::DispatchPath::kAuto;
+      else if (v == "throughput")
+        opt.path = epcomm::DispatchPath::kThroughput;
+      else if (v == "low-latency")
+        opt.path = epcomm::DispatchPath::kLowLatency;
+      else
+        throw std::invalid_argument("--path: '" + v + "' is none of auto, throughput, low-latency");
     } else if (flag == "--trace") {
       opt.trace = parse_int(flag, next(), 1);
     } else if (flag == "--list") {

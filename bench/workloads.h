@@ -1,4 +1,4 @@
-// The PERF.md workloads (fixed names) and the command line.
+// The standard workloads (fixed names) and the command line.
 #pragma once
 
 #include <cstdint>
@@ -38,9 +38,11 @@ struct Options {
   std::string json_path;
   bool nccl = true;
   bool check = true;
+  bool flush = true;  // flush L2 before every timed call (--no-flush: warm caches, a diagnosis)
   // epcomm's weighted combine: the router weights go to dispatch and each rank pre-sums its
   // experts' rows (true, default), or they go to combine and the token side sums (false).
   bool expert_side = true;
+  epcomm::DispatchPath path = epcomm::DispatchPath::kAuto;  // Config::dispatch_path
   int trace = 0;  // > 0: that many more fused calls with Config::trace, stage breakdown printed
   bool list = false;
   std::string command_line;

@@ -13,6 +13,21 @@ constexpr int kMaxTopK = 16;
 constexpr int kMaxExperts = 1024;
 constexpr int kMaxRanks = 8;  // GPUs of one NVLink node
 
+// Which dispatch kernels a group runs (SPEC: modes). Both give the same outputs, bit for bit.
+enum class DispatchPath : int32_t {
+  // kLowLatency where max_tokens_per_rank <= kLowLatencyMaxTokens, else kThroughput.
+  kAuto = 0,
+  // Prefill: tokens ranked over the whole grid (two grid barriers), sent in 16-token chunks by
+  // a share of the blocks while the others expand the chunks that have arrived.
+  kThroughput = 1,
+  // Decode: no grid-wide barrier anywhere. Every block ranks the call's tokens itself in shared
+  // memory (so T <= kLowLatencyMaxTokens), sends its share of (token, 1024-value part) pieces,
+  // each with its own sequence-numbered arrival flag, then expands the pieces it is given as
+  // their flags arrive. Give it every SM (num_sms) the GPU can spare.
+  kLowLatency = 2,
+};
+constexpr int32_t kLowLatencyMaxTokens = 512;
+
 struct Config {
   int32_t hidden = 0;               // H: a multiple of format_hidden_multiple(format)
   int32_t top_k = 0;                // K: 1..kMaxTopK
@@ -36,6 +51,16 @@ struct Config {
   // a rank writes no row there and reports ErrorCode::kRecvCapacity on that rank, naming the
   // count (group.h).
   int64_t max_recv_rows = 0;
+  // The dispatch kernels (DispatchPath). kLowLatency needs max_tokens_per_rank <=
+  // kLowLatencyMaxTokens.
+  DispatchPath dispatch_path = DispatchPath::kAuto;
+
+  // The path the group runs: dispatch_path with kAuto resolved.
+  DispatchPath resolved_path() const {
+    if (dispatch_path != DispatchPath::kAuto) return dispatch_path;
+    return max_tokens_per_rank <= kLowLatencyMaxTokens ? DispatchPath::kLowLatency
+                                                       : DispatchPath::kThroughput;
+  }
 
   // Throws Error(kInvalidArgument) naming the first bad field. n_ranks is the group size.
   void validate(int n_ranks) const;

@@ -117,6 +117,15 @@ EPCOMM_HD constexpr int32_t num_chunks(int32_t tokens) {
   return (tokens + kChunkTokens - 1) / kChunkTokens;
 }
 
+// The low-latency path (Config::dispatch_path) sends each message in parts of kPartValues
+// hidden values (the last part may be shorter): part p carries the codes of values
+// [p * kPartValues, (p + 1) * kPartValues) and their scales, stored by one warp and announced by
+// its own arrival flag, so a warp can take one part of one message at each end of the wire.
+constexpr int32_t kPartValues = 1024;
+EPCOMM_HD constexpr int32_t num_parts(int32_t hidden) {
+  return (hidden + kPartValues - 1) / kPartValues;
+}
+
 // What a source tells each destination before its tokens: how many messages it sends, how many
 // of them land in each local group, and where each chunk's messages start in its stream. `seq`
 // is written last (release) and marks the record valid for that call.
@@ -161,6 +170,7 @@ struct WindowLayout {
   int32_t n_experts;
   int32_t max_tokens;
   TokenFormat format;
+  int32_t low_latency;  // the low-latency path's part flags are allocated
 
   EPCOMM_HD MessageLayout msg() const { return MessageLayout{hidden, top_k, format}; }
   EPCOMM_HD DispatchRecvLayout dispatch_recv() const { return DispatchRecvLayout{msg(), max_tokens}; }
@@ -188,9 +198,19 @@ struct WindowLayout {
   EPCOMM_HD int64_t chunk_flags_end() const {
     return align_up(chunk_flag_offset(n_ranks, 0), 256);
   }
-  EPCOMM_HD int64_t meta_offset(int32_t src) const { return chunk_flags_end() + src * meta().bytes(); }
+  // Low-latency path: part arrival flags, u64 [src][message][part] = the last call whose part
+  // `part` of message m of src has arrived (none unless low_latency).
+  EPCOMM_HD int64_t part_flag_offset(int32_t src, int32_t m, int32_t part) const {
+    return chunk_flags_end() + ((int64_t(src) * max_tokens + m) * num_parts(hidden) + part) * 8;
+  }
+  EPCOMM_HD int64_t part_flags_end() const {
+    return low_latency ? align_up(part_flag_offset(n_ranks, 0, 0), 256) : chunk_flags_end();
+  }
+  EPCOMM_HD int64_t meta_offset(int32_t src) const {
+    return part_flags_end() + src * meta().bytes();
+  }
   EPCOMM_HD int64_t meta_region_end() const {
-    return align_up(chunk_flags_end() + int64_t(n_ranks) * meta().bytes(), 256);
+    return align_up(part_flags_end() + int64_t(n_ranks) * meta().bytes(), 256);
   }
   EPCOMM_HD int64_t dispatch_recv_offset() const { return meta_region_end(); }
   EPCOMM_HD int64_t combine_recv_offset() const {

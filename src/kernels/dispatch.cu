@@ -44,36 +44,42 @@ constexpr int kUnroll = 4;                       // 16-byte vectors in flight pe
 // already set in the expert's word. The slot loops are not unrolled: unrolled over kMaxTopK,
 // with a pairwise duplicate check, the ranking was about 60 KB of straight-line code, and
 // fetching it after an L2 flush took 14 us per 512-token unit (x4 H200, stage trace).
+// `record`: this block reports bad ids and keeps the validated copy for combine (the
+// low-latency path's blocks all rank the same tokens; block 0 records).
+// `loaded`: ids already holds token t's row of topk_ids.
 __device__ uint32_t enter_ids(const DispatchParams& p, int32_t t, unsigned long long seq,
-                              uint32_t* bm, int32_t (&ids)[kMaxTopK]) {
+                              uint32_t* bm, int32_t (&ids)[kMaxTopK], bool record, bool& bad,
+                              bool loaded = false) {
   const GroupView& g = p.g;
   const ExpertMap em = g.experts();
   const int32_t K = g.top_k;
   const uint32_t bit = 1u << (threadIdx.x % kWarpSize);
+  if (!loaded) {
 #pragma unroll
-  for (int k = 0; k < kMaxTopK; ++k)  // the loads first, all in flight together
-    if (k < K) ids[k] = p.topk_ids[int64_t(t) * K + k];
-  bool bad = false;
+    for (int k = 0; k < kMaxTopK; ++k)  // the loads first, all in flight together
+      if (k < K) ids[k] = p.topk_ids[int64_t(t) * K + k];
+  }
   uint32_t rank_mask = 0;
 #pragma unroll 1
   for (int k = 0; k < K; ++k) {
     int32_t id = ids[k];
     if (id < -1 || id >= g.n_experts) {
-      record_error(g, ErrorCode::kBadExpertId, kOpDispatchSend, 0, t, k, id, kWaitNone);
+      if (record) record_error(g, ErrorCode::kBadExpertId, kOpDispatchSend, 0, t, k, id, kWaitNone);
       bad = true;
       id = -1;
     }
     ids[k] = id;
-    p.scratch.topk[int64_t(t) * K + k] = id;
+    if (record) p.scratch.topk[int64_t(t) * K + k] = id;
     if (id < 0) continue;
     if (atomicOr(&bm[id], bit) & bit) {
-      record_error(g, ErrorCode::kDuplicateExpert, kOpDispatchSend, 0, t, k, id, kWaitNone);
+      if (record)
+        record_error(g, ErrorCode::kDuplicateExpert, kOpDispatchSend, 0, t, k, id, kWaitNone);
       bad = true;
     }
     rank_mask |= 1u << em.rank_of(id);
   }
   for (uint32_t m = rank_mask; m; m &= m - 1) atomicOr(&bm[em.rank_key(__ffs(m) - 1)], bit);
-  if (bad) atomicMax(&g.state->bad_input, seq);
+  if (bad && record) atomicMax(&g.state->bad_input, seq);
   return rank_mask;
 }
 
@@ -92,7 +98,8 @@ __device__ void rank_units(const DispatchParams& p, unsigned long long seq, uint
     const bool valid = t < p.num_tokens;
     int32_t ids[kMaxTopK];
     uint32_t rank_mask = 0;
-    if (valid) rank_mask = enter_ids(p, t, seq, bm, ids);
+    bool bad = false;
+    if (valid) rank_mask = enter_ids(p, t, seq, bm, ids, true, bad);
     __syncthreads();
     // Per key: tokens of earlier warps of the unit (warp_prefix) and of the whole unit.
     for (int32_t key = threadIdx.x; key < nk; key += kThreads) {
@@ -159,37 +166,48 @@ __device__ void scan_units(const DispatchParams& p) {
 
 // ---- 2. meta records --------------------------------------------------------------------------
 
+// Destination d's meta record of this call, written by one whole warp: count(j) tokens for
+// local group j, stream_count messages, n_chunks chunks starting at chunk_start(c) (c <=
+// n_chunks), then the release of its seq word.
+template <class Count, class ChunkStart>
+__device__ void write_meta(const GroupView& g, unsigned long long seq, int32_t d, Count count,
+                           int32_t stream_count, int32_t n_chunks, ChunkStart chunk_start) {
+  const int lane = threadIdx.x % kWarpSize;
+  const MetaLayout ml = g.layout().meta();
+  char* meta = window_at(g, d, g.layout().meta_offset(g.rank));
+  int32_t* counts = reinterpret_cast<int32_t*>(meta + ml.counts_offset());
+  for (int32_t j = lane; j < g.n_local(); j += kWarpSize)
+    counts[j] = count(j);
+  if (lane == 0) {
+    *reinterpret_cast<int32_t*>(meta + ml.stream_count_offset()) = stream_count;
+    *reinterpret_cast<int32_t*>(meta + ml.n_chunks_offset()) = n_chunks;
+  }
+  int32_t* starts = reinterpret_cast<int32_t*>(meta + ml.chunk_start_offset());
+  for (int32_t c = lane; c <= n_chunks; c += kWarpSize)
+    starts[c] = c == n_chunks ? stream_count : chunk_start(c);
+  __syncwarp();
+  if (lane == 0) {
+    fence_acq_rel_sys();
+    st_release_sys(reinterpret_cast<unsigned long long*>(meta + ml.seq_offset()), seq);
+  }
+}
+
 __device__ void send_meta(const DispatchParams& p, unsigned long long seq, bool bad) {
   const GroupView& g = p.g;
   const ExpertMap em = g.experts();
   const int32_t nk = em.num_keys(), n_local = g.n_local();
-  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const int warp = threadIdx.x / kWarpSize;
   const int32_t n_units = (p.num_tokens + kUnitTokens - 1) / kUnitTokens;
   const int32_t* totals = p.scratch.unit_prefix + int64_t(n_units) * nk;
-  const MetaLayout ml = g.layout().meta();
   for (int32_t d = warp; d < g.n_ranks; d += kWarps) {
-    char* meta = window_at(g, d, g.layout().meta_offset(g.rank));
-    int32_t* counts = reinterpret_cast<int32_t*>(meta + ml.counts_offset());
-    for (int32_t j = lane; j < n_local; j += kWarpSize)
-      counts[j] = bad ? 0 : totals[d * n_local + j];
-    const int32_t n_chunks = bad ? 0 : num_chunks(p.num_tokens);
-    const int32_t stream_count = bad ? 0 : totals[em.rank_key(d)];
-    if (lane == 0) {
-      *reinterpret_cast<int32_t*>(meta + ml.stream_count_offset()) = stream_count;
-      *reinterpret_cast<int32_t*>(meta + ml.n_chunks_offset()) = n_chunks;
-    }
-    int32_t* chunk_start = reinterpret_cast<int32_t*>(meta + ml.chunk_start_offset());
-    for (int32_t c = lane; c <= n_chunks; c += kWarpSize) {
-      const int32_t unit = c * kChunkTokens / kUnitTokens;
-      chunk_start[c] = c == n_chunks ? stream_count
-                                     : p.scratch.unit_prefix[int64_t(unit) * nk + em.rank_key(d)] +
-                                           p.scratch.chunk_pos[int64_t(c) * g.n_ranks + d];
-    }
-    __syncwarp();
-    if (lane == 0) {
-      __threadfence_system();
-      st_release_sys(reinterpret_cast<unsigned long long*>(meta + ml.seq_offset()), seq);
-    }
+    write_meta(
+        g, seq, d, [&](int32_t j) { return bad ? 0 : totals[d * n_local + j]; },
+        bad ? 0 : totals[em.rank_key(d)], bad ? 0 : num_chunks(p.num_tokens),
+        [&](int32_t c) {
+          const int32_t unit = c * kChunkTokens / kUnitTokens;
+          return p.scratch.unit_prefix[int64_t(unit) * nk + em.rank_key(d)] +
+                 p.scratch.chunk_pos[int64_t(c) * g.n_ranks + d];
+        });
   }
 }
 
@@ -213,18 +231,20 @@ __device__ __forceinline__ uint4 pack_codes16(uint32_t c) {  // e2m1: 4 units
 // differs by lane. Each step quantises kUnroll units per lane before it stores any: they are
 // independent, and a sender warp is bound by its own instruction latency (one block per SM, 4
 // warps per scheduler), so the overlap is what keeps the SM issuing.
+// Units [unit_begin, unit_end) of the row (the low-latency path quantises one part per warp).
 template <TokenFormat F>
 __device__ void quantize_to(const uint16_t* row, int32_t hidden, float gs, const MessageLayout& ml,
-                            char* const* payload, int32_t n_dest) {
+                            char* const* payload, int32_t n_dest, int32_t unit_begin,
+                            int32_t unit_end) {
   using Quant = typename BlockQuantOf<F>::type;
   constexpr int32_t kLanes = Quant::kGroup / kLaneValues;  // lanes per scale block
   // Units per 16-byte store: a unit's 8 codes take kCodeBits bytes, so 2 (e4m3) or 4 (e2m1).
   constexpr int kPack = 16 / Quant::kCodeBits;
   using Scale = decltype(stored_scale(std::declval<const Quant&>()));
   const int lane = threadIdx.x % kWarpSize;
-  const int32_t units = hidden / kLaneValues;
+  const int32_t units = unit_end < hidden / kLaneValues ? unit_end : hidden / kLaneValues;
   const int64_t scales_at = ml.scales_offset() - ml.payload_offset();
-  for (int32_t base = 0; base < units; base += kWarpSize * kUnroll) {
+  for (int32_t base = unit_begin; base < units; base += kWarpSize * kUnroll) {
     uint4 raw[kUnroll];
 #pragma unroll
     for (int k = 0; k < kUnroll; ++k) {
@@ -297,65 +317,90 @@ struct ChunkSignals {
   }
 };
 
-// One token: its headers, then its payload, to every destination rank it goes to. Whole warp.
-template <TokenFormat F>
-__device__ void send_token(const DispatchParams& p, int32_t t) {
+// Where one token goes, one value per lane: lane k < K holds top-k slot k (its expert id, -1 if
+// masked; its position among this rank's tokens for that expert; its router weight), lane r <
+// n_ranks the token's message slot in destination r's stream (-1: not sent there).
+struct LaneRoute {
+  int32_t id = -1, pos = 0, slot = -1;
+  float weight = 0.0f;
+};
+
+// The throughput path's route: positions from the grid-wide ranking scratch.
+__device__ LaneRoute route_from_scratch(const DispatchParams& p, int32_t t) {
   const GroupView& g = p.g;
   const ExpertMap em = g.experts();
-  const int32_t nk = em.num_keys(), K = g.top_k;
+  const int32_t K = g.top_k;
+  const int lane = threadIdx.x % kWarpSize;
+  const int32_t* prefix = p.scratch.unit_prefix + int64_t(t / kUnitTokens) * em.num_keys();
+  LaneRoute r;
+  if (lane < K) {
+    r.id = p.scratch.topk[int64_t(t) * K + lane];
+    if (r.id >= 0) {
+      r.pos = prefix[r.id] + p.scratch.expert_pos[int64_t(t) * K + lane];
+      if (p.weights != nullptr) r.weight = p.weights[int64_t(t) * K + lane];
+    }
+  }
+  if (lane < g.n_ranks) {
+    r.slot = p.scratch.dest_pos[int64_t(t) * g.n_ranks + lane];
+    if (r.slot >= 0) r.slot += prefix[em.rank_key(lane)];
+  }
+  return r;
+}
+
+// The destinations of one token's messages, in rank order.
+struct Dests {
+  int32_t n = 0;
+  int32_t rank[WindowLayout::kMaxPeers];
+  int32_t slot[WindowLayout::kMaxPeers];
+  char* payload[WindowLayout::kMaxPeers];
+};
+
+// Token t's message to every destination rank it goes to: the header when `headers`, and the
+// payload's units [unit_begin, unit_end) (8 values each: bf16 copied, the other formats
+// quantised in registers). Whole warp. Returns the destinations.
+template <TokenFormat F>
+__device__ Dests send_token(const DispatchParams& p, int32_t t, const LaneRoute& r,
+                            int32_t unit_begin, int32_t unit_end, bool headers) {
+  const GroupView& g = p.g;
+  const ExpertMap em = g.experts();
   const WindowLayout wl = g.layout();
   const MessageLayout ml = wl.msg();
   const DispatchRecvLayout rl = wl.dispatch_recv();
   const int lane = threadIdx.x % kWarpSize;
-  const int32_t n_vec = g.hidden / 8;  // 16-byte vectors per bf16 token
-  const char* tokens = static_cast<const char*>(p.tokens);
-  {  // (one scope: the token's routing)
-    const int32_t* prefix = p.scratch.unit_prefix + int64_t(t / kUnitTokens) * nk;
-    // Lane k: top-k slot k. Lane r: destination rank r.
-    int32_t id = -1, dest = -1, pos = 0;
-    float weight = 0.0f;
-    if (lane < K) {
-      id = p.scratch.topk[int64_t(t) * K + lane];
-      if (id >= 0) {
-        dest = em.rank_of(id);
-        pos = prefix[id] + p.scratch.expert_pos[int64_t(t) * K + lane];
-        if (p.weights != nullptr) weight = p.weights[int64_t(t) * K + lane];
-      }
-    }
-    int32_t slot = -1;
-    if (lane < g.n_ranks) {
-      slot = p.scratch.dest_pos[int64_t(t) * g.n_ranks + lane];
-      if (slot >= 0) slot += prefix[em.rank_key(lane)];
-    }
-    const uint32_t dest_mask = __ballot_sync(0xffffffffu, lane < g.n_ranks && slot >= 0);
-
-    // Headers, then payload loaded once and stored to every destination.
-    char* payload[WindowLayout::kMaxPeers];
-    int32_t n_dest = 0;
-    for (uint32_t m = dest_mask; m; m &= m - 1) {
-      const int32_t d = __ffs(m) - 1;
-      const int32_t s = __shfl_sync(0xffffffffu, slot, d);
-      char* msg = window_at(g, d, wl.dispatch_recv_offset() + rl.offset(g.rank, s));
+  const int32_t dest = r.id >= 0 ? em.rank_of(r.id) : -1;
+  const uint32_t dest_mask = __ballot_sync(0xffffffffu, lane < g.n_ranks && r.slot >= 0);
+  Dests d;
+  for (uint32_t m = dest_mask; m; m &= m - 1) {
+    const int32_t rank = __ffs(m) - 1;
+    const int32_t s = __shfl_sync(0xffffffffu, r.slot, rank);
+    char* msg = window_at(g, rank, wl.dispatch_recv_offset() + rl.offset(g.rank, s));
+    const uint32_t mine = __ballot_sync(0xffffffffu, dest == rank);
+    if (headers) {
       MessageHeader* h = reinterpret_cast<MessageHeader*>(msg);
-      const uint32_t mine = __ballot_sync(0xffffffffu, dest == d);
-      if (dest == d)
+      if (dest == rank)
         h->entries[__popc(mine & lanemask_lt())] =
-            MessageEntry::make(em.local_of(id), lane, pos, weight);
+            MessageEntry::make(em.local_of(r.id), lane, r.pos, r.weight);
       if (lane == 0) {
         h->token = t;
         h->n_entries = int16_t(__popc(mine));
-        h->rank_slot = int16_t(rank_slot_of(dest_mask, d));
+        h->rank_slot = int16_t(rank_slot_of(dest_mask, rank));
       }
-      payload[n_dest++] = msg + ml.payload_offset();
     }
-    const char* src = tokens + int64_t(t) * g.hidden * 2;
-    if constexpr (F == TokenFormat::kBF16) {
-      copy_vectors(src, n_vec, n_dest, LoadNc{}, [&](int32_t j) { return payload[j]; });
-    } else {
-      quantize_to<F>(reinterpret_cast<const uint16_t*>(src), g.hidden, g.nvfp4_global_scale, ml,
-                     payload, n_dest);
-    }
+    d.rank[d.n] = rank;
+    d.slot[d.n] = s;
+    d.payload[d.n++] = msg + ml.payload_offset();
   }
+  const char* src = static_cast<const char*>(p.tokens) + int64_t(t) * g.hidden * 2;
+  const int32_t units = g.hidden / kLaneValues;
+  unit_end = unit_end < units ? unit_end : units;
+  if constexpr (F == TokenFormat::kBF16) {  // a unit is one 16-byte vector
+    copy_vectors(src + int64_t(unit_begin) * 16, unit_end - unit_begin, d.n, LoadNc{},
+                 [&](int32_t j) { return d.payload[j] + int64_t(unit_begin) * 16; });
+  } else {
+    quantize_to<F>(reinterpret_cast<const uint16_t*>(src), g.hidden, g.nvfp4_global_scale, ml,
+                   d.payload, d.n, unit_begin, unit_end);
+  }
+  return d;
 }
 
 // Sender block `sender` of n_senders takes chunks sender, sender + n_senders, ...: warp w sends
@@ -370,7 +415,8 @@ __device__ void send_messages(const DispatchParams& p, int32_t num_tokens, int32
   int32_t it = 0;
   for (int32_t chunk = sender; chunk < num_chunks(num_tokens); chunk += n_senders, ++it) {
     const int32_t t = chunk * kChunkTokens + threadIdx.x / kWarpSize;
-    if (t < num_tokens) send_token<F>(p, t);
+    if (t < num_tokens)
+      send_token<F>(p, t, route_from_scratch(p, t), 0, p.g.hidden / kLaneValues, true);
     signals.arrive(p.g, chunk, it, seq);
   }
 }
@@ -410,6 +456,154 @@ __device__ __noinline__ bool dispatch_send(const DispatchParams& p, unsigned lon
   return true;
 }
 
+// ---- the low-latency path: send ------------------------------------------------------------
+// (Config::dispatch_path, T <= kUnitTokens.) No grid-wide barrier: every block ranks all of the
+// call's tokens in shared memory, so each knows every position it needs; block 0 writes the
+// meta records and keeps the validated ids for combine; then the grid's warps take (token,
+// part) pieces in turn, each stored to every destination and announced by its own part flag
+// (seq: nothing is reset between calls).
+
+constexpr int32_t kPartUnits = kPartValues / kLaneValues;  // 16-byte bf16 units per part
+static_assert(kPartUnits == kWarpSize * kUnroll, "a part is one step of quantize_to");
+static_assert(kUnitTokens >= kLowLatencyMaxTokens, "one block ranks a low-latency call");
+
+// The block's ranking of the call's tokens, in shared memory.
+struct LocalRanks {
+  const uint32_t* bitmap;       // [warp][key]: bit l set = token warp * 32 + l carries key
+  const uint16_t* warp_prefix;  // [warp][key]: tokens of earlier warps carrying key
+  const int32_t* totals;        // [key]: tokens carrying key
+  int32_t nk;
+
+  // Token t's position among the call's tokens carrying `key` (token order: deterministic).
+  __device__ int32_t pos(int32_t t, int32_t key) const {
+    const int32_t w = t / kWarpSize, below = (1u << (t % kWarpSize)) - 1u;
+    return warp_prefix[w * nk + key] + __popc(bitmap[w * nk + key] & below);
+  }
+  __host__ __device__ static int64_t smem_bytes(int32_t nk) {
+    return align_up(int64_t(kWarps) * nk * (sizeof(uint32_t) + sizeof(uint16_t)), 16) +
+           4 * int64_t(nk);
+  }
+};
+
+// Ranks the call's tokens (one per thread) in shared memory; true if any id is bad (block 0
+// has recorded it). Every block finds the same.
+__device__ bool rank_local(const DispatchParams& p, unsigned long long seq, char* smem,
+                           LocalRanks& lr) {
+  const int32_t nk = p.g.experts().num_keys();
+  uint32_t* bitmap = reinterpret_cast<uint32_t*>(smem);
+  uint16_t* warp_prefix = reinterpret_cast<uint16_t*>(bitmap + kWarps * nk);
+  int32_t* totals = reinterpret_cast<int32_t*>(
+      smem + align_up(int64_t(kWarps) * nk * (sizeof(uint32_t) + sizeof(uint16_t)), 16));
+  const int32_t used = (p.num_tokens + kWarpSize - 1) / kWarpSize;  // warps with tokens
+  const int32_t t = threadIdx.x;
+  const int32_t K = p.g.top_k;
+  int32_t ids[kMaxTopK];  // loaded first: in flight while the bitmaps are cleared
+#pragma unroll
+  for (int k = 0; k < kMaxTopK; ++k)
+    if (k < K && t < p.num_tokens) ids[k] = p.topk_ids[int64_t(t) * K + k];
+  for (int32_t i = threadIdx.x; i < used * nk; i += kThreads)
+    bitmap[i] = 0;
+  __syncthreads();
+  bool bad = false;
+  if (t < p.num_tokens)
+    enter_ids(p, t, seq, bitmap + (t / kWarpSize) * nk, ids, blockIdx.x == 0, bad, true);
+  bad = __syncthreads_or(bad);
+  for (int32_t key = threadIdx.x; key < nk; key += kThreads) {
+    int32_t run = 0;
+    for (int32_t w = 0; w < used; ++w) {
+      warp_prefix[w * nk + key] = uint16_t(run);
+      run += __popc(bitmap[w * nk + key]);
+    }
+    totals[key] = run;
+  }
+  __syncthreads();
+  lr = LocalRanks{bitmap, warp_prefix, totals, nk};
+  return bad;
+}
+
+template <TokenFormat F>
+__device__ __noinline__ bool ll_send(const DispatchParams& p, unsigned long long seq, char* smem) {
+  const GroupView& g = p.g;
+  const ExpertMap em = g.experts();
+  const int32_t K = g.top_k, n_local = g.n_local();
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  // The destinations must have finished reading the previous call's messages: their acks are
+  // loaded now, in flight during the ranking, and waited for only if one was not in yet.
+  unsigned long long ack = seq - 1;
+  if (threadIdx.x < g.n_ranks)
+    ack = ld_acquire_sys(signal_word(g, g.rank, WindowLayout::kDispatchAck, threadIdx.x));
+  LocalRanks lr;
+  const bool bad = rank_local(p, seq, smem, lr);
+  trace_mark(g, kTraceDispatch, kTraceRanked);
+  const int32_t num_tokens = bad ? 0 : p.num_tokens;
+  if (blockIdx.x == 0 && threadIdx.x == 0) g.state->num_tokens = num_tokens;
+  if (!__syncthreads_and(ack >= seq - 1) &&
+      !block_wait_signal(g, all_ranks_mask(g), WindowLayout::kDispatchAck, kOpDispatchSend,
+                         kWaitAck, [&](int32_t) { return seq - 1; }))
+    return false;
+  trace_mark(g, kTraceDispatch, kTraceAcked);
+  if (blockIdx.x == 0)
+    for (int32_t d = warp; d < g.n_ranks; d += kWarps)
+      write_meta(
+          g, seq, d, [&](int32_t j) { return bad ? 0 : lr.totals[d * n_local + j]; },
+          bad ? 0 : lr.totals[em.rank_key(d)], 0, [](int32_t) { return 0; });
+
+  const WindowLayout wl = g.layout();
+  const int32_t n_parts = num_parts(g.hidden);
+  const int64_t items = int64_t(num_tokens) * n_parts;
+  // Rounds of one piece per warp. After each, one system fence per block, and thread 0 raises
+  // the flags of the block's pieces: a fence per piece cost more than the pieces' stores (one
+  // H100, decode-bf16, 896 pieces on 132 blocks: the last piece was flagged 10 us after the
+  // first).
+  __shared__ int32_t n_flags[kWarps], flag_part[kWarps];
+  __shared__ int32_t flag_rank[kWarps][WindowLayout::kMaxPeers];
+  __shared__ int32_t flag_slot[kWarps][WindowLayout::kMaxPeers];
+  for (int64_t round = int64_t(blockIdx.x) * kWarps; round < items;
+       round += int64_t(gridDim.x) * kWarps) {
+    const int64_t i = round + warp;
+    if (i < items) {
+      const int32_t t = int32_t(i / n_parts), part = int32_t(i % n_parts);
+      LaneRoute r;
+      if (lane < K) {
+        r.id = p.topk_ids[int64_t(t) * K + lane];  // valid: the call is not bad
+        if (r.id >= 0) {
+          r.pos = lr.pos(t, r.id);
+          if (p.weights != nullptr) r.weight = p.weights[int64_t(t) * K + lane];
+        }
+      }
+      const uint32_t ranks = __reduce_or_sync(0xffffffffu, r.id >= 0 ? 1u << em.rank_of(r.id) : 0u);
+      if (lane < g.n_ranks && ((ranks >> lane) & 1u)) r.slot = lr.pos(t, em.rank_key(lane));
+      const Dests d = send_token<F>(p, t, r, part * kPartUnits, (part + 1) * kPartUnits, part == 0);
+      if (lane == 0) {
+        n_flags[warp] = d.n;
+        flag_part[warp] = part;
+        for (int32_t j = 0; j < d.n; ++j) {
+          flag_rank[warp][j] = d.rank[j];
+          flag_slot[warp][j] = d.slot[j];
+        }
+      }
+    } else if (lane == 0) {
+      n_flags[warp] = 0;
+    }
+    // Ordering: every warp's stores -> __syncthreads -> thread 0's system fence (acq_rel) -> its
+    // relaxed flag stores (a release pattern): a destination that acquires a flag sees the
+    // piece.
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      fence_acq_rel_sys();
+      for (int32_t w = 0; w < kWarps; ++w)
+        for (int32_t j = 0; j < n_flags[w]; ++j)
+          st_relaxed_sys(
+              reinterpret_cast<unsigned long long*>(window_at(
+                  g, flag_rank[w][j], wl.part_flag_offset(g.rank, flag_slot[w][j], flag_part[w]))),
+              seq);
+    }
+    __syncthreads();  // the flag lists are refilled next round
+  }
+  trace_mark(g, kTraceDispatch, kTraceSent);
+  return true;
+}
+
 // ---- 4. receive -------------------------------------------------------------------------------
 
 // The receiver's view of this call's groups, in shared memory (filled by dispatch_recv).
@@ -439,11 +633,12 @@ struct RecvGroups {
   }
 };
 
-// Writes the scales of one message into output row `row` of group `grp`, in the format's output
-// layout. Called by the whole warp.
+// Writes scale columns [c_begin, c_end) of one message into output row `row` of group `grp`, in
+// the format's output layout (c_end = the row's scale count: the rest of the row too). Called
+// by the whole warp.
 template <TokenFormat F>
 __device__ void place_scales(const DispatchParams& p, const RecvGroups& rg, const char* scales,
-                             int32_t grp, int64_t row) {
+                             int32_t grp, int64_t row, int32_t c_begin, int32_t c_end) {
   const GroupView& g = p.g;
   const DispatchOutputLayout out = g.output();
   const int lane = threadIdx.x % kWarpSize;
@@ -451,12 +646,12 @@ __device__ void place_scales(const DispatchParams& p, const RecvGroups& rg, cons
   if constexpr (F == TokenFormat::kFp8Blockwise) {
     const Fp8ScaleLayout l = out.fp8();
     float* dst = static_cast<float*>(p.out_scales);
-    for (int32_t c = lane; c < cols; c += kWarpSize)
+    for (int32_t c = c_begin + lane; c < c_end; c += kWarpSize)
       dst[l.offset(row, c)] = reinterpret_cast<const float*>(scales)[c];
   } else if constexpr (F == TokenFormat::kMxfp4) {
     const Mxfp4ScaleLayout l = out.mxfp4();
     uint8_t* dst = static_cast<uint8_t*>(p.out_scales);
-    for (int32_t c = lane; c < cols; c += kWarpSize)
+    for (int32_t c = c_begin + lane; c < c_end; c += kWarpSize)
       dst[l.offset(row, c)] = reinterpret_cast<const uint8_t*>(scales)[c];
   } else {  // swizzled: four scale columns per aligned 32-bit word; columns past cols are zero
     const SwizzledScaleLayout l = out.swizzled();
@@ -464,7 +659,8 @@ __device__ void place_scales(const DispatchParams& p, const RecvGroups& rg, cons
                               (row - rg.row_offset[grp]);
     uint8_t* dst = static_cast<uint8_t*>(p.out_scales);
     const uint8_t* src = reinterpret_cast<const uint8_t*>(scales);
-    for (int32_t w = lane; w < l.col_tiles(); w += kWarpSize) {
+    const int32_t w_end = c_end >= cols ? l.col_tiles() : c_end / SwizzledScaleLayout::kTileCols;
+    for (int32_t w = c_begin / SwizzledScaleLayout::kTileCols + lane; w < w_end; w += kWarpSize) {
       uint32_t word = 0;
 #pragma unroll
       for (int i = 0; i < SwizzledScaleLayout::kTileCols; ++i) {
@@ -477,11 +673,12 @@ __device__ void place_scales(const DispatchParams& p, const RecvGroups& rg, cons
   }
 }
 
-// Expands message m of source src into its rows (one wire copy, up to K output rows). Called by
-// the whole warp.
+// Expands units [unit_begin, unit_end) of message m of source src (8 values each: the whole
+// message, or one part) into its rows: one wire copy, up to K output rows; the part at unit 0
+// also writes the rows' src_info. Called by the whole warp.
 template <TokenFormat F>
 __device__ void expand_message(const DispatchParams& p, const RecvGroups& rg, int32_t src,
-                               int32_t m) {
+                               int32_t m, int32_t unit_begin, int32_t unit_end) {
   const GroupView& g = p.g;
   const WindowLayout wl = g.layout();
   const MessageLayout ml = wl.msg();
@@ -493,29 +690,39 @@ __device__ void expand_message(const DispatchParams& p, const RecvGroups& rg, in
 
   const char* msg = window_at(g, g.rank, wl.dispatch_recv_offset() + wl.dispatch_recv().offset(src, m));
   const MessageHeader* h = reinterpret_cast<const MessageHeader*>(msg);
+  MessageEntry e{};
+  if (lane < g.top_k) e = h->entries[lane];  // with the header's words: one round trip
   const int32_t token = h->token;
   const int32_t n = min(int32_t(h->n_entries), g.top_k);
   int64_t row = -1;
   int32_t grp = -1;
   if (lane < n) {
-    const MessageEntry e = h->entries[lane];
     grp = e.group();
     if (grp < n_local) row = int64_t(rg.base[src * n_local + grp]) + e.pos;
     if (row >= row_limit) row = -1;  // never write outside the output
-    if (row >= 0) p.src_info[row] = SrcInfo{token, int16_t(src), int16_t(e.slot())};
+    if (row >= 0 && unit_begin == 0)
+      p.src_info[row] = SrcInfo{token, int16_t(src), int16_t(e.slot())};
   }
+  const int32_t units = g.hidden / kLaneValues;
+  unit_end = unit_end < units ? unit_end : units;
+  const int64_t unit_bytes = format_row_bytes(F, kLaneValues);  // 16, 8 or 4
+  const int64_t first = unit_begin * unit_bytes;  // a multiple of 16: parts are whole vectors
   // The shuffles below sit in loops every lane runs the same number of times (n and the vector
   // count are the warp's).
-  copy_vectors(msg + ml.payload_offset(), int32_t(row_bytes / 16), n, LoadCoherent{},
+  copy_vectors(msg + ml.payload_offset() + first,
+               int32_t((unit_end - unit_begin) * unit_bytes / 16), n, LoadCoherent{},
                [&](int32_t j) {
                  const int64_t r = __shfl_sync(0xffffffffu, row, j);
-                 return r < 0 ? nullptr : out + r * row_bytes;
+                 return r < 0 ? nullptr : out + r * row_bytes + first;
                });
   if constexpr (F != TokenFormat::kBF16) {
+    constexpr int32_t kUnitsPerScale = format_scale_group(F) / kLaneValues;
     for (int32_t j = 0; j < n; ++j) {
       const int64_t r = __shfl_sync(0xffffffffu, row, j);
       const int32_t gj = __shfl_sync(0xffffffffu, grp, j);
-      if (r >= 0) place_scales<F>(p, rg, msg + ml.scales_offset(), gj, r);
+      if (r >= 0)
+        place_scales<F>(p, rg, msg + ml.scales_offset(), gj, r, unit_begin / kUnitsPerScale,
+                        unit_end / kUnitsPerScale);
     }
   }
 }
@@ -606,9 +813,11 @@ __device__ int32_t check_sources(const DispatchParams& p, const RecvGroups& rg, 
   const GroupView& g = p.g;
   const int32_t n_local = g.n_local(), n_ranks = g.n_ranks;
   __shared__ int32_t bad_field, bad_src, bad_value;
-  __shared__ unsigned long long entries[WindowLayout::kMaxPeers];  // rows routed here, by source
-  if (threadIdx.x == 0) bad_field = 0;
-  if (threadIdx.x < WindowLayout::kMaxPeers) entries[threadIdx.x] = 0;
+  __shared__ unsigned long long routed_rows;  // rows routed here, over every source
+  if (threadIdx.x == 0) {
+    bad_field = 0;
+    routed_rows = 0;
+  }
   __syncthreads();
   auto flag = [&](int32_t field, int32_t s, int32_t v) {
     if (atomicCAS(&bad_field, 0, field) == 0) {
@@ -620,18 +829,24 @@ __device__ int32_t check_sources(const DispatchParams& p, const RecvGroups& rg, 
     const int32_t s = threadIdx.x;
     if (rg.stream_count[s] < 0 || rg.stream_count[s] > g.max_tokens)
       flag(kFieldStreamCount, s, rg.stream_count[s]);
-    else if (rg.n_chunks[s] < 0 || rg.n_chunks[s] > ml.max_chunks)
-      flag(kFieldChunks, s, rg.n_chunks[s]);
+    else if (rg.n_chunks[s] < 0 || rg.n_chunks[s] > (g.low_latency ? 0 : ml.max_chunks))
+      flag(kFieldChunks, s, rg.n_chunks[s]);  // the low-latency path sends no chunk starts
   }
+  // Each thread sums its counts, each warp its threads', one shared atomic per warp (an atomic
+  // per count on one word serialised 256 adds per block: +28 us on decode, one H100).
+  unsigned long long mine = 0;
   for (int32_t i = threadIdx.x; i < n_ranks * n_local; i += kThreads) {
     const int32_t s = i / n_local, c = rg.counts[i];
     if (c < 0 || c > rg.stream_count[s])
       flag(kFieldGroupCount, s, c);
     else
-      atomicAdd(&entries[s], (unsigned long long)c);
+      mine += (unsigned long long)c;
   }
-  int32_t most_chunks = 0;
-  for (int32_t s = 0; s < n_ranks; ++s)
+  for (int off = kWarpSize / 2; off > 0; off /= 2)
+    mine += __shfl_xor_sync(0xffffffffu, mine, off);
+  if (threadIdx.x % kWarpSize == 0 && mine != 0) atomicAdd(&routed_rows, mine);
+  int32_t most_chunks = g.low_latency ? -1 : 0;  // -1: no chunk starts to check
+  for (int32_t s = 0; s < n_ranks && !g.low_latency; ++s)
     most_chunks = max(most_chunks, min(max(rg.n_chunks[s], 0), ml.max_chunks));
   for (int32_t i = threadIdx.x; i < n_ranks * (most_chunks + 1); i += kThreads) {
     const int32_t s = i / (most_chunks + 1), c = i % (most_chunks + 1);
@@ -644,8 +859,7 @@ __device__ int32_t check_sources(const DispatchParams& p, const RecvGroups& rg, 
   }
   __syncthreads();
   int32_t code = bad_field != 0 ? int32_t(ErrorCode::kBadPeerData) : 0;
-  unsigned long long routed = 0;
-  for (int32_t s = 0; s < n_ranks; ++s) routed += entries[s];
+  const unsigned long long routed = routed_rows;
   if (code == 0 && routed > (unsigned long long)g.max_routed_rows())
     code = int32_t(ErrorCode::kRecvCapacity);
   if (code != 0 && rb == 0 && threadIdx.x == 0) {
@@ -653,9 +867,9 @@ __device__ int32_t check_sources(const DispatchParams& p, const RecvGroups& rg, 
       record_error(g, ErrorCode::kBadPeerData, kOpDispatchRecv, int32_t(1u << bad_src), -1, -1,
                    bad_value, WaitWhat(bad_field));
     } else {
-      uint32_t senders = 0;
-      for (int32_t s = 0; s < n_ranks; ++s)
-        if (entries[s] > 0) senders |= 1u << s;
+      uint32_t senders = 0;  // the sources with rows for this rank
+      for (int32_t i = 0; i < n_ranks * n_local; ++i)
+        if (rg.counts[i] > 0) senders |= 1u << (i / n_local);
       record_error(g, ErrorCode::kRecvCapacity, kOpDispatchRecv, int32_t(senders), -1, -1,
                    int32_t(min(routed, 0x7fffffffull)), kWaitNone);
     }
@@ -763,6 +977,38 @@ __device__ __noinline__ void dispatch_recv(const DispatchParams& p, unsigned lon
   __syncthreads();
   if (rb >= 0) fill_padding<F>(p, rg, rb, n_rb);
   trace_mark(g, kTraceDispatch, kTraceReady);
+  const int lane = threadIdx.x % kWarpSize;
+
+  if (g.low_latency) {
+    // Items (message, source, part), message-major, dealt to the grid's warps in turn: a warp
+    // waits for its part's flag (and part 0's, which carries the header), then expands it.
+    const int32_t n_parts = num_parts(g.hidden);
+    int32_t most = 0;
+    for (int32_t s = 0; s < n_ranks; ++s)
+      most = max(most, rg.stream_count[s]);
+    const int64_t items = int64_t(most) * n_ranks * n_parts;
+    for (int64_t i = int64_t(rb) * kWarps + threadIdx.x / kWarpSize; i < items;
+         i += int64_t(n_rb) * kWarps) {
+      const int32_t part = int32_t(i % n_parts);
+      const int32_t s = int32_t((i / n_parts) % n_ranks);
+      const int32_t m = int32_t(i / (int64_t(n_parts) * n_ranks));
+      if (m >= rg.stream_count[s]) continue;
+      const auto* head = reinterpret_cast<const unsigned long long*>(
+          window_at(g, g.rank, wl.part_flag_offset(s, m, 0)));
+      const auto* flag = reinterpret_cast<const unsigned long long*>(
+          window_at(g, g.rank, wl.part_flag_offset(s, m, part)));
+      if (!warp_wait_peers(g, 1u << s, kOpDispatchRecv, kWaitData, [&](int32_t) {
+            return ld_acquire_sys(flag) >= seq && ld_acquire_sys(head) >= seq;
+          }))
+        break;
+      __syncwarp();  // the other lanes read the part after lane s's acquire
+      expand_message<F>(p, rg, s, m, part * kPartUnits, (part + 1) * kPartUnits);
+    }
+    if (block_aborted(g)) return;
+    dispatch_done(g, seq);
+    trace_mark(g, kTraceDispatch, kTraceDone);
+    return;
+  }
 
   // Work items (chunk, source, part), chunk-major so they come due in the order the chunks
   // arrive: a warp takes the next item from the call's counter, waits for the chunk's flag, then
@@ -778,7 +1024,6 @@ __device__ __noinline__ void dispatch_recv(const DispatchParams& p, unsigned lon
   const int32_t parts = int32_t(min(int64_t(kChunkTokens), max(int64_t(4), want)));
   const int64_t items = cells * parts;
   unsigned long long* counter = &g.state->recv_item[seq & 1];
-  const int lane = threadIdx.x % kWarpSize;
   unsigned long long taken = lane == 0 ? atomicAdd(counter, 1ull) : 0ull;
   for (;;) {
     const int64_t i = int64_t(__shfl_sync(0xffffffffu, taken, 0));
@@ -793,7 +1038,8 @@ __device__ __noinline__ void dispatch_recv(const DispatchParams& p, unsigned lon
     const int32_t end = min(starts[c + 1], rg.stream_count[s]);
     if (starts[c] + part >= end) continue;  // no message of this part: nothing to wait for
     if (!warp_wait_chunk(g, s, c, seq)) break;
-    for (int32_t m = starts[c] + part; m < end; m += parts) expand_message<F>(p, rg, s, m);
+    for (int32_t m = starts[c] + part; m < end; m += parts)
+      expand_message<F>(p, rg, s, m, 0, g.hidden / kLaneValues);
   }
   // A warp that gave up has set the abort flag (or found it set): the block stops here.
   if (block_aborted(g)) return;
@@ -841,11 +1087,22 @@ static_assert(fused_senders(24, TokenFormat::kBF16, 0) == 1, "no tokens: one sen
 template <bool kSend, bool kRecv, TokenFormat F>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams p) {
   extern __shared__ __align__(16) char smem[];
+  const unsigned long long seq = p.g.state->dispatch_seq + 1;  // in flight with the abort flag
   if (block_aborted(p.g)) return;
   trace_begin(p.g, kTraceDispatch, kSend ? kTraceStart : kTraceRecvStart,
               kRecv ? kTraceMarks : kTraceRecvStart);
-  const unsigned long long seq = p.g.state->dispatch_seq + 1;
   const int32_t blocks = gridDim.x, b = blockIdx.x;
+  if (p.g.low_latency) {  // every block sends its pieces, then receives
+    if (kSend && !ll_send<F>(p, seq, smem)) return;
+    if (!kRecv) {
+      trace_mark(p.g, kTraceDispatch, kTraceDone);
+      return;
+    }
+    if (block_aborted(p.g)) return;
+    if (kSend) trace_mark(p.g, kTraceDispatch, kTraceRecvStart);
+    dispatch_recv<F>(p, seq, smem, b, blocks);
+    return;
+  }
   if (kSend && !kRecv) {
     dispatch_send<F>(p, seq, smem, blocks);
     trace_mark(p.g, kTraceDispatch, kTraceDone);
@@ -891,7 +1148,8 @@ void with_format(TokenFormat f, Fn fn) {
 
 size_t dispatch_smem_bytes(const GroupView& g) {
   const size_t nk = size_t(g.experts().num_keys());
-  const size_t send = kWarps * nk * (sizeof(uint32_t) + sizeof(uint16_t));
+  const size_t send = g.low_latency ? size_t(LocalRanks::smem_bytes(int32_t(nk)))
+                                    : kWarps * nk * (sizeof(uint32_t) + sizeof(uint16_t));
   const size_t recv = sizeof(int32_t) * size_t(RecvGroups::smem_words(g.n_ranks, g.n_local()));
   return align_up(int64_t(send > recv ? send : recv), 16);
 }

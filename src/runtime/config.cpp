@@ -92,6 +92,14 @@ void Config::validate(int n_ranks) const {
     throw Error(ErrorCode::kInvalidArgument,
                 "epcomm config: timeout_seconds = " + std::to_string(timeout_seconds) +
                     " is invalid: between 0 and 3600 seconds");
+  require(int32_t(dispatch_path) >= 0 && int32_t(dispatch_path) <= 2, "dispatch_path",
+          "one of DispatchPath's values", int(dispatch_path));
+  if (dispatch_path == DispatchPath::kLowLatency)
+    require(max_tokens_per_rank <= kLowLatencyMaxTokens, "max_tokens_per_rank",
+            "at most " + std::to_string(kLowLatencyMaxTokens) +
+                " with dispatch_path = kLowLatency (its blocks rank all of a call's tokens "
+                "each)",
+            max_tokens_per_rank);
   require(max_recv_rows >= 0, "max_recv_rows", "0 (the worst case) or a positive row count",
           max_recv_rows);
 }
@@ -118,6 +126,7 @@ void check_configs_match(const Config* configs, int n_ranks) {
     field("timeout_seconds", a.timeout_seconds, b.timeout_seconds);
     field("share_gpus", a.share_gpus, b.share_gpus);
     field("max_recv_rows", double(a.max_recv_rows), double(b.max_recv_rows));
+    field("dispatch_path", double(a.dispatch_path), double(b.dispatch_path));
   }
 }
 

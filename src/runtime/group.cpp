@@ -79,6 +79,7 @@ GroupView make_view(const Config& cfg, int n_ranks, const Sizes& sizes) {
   v.num_blocks = cfg.num_sms;
   v.format = cfg.format;
   v.nvfp4_global_scale = cfg.nvfp4_global_scale;
+  v.low_latency = cfg.resolved_path() == DispatchPath::kLowLatency;
   v.routed_rows = sizes.max_routed_rows;
   v.timeout_ns = (unsigned long long)(cfg.timeout_seconds * 1e9);
   return v;
@@ -158,8 +159,7 @@ void GroupState::setup(const Config& config, Bootstrap& bs, int dev) {
   std::memcpy(me.uuid, prop.uuid.bytes, 16);
   if (local_error.empty()) me.resident_blocks = resident_blocks_here(make_view(cfg, n_ranks, sizes));
 
-  const WindowLayout wl{n_ranks, cfg.hidden, cfg.top_k, cfg.n_experts, cfg.max_tokens_per_rank,
-                        cfg.format};
+  const WindowLayout wl = make_view(cfg, n_ranks, sizes).layout();
   if (local_error.empty()) {
     size_t free_b = 0, total_b = 0;
     check_cuda(cudaMemGetInfo(&free_b, &total_b), "cudaMemGetInfo");

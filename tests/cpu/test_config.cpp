@@ -220,3 +220,32 @@ TEST(Config, ReceiveCapSizesTheOutputs) {
   cs[1].share_gpus = true;
   EXPECT_THROW(check_configs_match(cs, 2), Error);
 }
+
+// kAuto takes the low-latency path up to kLowLatencyMaxTokens tokens per rank; asking for it
+// above that is an error naming the field; the path is compared across ranks.
+TEST(Config, DispatchPathResolvesAndIsChecked) {
+  Config c = good();
+  EXPECT_EQ(c.resolved_path(), DispatchPath::kLowLatency);
+  c.max_tokens_per_rank = kLowLatencyMaxTokens + 1;
+  EXPECT_EQ(c.resolved_path(), DispatchPath::kThroughput);
+  EXPECT_NO_THROW(c.validate(8));
+  c.dispatch_path = DispatchPath::kLowLatency;
+  expect_bad(c, 8, "max_tokens_per_rank");
+  c.max_tokens_per_rank = kLowLatencyMaxTokens;
+  EXPECT_NO_THROW(c.validate(8));
+  EXPECT_EQ(c.resolved_path(), DispatchPath::kLowLatency);
+  c.dispatch_path = DispatchPath::kThroughput;
+  EXPECT_EQ(c.resolved_path(), DispatchPath::kThroughput);
+  c.dispatch_path = DispatchPath(7);
+  expect_bad(c, 8, "dispatch_path");
+
+  Config cs[2] = {good(), good()};
+  cs[1].dispatch_path = DispatchPath::kThroughput;
+  try {
+    check_configs_match(cs, 2);
+    FAIL() << "no mismatch reported";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kConfigMismatch);
+    EXPECT_NE(std::string(e.what()).find("dispatch_path"), std::string::npos) << e.what();
+  }
+}

@@ -95,7 +95,7 @@ TEST(Layout, CombineRecvSlotsCoverBuffer) {
 }
 
 TEST(Layout, WindowRegionsDoNotOverlap) {
-  const WindowLayout w{8, 7168, 8, 256, 4096, TokenFormat::kBF16};
+  const WindowLayout w{8, 7168, 8, 256, 4096, TokenFormat::kBF16, 0};
   // signals < meta < dispatch recv < combine recv, each 256-aligned
   EXPECT_EQ(w.signal_offset(WindowLayout::kDispatchArrived, 0), 0);
   EXPECT_EQ(w.signal_offset(WindowLayout::kCombineAck, 7) + 8,
@@ -121,6 +121,27 @@ TEST(Layout, WindowRegionsDoNotOverlap) {
   EXPECT_EQ(num_chunks(1), 1);
   EXPECT_EQ(num_chunks(16), 1);
   EXPECT_EQ(num_chunks(17), 2);
+}
+
+// The low-latency path's part flags sit between the chunk flags and the meta records, one u64
+// per (source, message, part), inside the zeroed prefix; without the path they take no bytes.
+TEST(Layout, PartFlagsOfTheLowLatencyPath) {
+  const WindowLayout off{8, 7168, 8, 256, 128, TokenFormat::kBF16, 0};
+  const WindowLayout on{8, 7168, 8, 256, 128, TokenFormat::kBF16, 1};
+  EXPECT_EQ(off.part_flags_end(), off.chunk_flags_end());
+  EXPECT_EQ(num_parts(7168), 7);
+  EXPECT_EQ(num_parts(2880), 3);
+  EXPECT_EQ(num_parts(1024), 1);
+  EXPECT_EQ(on.part_flag_offset(0, 0, 0), on.chunk_flags_end());
+  EXPECT_EQ(on.part_flag_offset(0, 0, 1) - on.part_flag_offset(0, 0, 0), 8);
+  EXPECT_EQ(on.part_flag_offset(0, 1, 0) - on.part_flag_offset(0, 0, 0), 8 * 7);
+  EXPECT_EQ(on.part_flag_offset(1, 0, 0) - on.part_flag_offset(0, 0, 0), 8 * 7 * 128);
+  EXPECT_LE(on.part_flag_offset(7, 127, 6) + 8, on.part_flags_end());
+  EXPECT_EQ(on.meta_offset(0), on.part_flags_end());
+  EXPECT_EQ(on.part_flags_end() % 256, 0);
+  EXPECT_EQ(on.zeroed_bytes(), on.dispatch_recv_offset());
+  EXPECT_LT(on.part_flag_offset(7, 127, 6), on.zeroed_bytes());
+  EXPECT_EQ(on.bytes() - off.bytes(), on.dispatch_recv_offset() - off.dispatch_recv_offset());
 }
 
 TEST(Layout, GroupRowsPrefixesBySourceThenGroup) {

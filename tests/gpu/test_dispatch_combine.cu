@@ -33,20 +33,24 @@ class Sweep : public ::testing::TestWithParam<Case> {};
 TEST_P(Sweep, MatchesReference) {
   const Case c = GetParam();
   EPCOMM_REQUIRE_GPU();
-  LocalGroup lg(make_cfg(c.hidden, c.top_k, c.n_experts, c.max_tokens), c.n_ranks);
-  uint64_t seed = 1;
-  for (Form form : {Form::kFused, Form::kAsyncWait}) {
-    for (bool expert_side : {false, true}) {
-      const auto p = reference::make_problem(c.n_ranks, c.hidden, c.top_k, c.n_experts,
-                                             random_counts(c.n_ranks, c.max_tokens, seed), seed,
-                                             0.0, c.mask_prob);
-      ++seed;
-      RoundOptions o;
-      o.form = form;
-      o.unreduced = true;
-      o.expert_side = expert_side;
-      EXPECT_EQ(run_round(lg, p, o), "") << (form == Form::kFused ? "fused" : "async+wait")
-                                         << (expert_side ? ", expert side" : ", token side");
+  for (DispatchPath path : kBothPaths) {
+    LocalGroup lg(with_path(make_cfg(c.hidden, c.top_k, c.n_experts, c.max_tokens), path),
+                  c.n_ranks);
+    uint64_t seed = 1;
+    for (Form form : {Form::kFused, Form::kAsyncWait}) {
+      for (bool expert_side : {false, true}) {
+        const auto p = reference::make_problem(c.n_ranks, c.hidden, c.top_k, c.n_experts,
+                                               random_counts(c.n_ranks, c.max_tokens, seed), seed,
+                                               0.0, c.mask_prob);
+        ++seed;
+        RoundOptions o;
+        o.form = form;
+        o.unreduced = true;
+        o.expert_side = expert_side;
+        EXPECT_EQ(run_round(lg, p, o), "")
+            << path_name(path) << ", " << (form == Form::kFused ? "fused" : "async+wait")
+            << (expert_side ? ", expert side" : ", token side");
+      }
     }
   }
 }
@@ -68,25 +72,35 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{8, 1024, 16, 1024, 40, 0.0, "r8_h1024_k16_e1024"}),
     case_name);
 
-// T = 0, 1 and max on every rank, and ranks with different T.
-TEST(Edge, TokenCounts) {
-  EPCOMM_REQUIRE_GPU();
+namespace {
+// T = 0, 1 and max_t on every rank, and random T per rank, on a group of the given path.
+void check_token_counts(DispatchPath path, int hidden, int max_t, uint64_t seed) {
   const int n = suite_ranks();
-  const int max_t = 1100;  // more than two ranking units of 512
-  LocalGroup lg(make_cfg(2048, 8, 8 * n, max_t), n);
+  LocalGroup lg(with_path(make_cfg(hidden, 8, 8 * n, max_t), path), n);
   const std::vector<std::vector<int32_t>> counts = {
       std::vector<int32_t>(static_cast<size_t>(n), 0),
       std::vector<int32_t>(static_cast<size_t>(n), 1),
-      std::vector<int32_t>(static_cast<size_t>(n), max_t), random_counts(n, max_t, 5)};
-  uint64_t seed = 10;
+      std::vector<int32_t>(static_cast<size_t>(n), max_t), random_counts(n, max_t, seed)};
   for (const auto& t : counts) {
-    const auto p = reference::make_problem(n, 2048, 8, 8 * n, t, seed++);
+    const auto p = reference::make_problem(n, hidden, 8, 8 * n, t, ++seed);
     RoundOptions o;
     o.unreduced = true;
     EXPECT_EQ(run_round(lg, p, o), "") << "T[0] = " << t[0];
     o.expert_side = true;
     EXPECT_EQ(run_round(lg, p, o), "") << "T[0] = " << t[0] << ", expert side";
   }
+}
+}  // namespace
+
+// T = 0, 1 and max on every rank, and ranks with different T: the throughput path past two
+// ranking units of 512 tokens, the low-latency path up to its most tokens per call.
+TEST(Edge, TokenCounts) {
+  EPCOMM_REQUIRE_GPU();
+  check_token_counts(DispatchPath::kThroughput, 2048, 1100, 10);
+}
+TEST(Edge, TokenCountsLowLatency) {
+  EPCOMM_REQUIRE_GPU();
+  check_token_counts(DispatchPath::kLowLatency, 7168, kLowLatencyMaxTokens, 30);
 }
 
 // Every token of every rank routed to one expert (the most skewed load), with K = 1 and with one
@@ -95,18 +109,20 @@ TEST(Edge, EveryTokenToOneExpert) {
   EPCOMM_REQUIRE_GPU();
   const int n = suite_ranks();
   for (int K : {1, 8}) {
-    LocalGroup lg(make_cfg(2880, K, 4 * n, 256), n);
-    auto p = reference::make_problem(n, 2880, K, 4 * n,
-                                     std::vector<int32_t>(static_cast<size_t>(n), 256), 3);
-    for (auto& r : p.ranks)
-      for (int32_t t = 0; t < r.num_tokens; ++t)
-        for (int k = 0; k < K; ++k)
-          r.topk_ids[size_t(t * K + k)] = k == 0 ? 4 * n - 1 : -1;
-    RoundOptions o;
-    o.unreduced = true;
-    EXPECT_EQ(run_round(lg, p, o), "") << "K = " << K;
-    o.expert_side = true;
-    EXPECT_EQ(run_round(lg, p, o), "") << "K = " << K << ", expert side";
+    for (DispatchPath path : kBothPaths) {
+      LocalGroup lg(with_path(make_cfg(2880, K, 4 * n, 256), path), n);
+      auto p = reference::make_problem(n, 2880, K, 4 * n,
+                                       std::vector<int32_t>(static_cast<size_t>(n), 256), 3);
+      for (auto& r : p.ranks)
+        for (int32_t t = 0; t < r.num_tokens; ++t)
+          for (int k = 0; k < K; ++k)
+            r.topk_ids[size_t(t * K + k)] = k == 0 ? 4 * n - 1 : -1;
+      RoundOptions o;
+      o.unreduced = true;
+      EXPECT_EQ(run_round(lg, p, o), "") << "K = " << K << ", " << path_name(path);
+      o.expert_side = true;
+      EXPECT_EQ(run_round(lg, p, o), "") << "K = " << K << ", expert side, " << path_name(path);
+    }
   }
 }
 
@@ -136,6 +152,14 @@ TEST(Forms, AnyNumberOfBlocks) {
     o.expert_side = true;
     EXPECT_EQ(run_round(lg, p, o), "") << sms << " blocks, expert side";
   }
+  for (int sms : {1, 3, 64, 132}) {  // the low-latency path: every block ranks, sends, receives
+    LocalGroup lg(with_path(make_cfg(7168, 8, 64, 300, sms), DispatchPath::kLowLatency), n);
+    const auto p = reference::make_problem(n, 7168, 8, 64, {300, 177}, 50 + uint64_t(sms));
+    EXPECT_EQ(run_round(lg, p, RoundOptions{}), "") << sms << " blocks, low-latency";
+    RoundOptions o;
+    o.expert_side = true;
+    EXPECT_EQ(run_round(lg, p, o), "") << sms << " blocks, expert side, low-latency";
+  }
 }
 
 // 1000 back-to-back iterations with changing routing and T; every result checked.
@@ -143,8 +167,10 @@ TEST(Stress, ThousandIterations) {
   EPCOMM_REQUIRE_GPU();
   const int n = suite_ranks();
   const int H = 512, K = 4, E = 8 * n, max_t = 96;
-  LocalGroup lg(make_cfg(H, K, E, max_t), n);
+  LocalGroup groups[2] = {LocalGroup(with_path(make_cfg(H, K, E, max_t), kBothPaths[0]), n),
+                          LocalGroup(with_path(make_cfg(H, K, E, max_t), kBothPaths[1]), n)};
   for (int it = 0; it < 1000; ++it) {
+    LocalGroup& lg = groups[(it / 2) % 2];  // each path in both forms
     const auto p =
         reference::make_problem(n, H, K, E, random_counts(n, max_t, 1000 + it), 1000 + uint64_t(it),
                                 it % 3 == 0 ? 1.2 : 0.0, it % 5 == 0 ? 0.25 : 0.0);
@@ -161,24 +187,27 @@ TEST(Stress, ThousandIterations) {
 TEST(Determinism, SameInputsSameBits) {
   EPCOMM_REQUIRE_GPU();
   const int n = suite_ranks();
-  LocalGroup lg(make_cfg(7168, 8, 256, 256), n);
-  const auto p = reference::make_problem(n, 7168, 8, 256, random_counts(n, 256, 77), 77);
-  std::vector<std::vector<uint16_t>> first_d(static_cast<size_t>(n)),
-      first_c(static_cast<size_t>(n));
-  for (int rep = 0; rep < 2; ++rep) {
-    ASSERT_EQ(run_round(lg, p, RoundOptions{}), "");
-    for (int r = 0; r < n; ++r) {
-      RankIO& io = *lg.io[size_t(r)];
-      // make_expert_out draws fresh values each round: restore the first round's.
-      auto d = io.download_dispatch_tokens(io.max_rows);
-      auto c = io.download_combine(true);
-      if (rep == 0) {
-        first_d[size_t(r)] = d;
-        first_c[size_t(r)] = c;
-        io.expert_seed -= 1;
-      } else {
-        EXPECT_TRUE(d == first_d[size_t(r)]) << "dispatch output of rank " << r << " changed";
-        EXPECT_TRUE(c == first_c[size_t(r)]) << "combine output of rank " << r << " changed";
+  for (DispatchPath path : kBothPaths) {
+    SCOPED_TRACE(path_name(path));
+    LocalGroup lg(with_path(make_cfg(7168, 8, 256, 256), path), n);
+    const auto p = reference::make_problem(n, 7168, 8, 256, random_counts(n, 256, 77), 77);
+    std::vector<std::vector<uint16_t>> first_d(static_cast<size_t>(n)),
+        first_c(static_cast<size_t>(n));
+    for (int rep = 0; rep < 2; ++rep) {
+      ASSERT_EQ(run_round(lg, p, RoundOptions{}), "");
+      for (int r = 0; r < n; ++r) {
+        RankIO& io = *lg.io[size_t(r)];
+        // make_expert_out draws fresh values each round: restore the first round's.
+        auto d = io.download_dispatch_tokens(io.max_rows);
+        auto c = io.download_combine(true);
+        if (rep == 0) {
+          first_d[size_t(r)] = d;
+          first_c[size_t(r)] = c;
+          io.expert_seed -= 1;
+        } else {
+          EXPECT_TRUE(d == first_d[size_t(r)]) << "dispatch output of rank " << r << " changed";
+          EXPECT_TRUE(c == first_c[size_t(r)]) << "combine output of rank " << r << " changed";
+        }
       }
     }
   }
@@ -259,56 +288,61 @@ TEST(Graph, CapturedRoundReplaysWithNewInputs) {
   EPCOMM_REQUIRE_GPU();
   const int n = suite_ranks();
   const int H = 2048, K = 8, E = 8 * n, T = 160;
-  LocalGroup lg(make_cfg(H, K, E, T), n);
-  // Warm-up round (outside the graph), then capture.
-  auto p0 =
-      reference::make_problem(n, H, K, E, std::vector<int32_t>(static_cast<size_t>(n), T), 500);
-  ASSERT_EQ(run_round(lg, p0, RoundOptions{}), "");
-  for (bool expert_side : {false, true}) {
-    std::vector<cudaGraphExec_t> execs(static_cast<size_t>(n));
-    for (int r = 0; r < n; ++r) {
-      RankIO& io = *lg.io[size_t(r)];
-      EPCOMM_CUDA_OK(cudaSetDevice(io.device));
-      cudaGraph_t graph;
-      EPCOMM_CUDA_OK(cudaStreamBeginCapture(io.stream, cudaStreamCaptureModeRelaxed));
-      lg.groups[size_t(r)]->dispatch(io.dispatch_input(expert_side), io.dispatch_output(),
-                                     io.stream);
-      lg.groups[size_t(r)]->combine(io.combine_input(), io.combine_output(!expert_side), io.stream);
-      EPCOMM_CUDA_OK(cudaStreamEndCapture(io.stream, &graph));
-      EPCOMM_CUDA_OK(cudaGraphInstantiate(&execs[size_t(r)], graph, 0));
-      EPCOMM_CUDA_OK(cudaGraphDestroy(graph));
-    }
-    for (int rep = 0; rep < 5; ++rep) {
-      const auto p = reference::make_problem(
-          n, H, K, E, std::vector<int32_t>(static_cast<size_t>(n), T), 600 + uint64_t(rep));
-      const auto refs = reference_dispatch_all(p);
-      std::vector<std::vector<uint16_t>> y(static_cast<size_t>(n));
+  for (DispatchPath path : kBothPaths) {
+    SCOPED_TRACE(path_name(path));
+    LocalGroup lg(with_path(make_cfg(H, K, E, T), path), n);
+    // Warm-up round (outside the graph), then capture.
+    auto p0 =
+        reference::make_problem(n, H, K, E, std::vector<int32_t>(static_cast<size_t>(n), T), 500);
+    ASSERT_EQ(run_round(lg, p0, RoundOptions{}), "");
+    for (bool expert_side : {false, true}) {
+      std::vector<cudaGraphExec_t> execs(static_cast<size_t>(n));
       for (int r = 0; r < n; ++r) {
         RankIO& io = *lg.io[size_t(r)];
-        io.upload(p.ranks[size_t(r)]);
-        io.poison();
-        // Expert outputs must exist before the graph runs: use the dispatched rows' reference
-        // count and fresh values (the graph's combine reads expert_out).
-        io.make_expert_out(refs[size_t(r)].rows());
-        y[size_t(r)] = io.expert_out_host;
+        EPCOMM_CUDA_OK(cudaSetDevice(io.device));
+        cudaGraph_t graph;
+        EPCOMM_CUDA_OK(cudaStreamBeginCapture(io.stream, cudaStreamCaptureModeRelaxed));
+        lg.groups[size_t(r)]->dispatch(io.dispatch_input(expert_side), io.dispatch_output(),
+                                       io.stream);
+        lg.groups[size_t(r)]->combine(io.combine_input(), io.combine_output(!expert_side),
+                                      io.stream);
+        EPCOMM_CUDA_OK(cudaStreamEndCapture(io.stream, &graph));
+        EPCOMM_CUDA_OK(cudaGraphInstantiate(&execs[size_t(r)], graph, 0));
+        EPCOMM_CUDA_OK(cudaGraphDestroy(graph));
       }
-      lg.all([&](int r) {
-        EPCOMM_CUDA_OK(cudaGraphLaunch(execs[size_t(r)], lg.io[size_t(r)]->stream));
-      });
+      for (int rep = 0; rep < 5; ++rep) {
+        const auto p = reference::make_problem(
+            n, H, K, E, std::vector<int32_t>(static_cast<size_t>(n), T), 600 + uint64_t(rep));
+        const auto refs = reference_dispatch_all(p);
+        std::vector<std::vector<uint16_t>> y(static_cast<size_t>(n));
+        for (int r = 0; r < n; ++r) {
+          RankIO& io = *lg.io[size_t(r)];
+          io.upload(p.ranks[size_t(r)]);
+          io.poison();
+          // Expert outputs must exist before the graph runs: use the dispatched rows' reference
+          // count and fresh values (the graph's combine reads expert_out).
+          io.make_expert_out(refs[size_t(r)].rows());
+          y[size_t(r)] = io.expert_out_host;
+        }
+        lg.all([&](int r) {
+          EPCOMM_CUDA_OK(cudaGraphLaunch(execs[size_t(r)], lg.io[size_t(r)]->stream));
+        });
+        for (int r = 0; r < n; ++r) {
+          RankIO& io = *lg.io[size_t(r)];
+          EXPECT_EQ(io.check_dispatch(refs[size_t(r)]), "") << "replay " << rep;
+          if (expert_side)
+            EXPECT_EQ(io.check_combine_expert_side(reference::combine_expert_side(p, refs, y, r)),
+                      "")
+                << "replay " << rep;
+          else
+            EXPECT_EQ(io.check_combine(reference::combine(p, refs, y, r, true), true), "")
+                << "replay " << rep;
+        }
+      }
       for (int r = 0; r < n; ++r) {
-        RankIO& io = *lg.io[size_t(r)];
-        EXPECT_EQ(io.check_dispatch(refs[size_t(r)]), "") << "replay " << rep;
-        if (expert_side)
-          EXPECT_EQ(io.check_combine_expert_side(reference::combine_expert_side(p, refs, y, r)), "")
-              << "replay " << rep;
-        else
-          EXPECT_EQ(io.check_combine(reference::combine(p, refs, y, r, true), true), "")
-              << "replay " << rep;
+        EPCOMM_CUDA_OK(cudaSetDevice(lg.io[size_t(r)]->device));
+        EPCOMM_CUDA_OK(cudaGraphExecDestroy(execs[size_t(r)]));
       }
-    }
-    for (int r = 0; r < n; ++r) {
-      EPCOMM_CUDA_OK(cudaSetDevice(lg.io[size_t(r)]->device));
-      EPCOMM_CUDA_OK(cudaGraphExecDestroy(execs[size_t(r)]));
     }
   }
 }
@@ -319,8 +353,9 @@ TEST(Failure, MissingRankTimesOutNamingIt) {
   EPCOMM_REQUIRE_GPU();
   const int n = 4;
   const int missing = 1;
-  {
-    LocalGroup lg(make_cfg(2048, 4, 8 * n, 64, 24, 1.0), n);
+  for (DispatchPath path : kBothPaths) {
+    SCOPED_TRACE(path_name(path));
+    LocalGroup lg(with_path(make_cfg(2048, 4, 8 * n, 64, 24, 1.0), path), n);
     const auto p = reference::make_problem(n, 2048, 4, 8 * n,
                                            std::vector<int32_t>(static_cast<size_t>(n), 64), 8);
     for (int r = 0; r < n; ++r)
@@ -450,47 +485,50 @@ TEST(BadInput, DeviceChecks) {
   EPCOMM_REQUIRE_GPU();
   const int n = 4;
   const int H = 2048, K = 4, E = 8 * n, T = 100;
-  LocalGroup lg(make_cfg(H, K, E, T), n);
-  struct Bad {
-    int32_t value;
-    int slot_from;  // duplicate: copy this slot's id
-    ErrorCode code;
-  };
-  const Bad bads[] = {{E, -1, ErrorCode::kBadExpertId},
-                      {E + 1000, -1, ErrorCode::kBadExpertId},
-                      {-2, -1, ErrorCode::kBadExpertId},
-                      {0, 0, ErrorCode::kDuplicateExpert}};
-  uint64_t seed = 60;
-  for (const Bad& b : bads) {
-    auto p = reference::make_problem(n, H, K, E, std::vector<int32_t>(static_cast<size_t>(n), T),
-                                     seed++);
-    const int bad_rank = 1, bad_token = 37, bad_slot = 2;
-    int32_t* ids = p.ranks[bad_rank].topk_ids.data() + bad_token * K;
-    ids[bad_slot] = b.slot_from >= 0 ? ids[b.slot_from] : b.value;
-    lg.issue_dispatch(p);
-    for (int r = 0; r < n; ++r) {
-      if (r != bad_rank) {
-        EXPECT_NO_THROW(lg.groups[size_t(r)]->synchronize(lg.io[size_t(r)]->stream));
-        continue;
+  for (DispatchPath path : kBothPaths) {
+    SCOPED_TRACE(path_name(path));
+    LocalGroup lg(with_path(make_cfg(H, K, E, T), path), n);
+    struct Bad {
+      int32_t value;
+      int slot_from;  // duplicate: copy this slot's id
+      ErrorCode code;
+    };
+    const Bad bads[] = {{E, -1, ErrorCode::kBadExpertId},
+                        {E + 1000, -1, ErrorCode::kBadExpertId},
+                        {-2, -1, ErrorCode::kBadExpertId},
+                        {0, 0, ErrorCode::kDuplicateExpert}};
+    uint64_t seed = 60;
+    for (const Bad& b : bads) {
+      auto p = reference::make_problem(n, H, K, E, std::vector<int32_t>(static_cast<size_t>(n), T),
+                                       seed++);
+      const int bad_rank = 1, bad_token = 37, bad_slot = 2;
+      int32_t* ids = p.ranks[bad_rank].topk_ids.data() + bad_token * K;
+      ids[bad_slot] = b.slot_from >= 0 ? ids[b.slot_from] : b.value;
+      lg.issue_dispatch(p);
+      for (int r = 0; r < n; ++r) {
+        if (r != bad_rank) {
+          EXPECT_NO_THROW(lg.groups[size_t(r)]->synchronize(lg.io[size_t(r)]->stream));
+          continue;
+        }
+        try {
+          lg.groups[size_t(r)]->synchronize(lg.io[size_t(r)]->stream);
+          ADD_FAILURE() << "no error for bad id " << b.value;
+        } catch (const Error& e) {
+          EXPECT_EQ(e.code(), b.code) << e.what();
+          const std::string w = e.what();
+          EXPECT_NE(w.find("topk_ids[37]"), std::string::npos) << w;
+          EXPECT_NE(w.find("rank 1"), std::string::npos) << w;
+        }
+        EXPECT_FALSE(lg.groups[size_t(r)]->poisoned());
       }
-      try {
-        lg.groups[size_t(r)]->synchronize(lg.io[size_t(r)]->stream);
-        ADD_FAILURE() << "no error for bad id " << b.value;
-      } catch (const Error& e) {
-        EXPECT_EQ(e.code(), b.code) << e.what();
-        const std::string w = e.what();
-        EXPECT_NE(w.find("topk_ids[37]"), std::string::npos) << w;
-        EXPECT_NE(w.find("rank 1"), std::string::npos) << w;
-      }
-      EXPECT_FALSE(lg.groups[size_t(r)]->poisoned());
+      const auto refs = reference_dispatch_all(p);
+      for (int r = 0; r < n; ++r)
+        EXPECT_EQ(lg.io[size_t(r)]->check_dispatch(refs[size_t(r)]), "");
+      // The next valid round works on every rank.
+      const auto good = reference::make_problem(n, H, K, E, random_counts(n, T, seed), seed);
+      ++seed;
+      EXPECT_EQ(run_round(lg, good, RoundOptions{}), "");
     }
-    const auto refs = reference_dispatch_all(p);
-    for (int r = 0; r < n; ++r)
-      EXPECT_EQ(lg.io[size_t(r)]->check_dispatch(refs[size_t(r)]), "");
-    // The next valid round works on every rank.
-    const auto good = reference::make_problem(n, H, K, E, random_counts(n, T, seed), seed);
-    ++seed;
-    EXPECT_EQ(run_round(lg, good, RoundOptions{}), "");
   }
 }
 
@@ -553,52 +591,56 @@ TEST(BadInput, ReceiveCapacity) {
   const auto refs = reference_dispatch_all(p);
   int64_t most = 0;
   for (const auto& r : refs) most = std::max(most, r.rows());
-  {
-    Config cfg = make_cfg(H, K, E, T);
-    cfg.max_recv_rows = most;
+  for (DispatchPath path : kBothPaths) {
+    SCOPED_TRACE(path_name(path));
+    {
+      Config cfg = with_path(make_cfg(H, K, E, T), path);
+      cfg.max_recv_rows = most;
+      LocalGroup lg(cfg, n);
+      EXPECT_EQ(lg.groups[0]->sizes().max_recv_rows, most);
+      EXPECT_EQ(run_round(lg, p, RoundOptions{}), "") << "at the cap";
+    }
+    Config cfg = with_path(make_cfg(H, K, E, T), path);
+    cfg.max_recv_rows = most - 1;
     LocalGroup lg(cfg, n);
-    EXPECT_EQ(lg.groups[0]->sizes().max_recv_rows, most);
-    EXPECT_EQ(run_round(lg, p, RoundOptions{}), "") << "at the cap";
-  }
-  Config cfg = make_cfg(H, K, E, T);
-  cfg.max_recv_rows = most - 1;
-  LocalGroup lg(cfg, n);
-  lg.issue_dispatch(p);
-  int over = 0;
-  for (int r = 0; r < n; ++r) {
-    RankIO& io = *lg.io[size_t(r)];
-    const int64_t rows = refs[size_t(r)].rows();
-    if (rows <= most - 1) {
-      EXPECT_NO_THROW(lg.groups[size_t(r)]->synchronize(io.stream)) << "rank " << r;
-      EXPECT_EQ(io.check_dispatch(refs[size_t(r)]), "") << "rank " << r;
-      continue;
+    lg.issue_dispatch(p);
+    int over = 0;
+    for (int r = 0; r < n; ++r) {
+      RankIO& io = *lg.io[size_t(r)];
+      const int64_t rows = refs[size_t(r)].rows();
+      if (rows <= most - 1) {
+        EXPECT_NO_THROW(lg.groups[size_t(r)]->synchronize(io.stream)) << "rank " << r;
+        EXPECT_EQ(io.check_dispatch(refs[size_t(r)]), "") << "rank " << r;
+        continue;
+      }
+      ++over;
+      try {
+        lg.groups[size_t(r)]->synchronize(io.stream);
+        ADD_FAILURE() << "rank " << r << " received " << rows << " rows past a cap of " << most - 1;
+      } catch (const Error& e) {
+        const std::string w = e.what();
+        EXPECT_EQ(e.code(), ErrorCode::kRecvCapacity) << w;
+        EXPECT_NE(w.find("rank " + std::to_string(r)), std::string::npos) << w;
+        EXPECT_NE(w.find(std::to_string(rows) + " rows were routed"), std::string::npos) << w;
+        EXPECT_NE(w.find("capacity of " + std::to_string(most - 1)), std::string::npos) << w;
+      }
+      EXPECT_FALSE(lg.groups[size_t(r)]->poisoned());
+      std::vector<uint8_t> bytes(io.out_tokens.bytes());
+      io.out_tokens.download(bytes.data(), bytes.size());
+      EXPECT_EQ(std::count(bytes.begin(), bytes.end(), uint8_t(0xff)), int64_t(bytes.size()))
+          << "rank " << r << ": rows were written past the capacity";
+      bytes.resize(io.src_info.bytes());
+      io.src_info.download(bytes.data(), bytes.size());
+      EXPECT_EQ(std::count(bytes.begin(), bytes.end(), uint8_t(0xff)), int64_t(bytes.size()))
+          << "rank " << r << ": src_info was written";
+      std::vector<uint32_t> offsets(size_t(io.n_groups + 1));
+      io.row_offsets.download(offsets.data(), offsets.size() * 4);
+      for (uint32_t o : offsets)
+        EXPECT_EQ(o, 0u) << "rank " << r;
     }
-    ++over;
-    try {
-      lg.groups[size_t(r)]->synchronize(io.stream);
-      ADD_FAILURE() << "rank " << r << " received " << rows << " rows past a cap of " << most - 1;
-    } catch (const Error& e) {
-      const std::string w = e.what();
-      EXPECT_EQ(e.code(), ErrorCode::kRecvCapacity) << w;
-      EXPECT_NE(w.find("rank " + std::to_string(r)), std::string::npos) << w;
-      EXPECT_NE(w.find(std::to_string(rows) + " rows were routed"), std::string::npos) << w;
-      EXPECT_NE(w.find("capacity of " + std::to_string(most - 1)), std::string::npos) << w;
-    }
-    EXPECT_FALSE(lg.groups[size_t(r)]->poisoned());
-    std::vector<uint8_t> bytes(io.out_tokens.bytes());
-    io.out_tokens.download(bytes.data(), bytes.size());
-    EXPECT_EQ(std::count(bytes.begin(), bytes.end(), uint8_t(0xff)), int64_t(bytes.size()))
-        << "rank " << r << ": rows were written past the capacity";
-    bytes.resize(io.src_info.bytes());
-    io.src_info.download(bytes.data(), bytes.size());
-    EXPECT_EQ(std::count(bytes.begin(), bytes.end(), uint8_t(0xff)), int64_t(bytes.size()))
-        << "rank " << r << ": src_info was written";
-    std::vector<uint32_t> offsets(size_t(io.n_groups + 1));
-    io.row_offsets.download(offsets.data(), offsets.size() * 4);
-    for (uint32_t o : offsets) EXPECT_EQ(o, 0u) << "rank " << r;
+    EXPECT_GE(over, 1);
+    // A round whose every rank stays under the cap works on the same group.
+    const auto small = reference::make_problem(n, H, K, E, random_counts(n, T / 4, 74), 74);
+    EXPECT_EQ(run_round(lg, small, RoundOptions{}), "");
   }
-  EXPECT_GE(over, 1);
-  // A round whose every rank stays under the cap works on the same group.
-  const auto small = reference::make_problem(n, H, K, E, random_counts(n, T / 4, 74), 74);
-  EXPECT_EQ(run_round(lg, small, RoundOptions{}), "");
 }

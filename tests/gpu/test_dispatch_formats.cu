@@ -229,18 +229,21 @@ class FormatSweep : public ::testing::TestWithParam<SweepCase> {};
 TEST_P(FormatSweep, MatchesReference) {
   const SweepCase c = GetParam();
   EPCOMM_REQUIRE_GPU();
-  LocalGroup lg(quant_cfg(c.format, c.hidden, c.top_k, c.n_experts, c.max_tokens, c.gs),
-                c.n_ranks);
-  uint64_t seed = 100;
-  for (Form form : {Form::kFused, Form::kAsyncWait}) {
-    const auto p = stressed_problem(c.n_ranks, c.hidden, c.top_k, c.n_experts,
-                                    random_counts(c.n_ranks, c.max_tokens, seed), seed, c.zipf_s,
-                                    c.mask_prob);
-    ++seed;
-    RoundOptions o;
-    o.form = form;
-    o.weighted = false;  // dispatch only: FormatBehaviour.CombineAfterDispatch combines
-    EXPECT_EQ(run_round(lg, p, o), "") << form_name(form);
+  for (DispatchPath path : kBothPaths) {
+    LocalGroup lg(
+        with_path(quant_cfg(c.format, c.hidden, c.top_k, c.n_experts, c.max_tokens, c.gs), path),
+        c.n_ranks);
+    uint64_t seed = 100;
+    for (Form form : {Form::kFused, Form::kAsyncWait}) {
+      const auto p = stressed_problem(c.n_ranks, c.hidden, c.top_k, c.n_experts,
+                                      random_counts(c.n_ranks, c.max_tokens, seed), seed, c.zipf_s,
+                                      c.mask_prob);
+      ++seed;
+      RoundOptions o;
+      o.form = form;
+      o.weighted = false;  // dispatch only: FormatBehaviour.CombineAfterDispatch combines
+      EXPECT_EQ(run_round(lg, p, o), "") << form_name(form) << ", " << path_name(path);
+    }
   }
 }
 

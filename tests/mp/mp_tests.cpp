@@ -192,10 +192,16 @@ int run_gpu_tests(Bootstrap& bs, const MakeBootstrap& make) {
   Runner run{bs};
 
   run.check("random rounds, fused and async+wait, several shapes", [&]() -> std::string {
-    struct Shape { int H, K, E, T; };
-    for (Shape s : {Shape{7168, 8, 32 * n, 128}, Shape{2880, 4, 16 * n, 300},
-                    Shape{2048, 1, e_small, 64}}) {
-      auto g = Group::create(placed(make_cfg(s.H, s.K, s.E, s.T), n), bs, device);
+    struct Shape {
+      int H, K, E, T;
+      DispatchPath path;
+    };
+    for (Shape s : {Shape{7168, 8, 32 * n, 128, DispatchPath::kLowLatency},
+                    Shape{2880, 4, 16 * n, 300, DispatchPath::kThroughput},
+                    Shape{2048, 1, e_small, 64, DispatchPath::kLowLatency},
+                    Shape{2048, 8, 8 * n, 96, DispatchPath::kThroughput}}) {
+      auto g =
+          Group::create(placed(with_path(make_cfg(s.H, s.K, s.E, s.T), s.path), n), bs, device);
       RankIO io(*g);
       for (int it = 0; it < 6; ++it) {
         const uint64_t seed = 100 + uint64_t(it) + uint64_t(s.H);

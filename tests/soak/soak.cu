@@ -225,9 +225,11 @@ reference::Problem make_problem(const Args& a, int n_ranks, const Plan& p) {
                                  p.zipf_s, p.mask_prob);
 }
 
+// The formats alternate between the dispatch paths (bf16 low-latency, FP8 throughput, ...).
 Config soak_cfg(const Args& a, int n_ranks, TokenFormat f) {
   Config c = make_cfg(a.hidden, a.top_k, 8 * n_ranks, a.max_tokens);
   c.format = f;
+  c.dispatch_path = int(f) % 2 == 0 ? DispatchPath::kLowLatency : DispatchPath::kThroughput;
   return c;
 }
 

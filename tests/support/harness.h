@@ -123,6 +123,17 @@ struct RankIO {
 // A test configuration (bf16).
 Config make_cfg(int hidden, int top_k, int n_experts, int max_tokens, int num_sms = 24,
                 double timeout_seconds = 10.0);
+// cfg on the given dispatch path.
+inline Config with_path(Config cfg, DispatchPath path) {
+  cfg.dispatch_path = path;
+  return cfg;
+}
+// Both dispatch paths, for tests that run each.
+constexpr DispatchPath kBothPaths[] = {DispatchPath::kThroughput, DispatchPath::kLowLatency};
+inline const char* path_name(DispatchPath p) {
+  return p == DispatchPath::kLowLatency ? "low-latency"
+                                        : (p == DispatchPath::kThroughput ? "throughput" : "auto");
+}
 // Random token counts in [0, max_tokens] for n ranks.
 std::vector<int32_t> random_counts(int n, int max_tokens, uint64_t seed);
 

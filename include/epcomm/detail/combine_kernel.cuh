@@ -70,8 +70,69 @@ struct WorkSplit {
   __device__ static int64_t stride() { return int64_t(gridDim.x) * kCombineWarps; }
 };
 
+// One message's pre-summed row on the expert side: sum over its rows j < n (lane j holds row j's
+// index, -1 if none, and weight) of w * y in fp32, in row order (top-k slot ascending: bit for
+// bit the same however the loads are grouped), over this item's columns (256-column steps from
+// part * 256, every `stride`); stored to dst as bf16. kU steps per pass and kRows rows' loads in
+// flight together: few rows of many steps (prefill: kU 4, kRows 2, one round trip per pass
+// instead of one per row) or one step of up to K rows (decode: kU 1, kRows 8).
+template <int kU, int kRows>
+__device__ __forceinline__ void sum_message_rows(const char* in, int32_t H, int64_t row, float w,
+                                                 int32_t n, int32_t part, int32_t stride,
+                                                 char* dst) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int32_t step = kWarpSize * 8;
+  // Every lane runs these loops the same number of times (the shuffles sit inside).
+  for (int32_t base = part * step; base < H; base += kU * stride) {
+    float acc[kU][8];
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        acc[u][i] = 0.0f;
+    for (int32_t j0 = 0; j0 < n; j0 += kRows) {
+      int64_t r[kRows];
+      float wj[kRows];
+      uint4 raw[kRows][kU];
+#pragma unroll
+      for (int q = 0; q < kRows; ++q) {
+        r[q] = __shfl_sync(0xffffffffu, row, (j0 + q) % kWarpSize);
+        wj[q] = __shfl_sync(0xffffffffu, w, (j0 + q) % kWarpSize);
+        if (j0 + q >= n) r[q] = -1;
+      }
+#pragma unroll
+      for (int q = 0; q < kRows; ++q)
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          const int32_t c = base + u * stride + lane * 8;
+          if (r[q] >= 0 && c < H) raw[q][u] = ld_nc_v4(in + (r[q] * H + c) * 2);
+        }
+        // The sums in row order (slot ascending), as before: the result is bit for bit the same.
+#pragma unroll
+      for (int q = 0; q < kRows; ++q) {
+        if (r[q] < 0) continue;
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          if (base + u * stride + lane * 8 >= H) continue;
+          float y[8];
+          unpack_bf16x8(raw[q][u], y);
+#pragma unroll
+          for (int i = 0; i < 8; ++i)
+            acc[u][i] = fmaf(wj[q], y[i], acc[u][i]);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int32_t c = base + u * stride + lane * 8;
+      if (c < H) st_v4(dst + int64_t(c) * 2, pack_bf16x8(acc[u]));
+    }
+  }
+}
+
 // The expert side's half of the expert-side reduction: one pre-summed row per received message.
-__device__ inline void combine_send_expert_side(const CombineParams& p) {
+// `bases`: p.recv_base, copied to shared memory.
+__device__ inline void combine_send_expert_side(const CombineParams& p, const int32_t* bases) {
   const GroupView& g = p.g;
   const WindowLayout wl = g.layout();
   const CombineRecvLayout cl = wl.combine_recv();
@@ -93,9 +154,6 @@ __device__ inline void combine_send_expert_side(const CombineParams& p) {
     most = count[s] > most ? count[s] : most;
   }
   const WorkSplit ws = WorkSplit::make(int64_t(most) * g.n_ranks, H);
-  constexpr int kU = 4;     // 256-column steps per pass: loads in flight per lane and row
-  constexpr int kRows = 2;  // rows whose loads are in flight together (a message has ~1.5 on 8
-                            // ranks at top-8): one round trip per pass instead of one per row
   for (int64_t item = WorkSplit::first_item(); item < ws.items; item += WorkSplit::stride()) {
     const int64_t slot_item = item / ws.split;
     const int32_t part = int32_t(item % ws.split);
@@ -108,77 +166,50 @@ __device__ inline void combine_send_expert_side(const CombineParams& p) {
     if (m >= count_s) continue;
     const MessageHeader* h = reinterpret_cast<const MessageHeader*>(
         window_at(g, g.rank, wl.dispatch_recv_offset() + rl.offset(s, m)));
+    MessageEntry e{};
+    if (lane < K) e = h->entries[lane];  // with the header's words: one round trip
     const int32_t token = h->token, slot = h->rank_slot;
     const int32_t n = min(int32_t(h->n_entries), K);
     if (token < 0 || token >= g.max_tokens || slot < 0 || slot >= K) continue;  // stay inside
     int64_t row = -1;
     float w = 0.0f;
     if (lane < n) {
-      const MessageEntry e = h->entries[lane];
-      if (e.group() < n_local) row = int64_t(p.recv_base[s * n_local + e.group()]) + e.pos;
+      if (e.group() < n_local) row = int64_t(bases[s * n_local + e.group()]) + e.pos;
       if (row >= row_limit) row = -1;
       w = e.weight;
     }
     char* dst = window_at(g, s, wl.combine_recv_offset() + cl.offset(token, slot));
-    // Every lane runs these loops the same number of times (the shuffles sit inside).
-    const int32_t step = kWarpSize * 8, stride = ws.split * step;
-    for (int32_t base = part * step; base < H; base += kU * stride) {
-      float acc[kU][8];
-#pragma unroll
-      for (int u = 0; u < kU; ++u)
-#pragma unroll
-        for (int i = 0; i < 8; ++i)
-          acc[u][i] = 0.0f;
-      for (int32_t j0 = 0; j0 < n; j0 += kRows) {
-        int64_t r[kRows];
-        float wj[kRows];
-        uint4 raw[kRows][kU];
-#pragma unroll
-        for (int q = 0; q < kRows; ++q) {
-          r[q] = __shfl_sync(0xffffffffu, row, (j0 + q) % kWarpSize);
-          wj[q] = __shfl_sync(0xffffffffu, w, (j0 + q) % kWarpSize);
-          if (j0 + q >= n) r[q] = -1;
-        }
-#pragma unroll
-        for (int q = 0; q < kRows; ++q)
-#pragma unroll
-          for (int u = 0; u < kU; ++u) {
-            const int32_t c = base + u * stride + lane * 8;
-            if (r[q] >= 0 && c < H) raw[q][u] = ld_nc_v4(in + (r[q] * H + c) * 2);
-          }
-        // The sums in row order (slot ascending), as before: the result is bit for bit the same.
-#pragma unroll
-        for (int q = 0; q < kRows; ++q) {
-          if (r[q] < 0) continue;
-#pragma unroll
-          for (int u = 0; u < kU; ++u) {
-            if (base + u * stride + lane * 8 >= H) continue;
-            float y[8];
-            unpack_bf16x8(raw[q][u], y);
-#pragma unroll
-            for (int i = 0; i < 8; ++i)
-              acc[u][i] = fmaf(wj[q], y[i], acc[u][i]);
-          }
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kU; ++u) {
-        const int32_t c = base + u * stride + lane * 8;
-        if (c < H) st_v4(dst + int64_t(c) * 2, pack_bf16x8(acc[u]));
-      }
-    }
+    const int32_t stride = ws.split * kWarpSize * 8;
+    if (stride >= H)  // one 256-column step per item
+      sum_message_rows<1, 8>(in, H, row, w, n, part, stride, dst);
+    else
+      sum_message_rows<4, 2>(in, H, row, w, n, part, stride, dst);
   }
 }
 
 template <bool kExpertSide>
 __device__ inline void combine_send(const CombineParams& p, unsigned long long seq) {
   const GroupView& g = p.g;
+  // Expert side: the (source, group) base rows, loaded while the acks are awaited.
+  static_assert(kMaxExperts <= 2 * kCombineThreads, "two bases per thread");
+  int32_t base[2] = {0, 0};
+  if constexpr (kExpertSide)
+    for (int i = 0; i < 2; ++i) {
+      const int32_t j = threadIdx.x + i * kCombineThreads;
+      if (j < g.n_experts) base[i] = p.recv_base[j];  // n_ranks * n_local = n_experts
+    }
   if (!block_wait_signal(g, all_ranks_mask(g), WindowLayout::kCombineAck, kOpCombineSend, kWaitAck,
                          [&](int32_t) { return seq - 1; }))
     return;
   trace_mark(g, kTraceCombine, kTraceAcked);
   if constexpr (kExpertSide) {
-    combine_send_expert_side(p);
+    __shared__ int32_t bases[kMaxExperts];
+    for (int i = 0; i < 2; ++i) {
+      const int32_t j = threadIdx.x + i * kCombineThreads;
+      if (j < g.n_experts) bases[j] = base[i];
+    }
+    __syncthreads();
+    combine_send_expert_side(p, bases);
     block_signal_all(g, WindowLayout::kCombineArrived);
     trace_mark(g, kTraceCombine, kTraceSent);
     return;
@@ -191,15 +222,24 @@ __device__ inline void combine_send(const CombineParams& p, unsigned long long s
   if (rows > row_limit) rows = row_limit;
   const char* in = static_cast<const char*>(p.expert_out);
 
-  for (int64_t r = blockIdx.x * kCombineWarps + threadIdx.x / kWarpSize; r < rows;
-       r += int64_t(gridDim.x) * kCombineWarps) {
+  // Items (row, piece): a piece is one pass of copy_vectors (every lane's loads in flight at
+  // once), so a decode's few rows spread over every warp of the grid instead of one warp
+  // looping over a row's 28 vectors per lane (decode, one H100: the send took 10-16 us that way).
+  constexpr int32_t kPiece = kCopyUnroll * kWarpSize;  // vectors
+  const int32_t pieces = (n_vec + kPiece - 1) / kPiece;
+  for (int64_t item = blockIdx.x * kCombineWarps + threadIdx.x / kWarpSize; item < rows * pieces;
+       item += int64_t(gridDim.x) * kCombineWarps) {
+    const int64_t r = item / pieces;
+    const int32_t v0 = int32_t(item % pieces) * kPiece;
     const SrcInfo info = p.src_info[r];
     if (info.rank < 0 || info.rank >= g.n_ranks || info.token < 0 || info.token >= g.max_tokens ||
         info.slot < 0 || info.slot >= g.top_k)
       continue;  // padding rows, and never a write outside a peer's buffer
     char* dst =
-        window_at(g, info.rank, wl.combine_recv_offset() + cl.offset(info.token, info.slot));
-    copy_vectors(in + r * g.hidden * 2, n_vec, 1, LoadNc{}, [&](int32_t) { return dst; });
+        window_at(g, info.rank, wl.combine_recv_offset() + cl.offset(info.token, info.slot)) +
+        int64_t(v0) * 16;
+    copy_vectors(in + (r * g.hidden + int64_t(v0) * 8) * 2, min(kPiece, n_vec - v0), 1, LoadNc{},
+                 [&](int32_t) { return dst; });
   }
   block_signal_all(g, WindowLayout::kCombineArrived);
   trace_mark(g, kTraceCombine, kTraceSent);

@@ -79,7 +79,7 @@ struct GroupView {
   int32_t num_blocks;     // grid size of every epcomm kernel
   TokenFormat format;     // the dispatch output's format
   float nvfp4_global_scale;
-  int32_t pad_;
+  int32_t low_latency;    // DispatchPath::kLowLatency (Config::resolved_path)
   int64_t routed_rows;    // rows a dispatch may deliver here (Sizes::max_routed_rows: the cap)
   unsigned long long timeout_ns;
   char* window[WindowLayout::kMaxPeers];  // every rank's symmetric window, as seen from here
@@ -88,7 +88,7 @@ struct GroupView {
   unsigned long long* trace;  // Config::trace: [trace_words(num_blocks)] stamps (trace.h), else null
 
   EPCOMM_HD WindowLayout layout() const {
-    return WindowLayout{n_ranks, hidden, top_k, n_experts, max_tokens, format};
+    return WindowLayout{n_ranks, hidden, top_k, n_experts, max_tokens, format, low_latency};
   }
   // Rows a dispatch can deliver here, and the output's rows and scale layouts.
   EPCOMM_HD int64_t max_routed_rows() const { return routed_rows; }
