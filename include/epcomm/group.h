@@ -6,6 +6,12 @@
 // replayed. Only one operation of a group may be in flight at a time: issue them on one stream
 // (or order the streams).
 //
+// Two sets of dispatch kernels give the same outputs bit for bit (Config::dispatch_path): the
+// throughput path for prefill, and the low-latency path for decode (up to kLowLatencyMaxTokens
+// tokens per rank, taken by default there), which has no grid-wide barrier and announces each
+// 1024-value piece of a message with its own sequence-numbered flag. Combine is the same for
+// both. Give the low-latency path many SMs (Config::num_sms).
+//
 // Errors. Host-side checks (shapes, pointers, alignment) throw epcomm::Error before anything is
 // launched. Errors only the device can see (expert id out of range, duplicate expert in a token,
 // a peer that does not arrive within Config::timeout_seconds) are written by the kernel to an
