@@ -27,7 +27,7 @@ class Sweep : public ::testing::TestWithParam<Case> {};
 
 }  // namespace
 
-// Random routing over the shapes of the issue: 2/3/4/8 ranks (sharing GPUs where there are fewer), hidden 2048/2880/7168, K = 1/4/8,
+// Random routing over the shapes of the issue: 1/2/3/4/8 ranks (sharing GPUs where there are fewer), hidden 2048/2880/7168, K = 1/4/8,
 // 8..256 experts, fused and async+wait forms; weighted (token side) and un-reduced combine, and
 // the expert-side reduction (weights given to dispatch).
 TEST_P(Sweep, MatchesReference) {
@@ -57,7 +57,8 @@ TEST_P(Sweep, MatchesReference) {
 
 INSTANTIATE_TEST_SUITE_P(
     Shapes, Sweep,
-    ::testing::Values(Case{2, 7168, 8, 256, 128, 0.0, "r2_h7168_k8_e256"},
+    ::testing::Values(Case{1, 7168, 8, 256, 128, 0.0, "r1_h7168_k8_e256"},
+                      Case{2, 7168, 8, 256, 128, 0.0, "r2_h7168_k8_e256"},
                       Case{2, 2048, 1, 8, 200, 0.0, "r2_h2048_k1_e8"},
                       Case{2, 2880, 4, 128, 96, 0.2, "r2_h2880_k4_e128_masked"},
                       Case{3, 7168, 8, 96, 128, 0.0, "r3_h7168_k8_e96"},

@@ -183,7 +183,7 @@ struct SweepCase {
   std::string name;
 };
 
-// Every quantised format x its hidden sizes x 2, 4, 8 GPUs; K, experts, token counts, masking,
+// Every quantised format x its hidden sizes x 1, 2, 4, 8 ranks; K, experts, token counts, masking,
 // skew and (NVFP4) the global scale vary from case to case. gs = 1 lets wild blocks (amax up to
 // 2^15) saturate NVFP4's e4m3 scale, which the GPU must do exactly as the reference does.
 std::vector<SweepCase> sweep_cases() {
@@ -191,7 +191,7 @@ std::vector<SweepCase> sweep_cases() {
   int i = 0;
   for (TokenFormat f : kQuantFormats) {
     for (int32_t H : hidden_sizes(f)) {
-      for (int n : {2, 4, 8}) {
+      for (int n : {1, 2, 4, 8}) {
         static const int kExperts[] = {32, 64, 128, 256};
         SweepCase c;
         c.format = f;
