@@ -558,6 +558,10 @@ __device__ __noinline__ bool ll_send(const DispatchParams& p, unsigned long long
   __shared__ int32_t n_flags[kWarps], flag_part[kWarps];
   __shared__ int32_t flag_rank[kWarps][WindowLayout::kMaxPeers];
   __shared__ int32_t flag_slot[kWarps][WindowLayout::kMaxPeers];
+  // Pieces are dealt from the first warp of the grid up; the receive deals its items from the
+  // last warp down. (Dealing pieces round-robin over the blocks, so that every SM stores a
+  // share, was slower: one H100, decode-bf16, 132 blocks, 41.2 against 38.0 us; every block
+  // then built its layout only after its own round.)
   for (int64_t round = int64_t(blockIdx.x) * kWarps; round < items;
        round += int64_t(gridDim.x) * kWarps) {
     const int64_t i = round + warp;
@@ -987,8 +991,13 @@ __device__ __noinline__ void dispatch_recv(const DispatchParams& p, unsigned lon
     for (int32_t s = 0; s < n_ranks; ++s)
       most = max(most, rg.stream_count[s]);
     const int64_t items = int64_t(most) * n_ranks * n_parts;
-    for (int64_t i = int64_t(rb) * kWarps + threadIdx.x / kWarpSize; i < items;
-         i += int64_t(n_rb) * kWarps) {
+    // Dealt from the last warp of the grid backwards: the send dealt its pieces from the first,
+    // so the blocks that had none (and built the layout first) take the first items. Dealt from
+    // the first warp too, a decode's 896 items all went to the 56 blocks that were still
+    // sending (one H100, decode-bf16, 132 blocks: 44.5 us; from the last warp: 38.0 us).
+    const int64_t warps = int64_t(n_rb) * kWarps;
+    for (int64_t i = warps - 1 - (int64_t(rb) * kWarps + threadIdx.x / kWarpSize); i < items;
+         i += warps) {
       const int32_t part = int32_t(i % n_parts);
       const int32_t s = int32_t((i / n_parts) % n_ranks);
       const int32_t m = int32_t(i / (int64_t(n_parts) * n_ranks));

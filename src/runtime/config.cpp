@@ -126,7 +126,7 @@ void check_configs_match(const Config* configs, int n_ranks) {
     field("timeout_seconds", a.timeout_seconds, b.timeout_seconds);
     field("share_gpus", a.share_gpus, b.share_gpus);
     field("max_recv_rows", double(a.max_recv_rows), double(b.max_recv_rows));
-    field("dispatch_path", double(a.dispatch_path), double(b.dispatch_path));
+    field("dispatch_path (resolved)", double(a.resolved_path()), double(b.resolved_path()));
   }
 }
 

@@ -240,6 +240,8 @@ TEST(Config, DispatchPathResolvesAndIsChecked) {
   expect_bad(c, 8, "dispatch_path");
 
   Config cs[2] = {good(), good()};
+  cs[1].dispatch_path = DispatchPath::kLowLatency;  // what kAuto resolves to here: no mismatch
+  EXPECT_NO_THROW(check_configs_match(cs, 2));
   cs[1].dispatch_path = DispatchPath::kThroughput;
   try {
     check_configs_match(cs, 2);
