@@ -105,8 +105,7 @@ class WorkloadRun {
       cfg_.num_sms = std::max(1, std::min(cfg_.num_sms, fit));
     }
     result_.num_sms = cfg_.num_sms;
-    result_.path =
-        cfg_.resolved_path() == epcomm::DispatchPath::kLowLatency ? "low-latency" : "throughput";
+    result_.path = epcomm::dispatch_path_name(cfg_.resolved_path());
     message_ = MessageFormat{cfg_.format, w_.hidden, cfg_.nvfp4_global_scale};
     result_.dispatch_message_bytes = double(message_.bytes());
     result_.combine_message_bytes = 2.0 * w_.hidden;

@@ -127,14 +127,13 @@ Options parse_options(int argc, char** argv) {
       opt.expert_side = where == "expert";
     } else if (flag == "--path") {
       const std::string v = next();
-      if (v == "auto")
-        opt.path = epcomm::DispatchPath::kAuto;
-      else if (v == "throughput")
-        opt.path = epcomm::DispatchPath::kThroughput;
-      else if (v == "low-latency")
-        opt.path = epcomm::DispatchPath::kLowLatency;
-      else
+      int32_t path = 0;
+      while (path < epcomm::kNumDispatchPaths &&
+             v != epcomm::dispatch_path_name(epcomm::DispatchPath(path)))
+        ++path;
+      if (path == epcomm::kNumDispatchPaths)
         throw std::invalid_argument("--path: '" + v + "' is none of auto, throughput, low-latency");
+      opt.path = epcomm::DispatchPath(path);
     } else if (flag == "--trace") {
       opt.trace = parse_int(flag, next(), 1);
     } else if (flag == "--list") {

@@ -27,6 +27,9 @@ enum class DispatchPath : int32_t {
   kLowLatency = 2,
 };
 constexpr int32_t kLowLatencyMaxTokens = 512;
+constexpr int32_t kNumDispatchPaths = 3;
+// "auto", "throughput", "low-latency".
+const char* dispatch_path_name(DispatchPath p);
 
 struct Config {
   int32_t hidden = 0;               // H: a multiple of format_hidden_multiple(format)

@@ -39,26 +39,28 @@ constexpr int kUnroll = 4;                       // 16-byte vectors in flight pe
 
 // ---- 1. ranking -----------------------------------------------------------------------------
 
-// Enters token t's ids in its warp's bitmaps (bm) and returns its destination ranks. A bad id
-// is recorded and masked (-1 in ids and scratch.topk); a duplicate shows as the lane's own bit
-// already set in the expert's word. The slot loops are not unrolled: unrolled over kMaxTopK,
-// with a pairwise duplicate check, the ranking was about 60 KB of straight-line code, and
-// fetching it after an L2 flush took 14 us per 512-token unit (x4 H200, stage trace).
+// Token t's row of topk_ids, every load in flight together.
+__device__ __forceinline__ void load_ids(const DispatchParams& p, int32_t t,
+                                         int32_t (&ids)[kMaxTopK]) {
+  const int32_t K = p.g.top_k;
+#pragma unroll
+  for (int k = 0; k < kMaxTopK; ++k)
+    if (k < K) ids[k] = p.topk_ids[int64_t(t) * K + k];
+}
+
+// Enters token t's ids (from load_ids) in its warp's bitmaps (bm) and returns its destination
+// ranks. A bad id is recorded and masked (-1 in ids and scratch.topk); a duplicate shows as the
+// lane's own bit already set in the expert's word. The slot loops are not unrolled: unrolled
+// over kMaxTopK, with a pairwise duplicate check, the ranking was about 60 KB of straight-line
+// code, and fetching it after an L2 flush took 14 us per 512-token unit (x4 H200, stage trace).
 // `record`: this block reports bad ids and keeps the validated copy for combine (the
 // low-latency path's blocks all rank the same tokens; block 0 records).
-// `loaded`: ids already holds token t's row of topk_ids.
 __device__ uint32_t enter_ids(const DispatchParams& p, int32_t t, unsigned long long seq,
-                              uint32_t* bm, int32_t (&ids)[kMaxTopK], bool record, bool& bad,
-                              bool loaded = false) {
+                              uint32_t* bm, int32_t (&ids)[kMaxTopK], bool record, bool& bad) {
   const GroupView& g = p.g;
   const ExpertMap em = g.experts();
   const int32_t K = g.top_k;
   const uint32_t bit = 1u << (threadIdx.x % kWarpSize);
-  if (!loaded) {
-#pragma unroll
-    for (int k = 0; k < kMaxTopK; ++k)  // the loads first, all in flight together
-      if (k < K) ids[k] = p.topk_ids[int64_t(t) * K + k];
-  }
   uint32_t rank_mask = 0;
 #pragma unroll 1
   for (int k = 0; k < K; ++k) {
@@ -83,6 +85,42 @@ __device__ uint32_t enter_ids(const DispatchParams& p, int32_t t, unsigned long 
   return rank_mask;
 }
 
+// A block's ranking of up to kUnitTokens tokens (a unit, or a low-latency call), in shared
+// memory.
+struct LocalRanks {
+  const uint32_t* bitmap;       // [warp][key]: bit l set = token warp * 32 + l carries key
+  const uint16_t* warp_prefix;  // [warp][key]: tokens of earlier warps carrying key
+  const int32_t* totals;        // [key]: tokens carrying key
+  int32_t nk;
+
+  // Token t's position among the call's tokens carrying `key` (token order: deterministic).
+  __device__ int32_t pos(int32_t t, int32_t key) const {
+    const int32_t w = t / kWarpSize, below = (1u << (t % kWarpSize)) - 1u;
+    return warp_prefix[w * nk + key] + __popc(bitmap[w * nk + key] & below);
+  }
+  // Shared memory: the bitmaps and warp prefixes (as the throughput path's ranking), then totals.
+  __host__ __device__ static int64_t totals_offset(int32_t nk) {
+    return align_up(int64_t(kWarps) * nk * (sizeof(uint32_t) + sizeof(uint16_t)), 16);
+  }
+  __host__ __device__ static int64_t smem_bytes(int32_t nk) {
+    return totals_offset(nk) + 4 * int64_t(nk);
+  }
+};
+
+// Per key: the tokens of earlier warps (warp_prefix[w][key]) and of all `warps` warps
+// (totals[key]), from the per-warp bitmaps. Every thread of the block.
+__device__ __forceinline__ void prefix_keys(const uint32_t* bitmap, uint16_t* warp_prefix,
+                                            int32_t nk, int32_t warps, int32_t* totals) {
+  for (int32_t key = threadIdx.x; key < nk; key += kThreads) {
+    int32_t run = 0;
+    for (int32_t w = 0; w < warps; ++w) {
+      warp_prefix[w * nk + key] = uint16_t(run);
+      run += __popc(bitmap[w * nk + key]);
+    }
+    totals[key] = run;
+  }
+}
+
 __device__ void rank_units(const DispatchParams& p, unsigned long long seq, uint32_t* bitmap,
                            uint16_t* warp_prefix) {
   const GroupView& g = p.g;
@@ -99,30 +137,24 @@ __device__ void rank_units(const DispatchParams& p, unsigned long long seq, uint
     int32_t ids[kMaxTopK];
     uint32_t rank_mask = 0;
     bool bad = false;
-    if (valid) rank_mask = enter_ids(p, t, seq, bm, ids, true, bad);
-    __syncthreads();
-    // Per key: tokens of earlier warps of the unit (warp_prefix) and of the whole unit.
-    for (int32_t key = threadIdx.x; key < nk; key += kThreads) {
-      int32_t run = 0;
-      for (int w = 0; w < kWarps; ++w) {
-        warp_prefix[w * nk + key] = uint16_t(run);
-        run += __popc(bitmap[w * nk + key]);
-      }
-      p.scratch.unit_hist[int64_t(u) * nk + key] = run;
+    if (valid) {
+      load_ids(p, t, ids);
+      rank_mask = enter_ids(p, t, seq, bm, ids, true, bad);
     }
     __syncthreads();
+    prefix_keys(bitmap, warp_prefix, nk, kWarps, p.scratch.unit_hist + int64_t(u) * nk);
+    __syncthreads();
     if (valid) {
-      const uint32_t lt = lanemask_lt();
-      const uint16_t* wp = warp_prefix + warp * nk;
+      const LocalRanks lr{bitmap, warp_prefix, nullptr, nk};
+      const int32_t tu = t - u * kUnitTokens;  // the token's index in the unit
 #pragma unroll 1
       for (int k = 0; k < K; ++k) {
         if (ids[k] < 0) continue;
-        p.scratch.expert_pos[int64_t(t) * K + k] = wp[ids[k]] + __popc(bm[ids[k]] & lt);
+        p.scratch.expert_pos[int64_t(t) * K + k] = lr.pos(tu, ids[k]);
       }
       for (int32_t r = 0; r < g.n_ranks; ++r) {
-        const int32_t key = em.rank_key(r);
         p.scratch.dest_pos[int64_t(t) * g.n_ranks + r] =
-            (rank_mask >> r) & 1u ? wp[key] + __popc(bm[key] & lt) : -1;
+            (rank_mask >> r) & 1u ? lr.pos(tu, em.rank_key(r)) : -1;
       }
     }
     // Each chunk's first position in each destination stream, relative to the unit: the tokens
@@ -467,24 +499,6 @@ constexpr int32_t kPartUnits = kPartValues / kLaneValues;  // 16-byte bf16 units
 static_assert(kPartUnits == kWarpSize * kUnroll, "a part is one step of quantize_to");
 static_assert(kUnitTokens >= kLowLatencyMaxTokens, "one block ranks a low-latency call");
 
-// The block's ranking of the call's tokens, in shared memory.
-struct LocalRanks {
-  const uint32_t* bitmap;       // [warp][key]: bit l set = token warp * 32 + l carries key
-  const uint16_t* warp_prefix;  // [warp][key]: tokens of earlier warps carrying key
-  const int32_t* totals;        // [key]: tokens carrying key
-  int32_t nk;
-
-  // Token t's position among the call's tokens carrying `key` (token order: deterministic).
-  __device__ int32_t pos(int32_t t, int32_t key) const {
-    const int32_t w = t / kWarpSize, below = (1u << (t % kWarpSize)) - 1u;
-    return warp_prefix[w * nk + key] + __popc(bitmap[w * nk + key] & below);
-  }
-  __host__ __device__ static int64_t smem_bytes(int32_t nk) {
-    return align_up(int64_t(kWarps) * nk * (sizeof(uint32_t) + sizeof(uint16_t)), 16) +
-           4 * int64_t(nk);
-  }
-};
-
 // Ranks the call's tokens (one per thread) in shared memory; true if any id is bad (block 0
 // has recorded it). Every block finds the same.
 __device__ bool rank_local(const DispatchParams& p, unsigned long long seq, char* smem,
@@ -492,30 +506,19 @@ __device__ bool rank_local(const DispatchParams& p, unsigned long long seq, char
   const int32_t nk = p.g.experts().num_keys();
   uint32_t* bitmap = reinterpret_cast<uint32_t*>(smem);
   uint16_t* warp_prefix = reinterpret_cast<uint16_t*>(bitmap + kWarps * nk);
-  int32_t* totals = reinterpret_cast<int32_t*>(
-      smem + align_up(int64_t(kWarps) * nk * (sizeof(uint32_t) + sizeof(uint16_t)), 16));
+  int32_t* totals = reinterpret_cast<int32_t*>(smem + LocalRanks::totals_offset(nk));
   const int32_t used = (p.num_tokens + kWarpSize - 1) / kWarpSize;  // warps with tokens
   const int32_t t = threadIdx.x;
-  const int32_t K = p.g.top_k;
-  int32_t ids[kMaxTopK];  // loaded first: in flight while the bitmaps are cleared
-#pragma unroll
-  for (int k = 0; k < kMaxTopK; ++k)
-    if (k < K && t < p.num_tokens) ids[k] = p.topk_ids[int64_t(t) * K + k];
+  int32_t ids[kMaxTopK];
+  if (t < p.num_tokens) load_ids(p, t, ids);  // in flight while the bitmaps are cleared
   for (int32_t i = threadIdx.x; i < used * nk; i += kThreads)
     bitmap[i] = 0;
   __syncthreads();
   bool bad = false;
   if (t < p.num_tokens)
-    enter_ids(p, t, seq, bitmap + (t / kWarpSize) * nk, ids, blockIdx.x == 0, bad, true);
+    enter_ids(p, t, seq, bitmap + (t / kWarpSize) * nk, ids, blockIdx.x == 0, bad);
   bad = __syncthreads_or(bad);
-  for (int32_t key = threadIdx.x; key < nk; key += kThreads) {
-    int32_t run = 0;
-    for (int32_t w = 0; w < used; ++w) {
-      warp_prefix[w * nk + key] = uint16_t(run);
-      run += __popc(bitmap[w * nk + key]);
-    }
-    totals[key] = run;
-  }
+  prefix_keys(bitmap, warp_prefix, nk, used, totals);
   __syncthreads();
   lr = LocalRanks{bitmap, warp_prefix, totals, nk};
   return bad;
@@ -806,6 +809,22 @@ __device__ inline bool warp_wait_chunk(const GroupView& g, int32_t src, int32_t 
   return ok;
 }
 
+// The low-latency path's twin: the warp waits until part `part` of message m of source src,
+// and part 0 (the header), have arrived.
+__device__ inline bool warp_wait_part(const GroupView& g, int32_t src, int32_t m, int32_t part,
+                                      unsigned long long seq) {
+  const WindowLayout wl = g.layout();
+  const auto* head = reinterpret_cast<const unsigned long long*>(
+      window_at(g, g.rank, wl.part_flag_offset(src, m, 0)));
+  const auto* flag = reinterpret_cast<const unsigned long long*>(
+      window_at(g, g.rank, wl.part_flag_offset(src, m, part)));
+  const bool ok = warp_wait_peers(g, 1u << src, kOpDispatchRecv, kWaitData, [&](int32_t) {
+    return ld_acquire_sys(flag) >= seq && ld_acquire_sys(head) >= seq;
+  });
+  __syncwarp();  // the other lanes read the part after lane src's acquire
+  return ok;
+}
+
 // Checks what the sources announced before anything is written: every count, message count and
 // chunk start in range (a peer's record is never trusted to stay inside the buffers), and the
 // rows routed here within the receive capacity (Config::max_recv_rows). Every receiving block
@@ -880,6 +899,77 @@ __device__ int32_t check_sources(const DispatchParams& p, const RecvGroups& rg, 
   }
   __syncthreads();  // bad_field is read again by the next call of this block
   return code;
+}
+
+// The low-latency path's receive: items (message, source, part), message-major, dealt to the
+// grid's warps in turn; a warp waits for its part's flag (and part 0's, which carries the
+// header), then expands it.
+template <TokenFormat F>
+__device__ void expand_parts(const DispatchParams& p, const RecvGroups& rg, unsigned long long seq,
+                             int32_t rb, int32_t n_rb) {
+  const GroupView& g = p.g;
+  const int32_t n_ranks = g.n_ranks;
+  const int32_t n_parts = num_parts(g.hidden);
+  int32_t most = 0;
+  for (int32_t s = 0; s < n_ranks; ++s)
+    most = max(most, rg.stream_count[s]);
+  const int64_t items = int64_t(most) * n_ranks * n_parts;
+  // Dealt from the last warp of the grid backwards: the send dealt its pieces from the first,
+  // so the blocks that had none (and built the layout first) take the first items. Dealt from
+  // the first warp too, a decode's 896 items all went to the 56 blocks that were still
+  // sending (one H100, decode-bf16, 132 blocks: 44.5 us; from the last warp: 38.0 us).
+  const int64_t warps = int64_t(n_rb) * kWarps;
+  for (int64_t i = warps - 1 - (int64_t(rb) * kWarps + threadIdx.x / kWarpSize); i < items;
+       i += warps) {
+    const int32_t part = int32_t(i % n_parts);
+    const int32_t s = int32_t((i / n_parts) % n_ranks);
+    const int32_t m = int32_t(i / (int64_t(n_parts) * n_ranks));
+    if (m >= rg.stream_count[s]) continue;
+    if (!warp_wait_part(g, s, m, part, seq)) break;
+    expand_message<F>(p, rg, s, m, part * kPartUnits, (part + 1) * kPartUnits);
+  }
+}
+
+// The throughput path's receive: work items (chunk, source, part) of the chunks' messages.
+template <TokenFormat F>
+__device__ void expand_chunks(const DispatchParams& p, const RecvGroups& rg, unsigned long long seq,
+                              int32_t n_rb) {
+  const GroupView& g = p.g;
+  const int32_t n_ranks = g.n_ranks;
+  const MetaLayout ml = g.layout().meta();
+  const int lane = threadIdx.x % kWarpSize;
+  // Work items (chunk, source, part), chunk-major so they come due in the order the chunks
+  // arrive: a warp takes the next item from the call's counter, waits for the chunk's flag, then
+  // expands messages part, part + parts, ... of it. A chunk holds up to 16 messages per source;
+  // parts spread them over more warps, at least 4 and up to one message per item when there are
+  // few chunks (decode: 8 per source), so that every warp of the grid has items. Taking items
+  // from a counter (not by warp index) lets senders that are done join, and keeps a warp that
+  // waited long from holding items others could take.
+  int32_t max_chunks = 0;
+  for (int32_t s = 0; s < n_ranks; ++s)
+    max_chunks = max(max_chunks, rg.n_chunks[s]);
+  const int64_t cells = max(int64_t(1), int64_t(max_chunks) * n_ranks);
+  const int64_t want = (2 * int64_t(n_rb) * kWarps + cells - 1) / cells;
+  const int32_t parts = int32_t(min(int64_t(kChunkTokens), max(int64_t(4), want)));
+  const int64_t items = cells * parts;
+  unsigned long long* counter = &g.state->recv_item[seq & 1];
+  unsigned long long taken = lane == 0 ? atomicAdd(counter, 1ull) : 0ull;
+  for (;;) {
+    const int64_t i = int64_t(__shfl_sync(0xffffffffu, taken, 0));
+    if (i >= items) break;
+    if (lane == 0) taken = atomicAdd(counter, 1ull);  // the next item, in flight meanwhile
+    const int32_t part = int32_t(i % parts);
+    const int32_t s = int32_t((i / parts) % n_ranks);
+    const int32_t c = int32_t(i / (int64_t(parts) * n_ranks));
+    if (c >= rg.n_chunks[s]) continue;
+    const int32_t* starts = reinterpret_cast<const int32_t*>(
+        window_at(g, g.rank, g.layout().meta_offset(s)) + ml.chunk_start_offset());
+    const int32_t end = min(starts[c + 1], rg.stream_count[s]);
+    if (starts[c] + part >= end) continue;  // no message of this part: nothing to wait for
+    if (!warp_wait_chunk(g, s, c, seq)) break;
+    for (int32_t m = starts[c] + part; m < end; m += parts)
+      expand_message<F>(p, rg, s, m, 0, g.hidden / kLaneValues);
+  }
 }
 
 // Receiver block rb of n_rb (all blocks of dispatch_wait; the non-senders of the fused kernel),
@@ -981,75 +1071,10 @@ __device__ __noinline__ void dispatch_recv(const DispatchParams& p, unsigned lon
   __syncthreads();
   if (rb >= 0) fill_padding<F>(p, rg, rb, n_rb);
   trace_mark(g, kTraceDispatch, kTraceReady);
-  const int lane = threadIdx.x % kWarpSize;
-
-  if (g.low_latency) {
-    // Items (message, source, part), message-major, dealt to the grid's warps in turn: a warp
-    // waits for its part's flag (and part 0's, which carries the header), then expands it.
-    const int32_t n_parts = num_parts(g.hidden);
-    int32_t most = 0;
-    for (int32_t s = 0; s < n_ranks; ++s)
-      most = max(most, rg.stream_count[s]);
-    const int64_t items = int64_t(most) * n_ranks * n_parts;
-    // Dealt from the last warp of the grid backwards: the send dealt its pieces from the first,
-    // so the blocks that had none (and built the layout first) take the first items. Dealt from
-    // the first warp too, a decode's 896 items all went to the 56 blocks that were still
-    // sending (one H100, decode-bf16, 132 blocks: 44.5 us; from the last warp: 38.0 us).
-    const int64_t warps = int64_t(n_rb) * kWarps;
-    for (int64_t i = warps - 1 - (int64_t(rb) * kWarps + threadIdx.x / kWarpSize); i < items;
-         i += warps) {
-      const int32_t part = int32_t(i % n_parts);
-      const int32_t s = int32_t((i / n_parts) % n_ranks);
-      const int32_t m = int32_t(i / (int64_t(n_parts) * n_ranks));
-      if (m >= rg.stream_count[s]) continue;
-      const auto* head = reinterpret_cast<const unsigned long long*>(
-          window_at(g, g.rank, wl.part_flag_offset(s, m, 0)));
-      const auto* flag = reinterpret_cast<const unsigned long long*>(
-          window_at(g, g.rank, wl.part_flag_offset(s, m, part)));
-      if (!warp_wait_peers(g, 1u << s, kOpDispatchRecv, kWaitData, [&](int32_t) {
-            return ld_acquire_sys(flag) >= seq && ld_acquire_sys(head) >= seq;
-          }))
-        break;
-      __syncwarp();  // the other lanes read the part after lane s's acquire
-      expand_message<F>(p, rg, s, m, part * kPartUnits, (part + 1) * kPartUnits);
-    }
-    if (block_aborted(g)) return;
-    dispatch_done(g, seq);
-    trace_mark(g, kTraceDispatch, kTraceDone);
-    return;
-  }
-
-  // Work items (chunk, source, part), chunk-major so they come due in the order the chunks
-  // arrive: a warp takes the next item from the call's counter, waits for the chunk's flag, then
-  // expands messages part, part + parts, ... of it. A chunk holds up to 16 messages per source;
-  // parts spread them over more warps, at least 4 and up to one message per item when there are
-  // few chunks (decode: 8 per source), so that every warp of the grid has items. Taking items
-  // from a counter (not by warp index) lets senders that are done join, and keeps a warp that
-  // waited long from holding items others could take.
-  int32_t max_chunks = 0;
-  for (int32_t s = 0; s < n_ranks; ++s) max_chunks = max(max_chunks, rg.n_chunks[s]);
-  const int64_t cells = max(int64_t(1), int64_t(max_chunks) * n_ranks);
-  const int64_t want = (2 * int64_t(n_rb) * kWarps + cells - 1) / cells;
-  const int32_t parts = int32_t(min(int64_t(kChunkTokens), max(int64_t(4), want)));
-  const int64_t items = cells * parts;
-  unsigned long long* counter = &g.state->recv_item[seq & 1];
-  unsigned long long taken = lane == 0 ? atomicAdd(counter, 1ull) : 0ull;
-  for (;;) {
-    const int64_t i = int64_t(__shfl_sync(0xffffffffu, taken, 0));
-    if (i >= items) break;
-    if (lane == 0) taken = atomicAdd(counter, 1ull);  // the next item, in flight meanwhile
-    const int32_t part = int32_t(i % parts);
-    const int32_t s = int32_t((i / parts) % n_ranks);
-    const int32_t c = int32_t(i / (int64_t(parts) * n_ranks));
-    if (c >= rg.n_chunks[s]) continue;
-    const int32_t* starts =
-        reinterpret_cast<const int32_t*>(meta_at(s) + ml.chunk_start_offset());
-    const int32_t end = min(starts[c + 1], rg.stream_count[s]);
-    if (starts[c] + part >= end) continue;  // no message of this part: nothing to wait for
-    if (!warp_wait_chunk(g, s, c, seq)) break;
-    for (int32_t m = starts[c] + part; m < end; m += parts)
-      expand_message<F>(p, rg, s, m, 0, g.hidden / kLaneValues);
-  }
+  if (g.low_latency)
+    expand_parts<F>(p, rg, seq, rb, n_rb);
+  else
+    expand_chunks<F>(p, rg, seq, n_rb);
   // A warp that gave up has set the abort flag (or found it set): the block stops here.
   if (block_aborted(g)) return;
   dispatch_done(g, seq);

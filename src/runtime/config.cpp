@@ -55,6 +55,18 @@ const char* token_format_name(TokenFormat f) {
   return "unknown";
 }
 
+const char* dispatch_path_name(DispatchPath p) {
+  switch (p) {
+    case DispatchPath::kAuto:
+      return "auto";
+    case DispatchPath::kThroughput:
+      return "throughput";
+    case DispatchPath::kLowLatency:
+      return "low-latency";
+  }
+  return "unknown";
+}
+
 namespace {
 void require(bool ok, const std::string& field, const std::string& rule, long long value) {
   if (!ok) {
@@ -92,8 +104,8 @@ void Config::validate(int n_ranks) const {
     throw Error(ErrorCode::kInvalidArgument,
                 "epcomm config: timeout_seconds = " + std::to_string(timeout_seconds) +
                     " is invalid: between 0 and 3600 seconds");
-  require(int32_t(dispatch_path) >= 0 && int32_t(dispatch_path) <= 2, "dispatch_path",
-          "one of DispatchPath's values", int(dispatch_path));
+  require(int32_t(dispatch_path) >= 0 && int32_t(dispatch_path) < kNumDispatchPaths,
+          "dispatch_path", "one of DispatchPath's values", int(dispatch_path));
   if (dispatch_path == DispatchPath::kLowLatency)
     require(max_tokens_per_rank <= kLowLatencyMaxTokens, "max_tokens_per_rank",
             "at most " + std::to_string(kLowLatencyMaxTokens) +

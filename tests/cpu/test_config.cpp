@@ -25,6 +25,17 @@ void expect_bad(const Config& c, int n_ranks, const char* field) {
     EXPECT_NE(std::string(e.what()).find(field), std::string::npos) << e.what();
   }
 }
+// Expects check_configs_match to throw naming `field`; returns the error's code.
+ErrorCode expect_mismatch(const Config* cs, int n_ranks, const char* field) {
+  try {
+    check_configs_match(cs, n_ranks);
+    ADD_FAILURE() << "no mismatch reported for " << field;
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(field), std::string::npos) << e.what();
+    return e.code();
+  }
+  return ErrorCode::kOk;
+}
 }  // namespace
 
 TEST(Config, AcceptsTheWorkloads) {
@@ -108,12 +119,7 @@ TEST(Config, AcceptsEveryFormatAtItsHiddenSizes) {
 TEST(Config, MismatchedGlobalScaleIsNamed) {
   Config cs[2] = {good(), good()};
   cs[1].nvfp4_global_scale = 2.0f;
-  try {
-    check_configs_match(cs, 2);
-    FAIL() << "no mismatch reported";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("nvfp4_global_scale"), std::string::npos) << e.what();
-  }
+  expect_mismatch(cs, 2, "nvfp4_global_scale");
 }
 
 TEST(Config, MismatchNamesFieldAndRanks) {
@@ -210,12 +216,7 @@ TEST(Config, ReceiveCapSizesTheOutputs) {
   }
   Config cs[2] = {good(), good()};
   cs[1].max_recv_rows = 500;
-  try {
-    check_configs_match(cs, 2);
-    ADD_FAILURE() << "different caps were accepted";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("max_recv_rows"), std::string::npos) << e.what();
-  }
+  expect_mismatch(cs, 2, "max_recv_rows");
   cs[1] = good();
   cs[1].share_gpus = true;
   EXPECT_THROW(check_configs_match(cs, 2), Error);
@@ -243,11 +244,5 @@ TEST(Config, DispatchPathResolvesAndIsChecked) {
   cs[1].dispatch_path = DispatchPath::kLowLatency;  // what kAuto resolves to here: no mismatch
   EXPECT_NO_THROW(check_configs_match(cs, 2));
   cs[1].dispatch_path = DispatchPath::kThroughput;
-  try {
-    check_configs_match(cs, 2);
-    FAIL() << "no mismatch reported";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::kConfigMismatch);
-    EXPECT_NE(std::string(e.what()).find("dispatch_path"), std::string::npos) << e.what();
-  }
+  EXPECT_EQ(expect_mismatch(cs, 2, "dispatch_path"), ErrorCode::kConfigMismatch);
 }

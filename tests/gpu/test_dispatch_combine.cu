@@ -48,7 +48,7 @@ TEST_P(Sweep, MatchesReference) {
         o.unreduced = true;
         o.expert_side = expert_side;
         EXPECT_EQ(run_round(lg, p, o), "")
-            << path_name(path) << ", " << (form == Form::kFused ? "fused" : "async+wait")
+            << dispatch_path_name(path) << ", " << (form == Form::kFused ? "fused" : "async+wait")
             << (expert_side ? ", expert side" : ", token side");
       }
     }
@@ -120,9 +120,10 @@ TEST(Edge, EveryTokenToOneExpert) {
             r.topk_ids[size_t(t * K + k)] = k == 0 ? 4 * n - 1 : -1;
       RoundOptions o;
       o.unreduced = true;
-      EXPECT_EQ(run_round(lg, p, o), "") << "K = " << K << ", " << path_name(path);
+      EXPECT_EQ(run_round(lg, p, o), "") << "K = " << K << ", " << dispatch_path_name(path);
       o.expert_side = true;
-      EXPECT_EQ(run_round(lg, p, o), "") << "K = " << K << ", expert side, " << path_name(path);
+      EXPECT_EQ(run_round(lg, p, o), "")
+          << "K = " << K << ", expert side, " << dispatch_path_name(path);
     }
   }
 }
@@ -189,7 +190,7 @@ TEST(Determinism, SameInputsSameBits) {
   EPCOMM_REQUIRE_GPU();
   const int n = suite_ranks();
   for (DispatchPath path : kBothPaths) {
-    SCOPED_TRACE(path_name(path));
+    SCOPED_TRACE(dispatch_path_name(path));
     LocalGroup lg(with_path(make_cfg(7168, 8, 256, 256), path), n);
     const auto p = reference::make_problem(n, 7168, 8, 256, random_counts(n, 256, 77), 77);
     std::vector<std::vector<uint16_t>> first_d(static_cast<size_t>(n)),
@@ -290,7 +291,7 @@ TEST(Graph, CapturedRoundReplaysWithNewInputs) {
   const int n = suite_ranks();
   const int H = 2048, K = 8, E = 8 * n, T = 160;
   for (DispatchPath path : kBothPaths) {
-    SCOPED_TRACE(path_name(path));
+    SCOPED_TRACE(dispatch_path_name(path));
     LocalGroup lg(with_path(make_cfg(H, K, E, T), path), n);
     // Warm-up round (outside the graph), then capture.
     auto p0 =
@@ -355,7 +356,7 @@ TEST(Failure, MissingRankTimesOutNamingIt) {
   const int n = 4;
   const int missing = 1;
   for (DispatchPath path : kBothPaths) {
-    SCOPED_TRACE(path_name(path));
+    SCOPED_TRACE(dispatch_path_name(path));
     LocalGroup lg(with_path(make_cfg(2048, 4, 8 * n, 64, 24, 1.0), path), n);
     const auto p = reference::make_problem(n, 2048, 4, 8 * n,
                                            std::vector<int32_t>(static_cast<size_t>(n), 64), 8);
@@ -487,7 +488,7 @@ TEST(BadInput, DeviceChecks) {
   const int n = 4;
   const int H = 2048, K = 4, E = 8 * n, T = 100;
   for (DispatchPath path : kBothPaths) {
-    SCOPED_TRACE(path_name(path));
+    SCOPED_TRACE(dispatch_path_name(path));
     LocalGroup lg(with_path(make_cfg(H, K, E, T), path), n);
     struct Bad {
       int32_t value;
@@ -593,7 +594,7 @@ TEST(BadInput, ReceiveCapacity) {
   int64_t most = 0;
   for (const auto& r : refs) most = std::max(most, r.rows());
   for (DispatchPath path : kBothPaths) {
-    SCOPED_TRACE(path_name(path));
+    SCOPED_TRACE(dispatch_path_name(path));
     {
       Config cfg = with_path(make_cfg(H, K, E, T), path);
       cfg.max_recv_rows = most;

@@ -242,7 +242,7 @@ TEST_P(FormatSweep, MatchesReference) {
       RoundOptions o;
       o.form = form;
       o.weighted = false;  // dispatch only: FormatBehaviour.CombineAfterDispatch combines
-      EXPECT_EQ(run_round(lg, p, o), "") << form_name(form) << ", " << path_name(path);
+      EXPECT_EQ(run_round(lg, p, o), "") << form_name(form) << ", " << dispatch_path_name(path);
     }
   }
 }

@@ -130,10 +130,6 @@ inline Config with_path(Config cfg, DispatchPath path) {
 }
 // Both dispatch paths, for tests that run each.
 constexpr DispatchPath kBothPaths[] = {DispatchPath::kThroughput, DispatchPath::kLowLatency};
-inline const char* path_name(DispatchPath p) {
-  return p == DispatchPath::kLowLatency ? "low-latency"
-                                        : (p == DispatchPath::kThroughput ? "throughput" : "auto");
-}
 // Random token counts in [0, max_tokens] for n ranks.
 std::vector<int32_t> random_counts(int n, int max_tokens, uint64_t seed);
 
