@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "common.h"
+#include "epcomm/detail/bulk.cuh"
 
 using epbench::DeviceArray;
 
@@ -98,21 +99,17 @@ __global__ void st_kernel(Args a) {
   }
 }
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return uint32_t(__cvta_generic_to_shared(p));
-}
-
 __global__ void tma_kernel(Args a) {
+  using namespace epcomm::detail;
   extern __shared__ __align__(128) char smem[];
-  __shared__ __align__(8) unsigned long long bar[64];
+  __shared__ __align__(8) uint64_t bar[64];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int S = a.slots;
   char* ring = smem + size_t(warp) * S * a.bytes;
-  unsigned long long* mb = bar + warp * S;
+  uint64_t* mb = bar + warp * S;
   if (lane == 0)
     for (int s = 0; s < S; ++s)
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(mb + s)));
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+      mbar_init(mb + s);
   __syncthreads();
   if (lane != 0) return;
 
@@ -120,44 +117,21 @@ __global__ void tma_kernel(Args a) {
   const long long first = blockIdx.x * (blockDim.x / 32) + warp;
   const long long total = a.msgs * (a.n - 1);
   const long long mine = first < total ? (total - first + warps - 1) / warps : 0;
-  auto load = [&](long long q) {  // local message q into slot q % S
-    const char* from;
-    char* to;
-    message(a, first + q * warps, from, to);
-    const uint32_t b = smem_addr(mb + q % S);
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(a.bytes)
-                 : "memory");
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
-            "r"(smem_addr(ring + (q % S) * a.bytes)),
-        "l"(from), "r"(a.bytes), "r"(b)
-        : "memory");
-  };
-  for (long long q = 0; q < S && q < mine; ++q) load(q);
-  for (long long q = 0; q < mine; ++q) {
-    const uint32_t b = smem_addr(mb + q % S);
-    const uint32_t parity = uint32_t((q / S) & 1);
-    uint32_t done = 0;
-    while (!done)
-      asm volatile(
-          "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-          : "=r"(done)
-          : "r"(b), "r"(parity)
-          : "memory");
-    const char* from;
-    char* to;
-    message(a, first + q * warps, from, to);
-    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(to),
-                 "r"(smem_addr(ring + (q % S) * a.bytes)), "r"(a.bytes)
-                 : "memory");
-    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-    // Refill the slot of message q - 1 once its store has read it (one store may stay in flight).
-    if (q >= 1 && q - 1 + S < mine) {
-      asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
-      load(q - 1 + S);
-    }
-  }
-  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+  bulk_ring_copy(
+      ring, mb, S, a.bytes, mine,
+      [&](int64_t q, char* slot, uint64_t* b) {
+        const char* from;
+        char* to;
+        message(a, first + q * warps, from, to);
+        mbar_expect(b, uint32_t(a.bytes));
+        bulk_load(slot, from, uint32_t(a.bytes), b);
+      },
+      [&](int64_t q, const char* slot) {
+        const char* from;
+        char* to;
+        message(a, first + q * warps, from, to);
+        bulk_store(to, slot, uint32_t(a.bytes));
+      });
 }
 
 uint32_t pattern(int rank, long long word) {

@@ -45,6 +45,15 @@ const OpResult* WorkloadResult::find(const std::string& op, const std::string& i
   return nullptr;
 }
 
+const OpResult* WorkloadResult::best_floor(const std::string& op) const {
+  const OpResult* best = nullptr;
+  for (const OpResult& f : ops)
+    if (f.impl == "floor" && f.op.rfind(op + " floor", 0) == 0 &&
+        (!best || f.median_us() < best->median_us()))
+      best = &f;
+  return best;
+}
+
 double WorkloadResult::bytes_per_rank(const std::string& op) const {
   double mean = 0;
   for (double m : messages)
@@ -127,6 +136,16 @@ void write_workload(JsonWriter& j, const WorkloadResult& r) {
     if (base && op.median_us() > 0) j.value(op.op.c_str(), base->median_us() / op.median_us());
   }
   j.end_object();
+  if (r.best_floor("dispatch")) {  // --floor: epcomm's fused time over the fastest floor's
+    j.begin_object("ratio_to_floor");
+    for (const char* op : {"dispatch", "combine"}) {
+      const OpResult* best = r.best_floor(op);
+      const OpResult* mine = r.find(op, "epcomm");
+      if (best && mine && best->median_us() > 0) j.value(op, mine->median_us() / best->median_us());
+    }
+    j.end_object();
+  }
+  if (!r.floor_skipped.empty()) j.value("floor_skipped", r.floor_skipped);
   const StageSummary& s = r.stages;
   if (s.calls > 0) {  // --trace: per kernel and mark, per rank in rank order (-1: not passed)
     j.begin_object("stages");
@@ -248,6 +267,29 @@ void print_stages(const WorkloadResult& r) {
 
 }  // namespace
 
+// --floor: each variant's time and HBM rate (per SM too), and the fused op's ratio to the
+// fastest variant.
+void print_floor(const WorkloadResult& r) {
+  if (!r.floor_skipped.empty()) std::printf("%-12s floor: %s\n", "", r.floor_skipped.c_str());
+  for (const char* op : {"dispatch", "combine"}) {
+    const OpResult* best = r.best_floor(op);
+    const OpResult* mine = r.find(op, "epcomm");
+    if (!best || !mine) continue;
+    std::string variants;
+    for (const OpResult& f : r.ops) {
+      if (f.impl != "floor" || f.op.rfind(std::string(op) + " floor", 0) != 0) continue;
+      char buf[160];
+      std::snprintf(buf, sizeof buf, "%s%s %.1f us %.0f GB/s (%.1f per SM)",
+                    variants.empty() ? "" : ", ", f.op.substr(f.op.rfind(' ') + 1).c_str(),
+                    f.median_us(), f.gbps(), f.gbps() / r.num_sms);
+      variants += buf;
+    }
+    std::printf("%-12s %s floor (%.0f MB of HBM traffic per rank): %s; epcomm %.1f us = %.2fx\n",
+                "", op, best->bytes_per_rank / 1e6, variants.c_str(), mine->median_us(),
+                mine->median_us() / best->median_us());
+  }
+}
+
 void print_workload(const WorkloadResult& r) {
   if (!r.skipped.empty()) {
     std::printf("%-12s %s\n", r.workload.name.c_str(), r.skipped.c_str());
@@ -265,6 +307,7 @@ void print_workload(const WorkloadResult& r) {
     else
       std::printf("  %9s %8s  %8s\n", "-", "-", "-");
   }
+  print_floor(r);
   std::string line;
   for (const CheckResult& c : r.checks)
     line += "  " + c.what + ": " + (c.pass ? "PASS" : "FAIL") +

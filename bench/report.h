@@ -47,6 +47,7 @@ struct WorkloadResult {
   int num_sms = 0;
   std::string path;     // the dispatch path the group ran (Config::resolved_path)
   std::string skipped;  // why it did not run; empty if it ran
+  std::string floor_skipped;  // --floor: why the floor did not run
   // Logical bytes: one message per (token, destination rank), of these sizes.
   double dispatch_message_bytes = 0;  // the dispatch format's codes + scales of one token
   double combine_message_bytes = 0;   // bf16: 2H
@@ -60,6 +61,8 @@ struct WorkloadResult {
   double group_bytes = 0, output_bytes = 0;
 
   const OpResult* find(const std::string& op, const std::string& impl) const;
+  // --floor: the fastest floor variant of "dispatch" or "combine" (null without --floor).
+  const OpResult* best_floor(const std::string& op) const;
   // Logical bytes received per rank, mean over ranks, by an op named "dispatch..." or "combine...".
   double bytes_per_rank(const std::string& op) const;
   bool failed() const;

@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 
 #include <cstdio>
@@ -22,6 +23,7 @@
 #include "check.h"
 #include "epcomm/group.h"
 #include "epcomm/reference.h"
+#include "floor.h"
 #include "formats.h"
 
 namespace epbench {
@@ -128,6 +130,7 @@ class WorkloadRun {
       if (opt_.check) result_.checks.push_back(check_epcomm(form));
     }
     if (opt_.trace > 0) trace_epcomm();
+    if (opt_.floor) run_floor();
     groups_.clear();  // free epcomm's buffers before the baseline allocates its own
     free_epcomm_outputs();
     if (env_.comms) run_nccl();
@@ -450,6 +453,186 @@ class WorkloadRun {
     return verdict(form == Form::kFused ? "epcomm" : "epcomm async+wait", failures);
   }
 
+  // ---- the memory floor (--floor, floor.h) ----------------------------------------------------
+
+  // Every local rank's floor kernels at once (gated), the L2 flushed before each, as the epcomm
+  // calls are timed. `launch(i)` issues local rank i's kernel on its stream.
+  OpResult time_floor(const std::string& op, const std::function<void(size_t)>& launch) {
+    Samples us(team_.n_local());
+    constexpr int kFloorWarmup = 3;
+    for (int start = 0; start < kFloorWarmup + opt_.iters; start += kBatch) {
+      const int n = std::min(kBatch, kFloorWarmup + opt_.iters - start);
+      for_each_rank(team_, [&](size_t i, const LocalRank&) { env_.gate.hold(stream(i)); });
+      for (int j = 0; j < n; ++j)
+        for_each_rank(team_, [&](size_t i, const LocalRank&) {
+          env_.flush.run(i, stream(i));
+          events_[i].record(2 * j, stream(i));
+          launch(i);
+          events_[i].record(2 * j + 1, stream(i));
+        });
+      env_.gate.release();
+      for_each_rank(
+          team_, [&](size_t i, const LocalRank&) { CHECK_CUDA(cudaStreamSynchronize(stream(i))); });
+      env_.gate.check();
+      for (size_t i = 0; i < team_.n_local(); ++i)
+        for (int j = 0; j < n; ++j)
+          if (start + j >= kFloorWarmup) us[i].push_back(events_[i].elapsed_us(2 * j, 2 * j + 1));
+    }
+    return summarize_op(op, "floor", us);
+  }
+
+  // Plans from the CPU reference's layouts (unpadded rows; the bytes are what count), then each
+  // variant of each floor, timed. The floors write into the benchmark's own output buffers.
+  // Checked (bf16 only, where the reference holds the rows): the dispatch floor's rows and the
+  // combine floor's weighted sums.
+  void run_floor() {
+    const int device = team_.local().front().device;
+    for (const LocalRank& r : team_.local())
+      if (r.device != device) {
+        result_.floor_skipped = "--floor needs every rank on one GPU";
+        return;
+      }
+    if (team_.multi_process() && team_.n_ranks() > 1) {
+      result_.floor_skipped = "--floor needs one process";
+      return;
+    }
+    const Reference& ref = reference();
+    env_.progress.phase(label("memory floor"));
+    const int32_t n = team_.n_ranks(), T = w_.tokens, K = w_.top_k, H = w_.hidden;
+    const int32_t n_local_experts = w_.experts / n;
+    const int64_t code_bytes = message_.codes_bytes();
+    const int64_t scale_bytes = epcomm::align_up(message_.scales_bytes(), 16);
+    set_device(device);
+
+    // Rows of every rank's layout by (source, token, slot).
+    std::vector<std::vector<int32_t>> row_of(static_cast<size_t>(n));
+    for (int32_t o = 0; o < n; ++o) {
+      row_of[size_t(o)].assign(size_t(n) * T * K, -1);
+      const std::vector<epcomm::SrcInfo>& info = ref.dispatch[size_t(o)].src_info;
+      for (size_t row = 0; row < info.size(); ++row)
+        row_of[size_t(o)][(size_t(info[row].rank) * T + size_t(info[row].token)) * K +
+                          size_t(info[row].slot)] = int32_t(row);
+    }
+    struct Plan {
+      DeviceArray<const uint16_t*> src, combine_src;
+      DeviceArray<int32_t> first, rows;
+      DeviceArray<uint8_t> scales;
+      DispatchFloorArgs d;
+      CombineFloorArgs c;
+      double dispatch_bytes = 0, combine_bytes = 0;
+    };
+    std::vector<Plan> plans(team_.n_local());
+    double dispatch_bytes = 0, combine_bytes = 0;
+    for (size_t i = 0; i < team_.n_local(); ++i) {
+      const int32_t r = team_.local()[i].rank;
+      // Dispatch: the messages (source, token) routed here, in source then token order.
+      std::vector<const uint16_t*> src;
+      std::vector<int32_t> first{0}, rows;
+      for (int32_t s = 0; s < n; ++s) {
+        const uint16_t* tokens = buffers_[size_t(s)].sets[0].tokens.get();
+        for (int32_t t = 0; t < T; ++t) {
+          const size_t before = rows.size();
+          for (int32_t k = 0; k < K; ++k) {
+            const int32_t row = row_of[size_t(r)][(size_t(s) * T + size_t(t)) * K + size_t(k)];
+            if (row >= 0) rows.push_back(row);
+          }
+          if (rows.size() == before) continue;
+          src.push_back(tokens + int64_t(t) * H);
+          first.push_back(int32_t(rows.size()));
+        }
+      }
+      // Combine: this rank's tokens' expert rows, wherever they were dispatched.
+      std::vector<const uint16_t*> combine_src(size_t(T) * K, nullptr);
+      const std::vector<int32_t>& ids = problems_.front().ranks[size_t(r)].topk_ids;
+      int64_t live = 0;
+      for (int32_t t = 0; t < T; ++t)
+        for (int32_t k = 0; k < K; ++k) {
+          const int32_t id = ids[size_t(t) * K + size_t(k)];
+          if (id < 0) continue;
+          const int32_t o = id / n_local_experts;
+          const int32_t row = row_of[size_t(o)][(size_t(r) * T + size_t(t)) * K + size_t(k)];
+          if (row < 0) continue;
+          combine_src[size_t(t) * K + size_t(k)] =
+              static_cast<const uint16_t*>(buffers_[size_t(o)].expert_out()) + int64_t(row) * H;
+          ++live;
+        }
+      Plan& p = plans[i];
+      p.src = DeviceArray<const uint16_t*>(device, src);
+      p.first = DeviceArray<int32_t>(device, first);
+      p.rows = DeviceArray<int32_t>(device, rows);
+      p.combine_src = DeviceArray<const uint16_t*>(device, combine_src);
+      if (scale_bytes > 0)
+        p.scales = DeviceArray<uint8_t>(device, rows.size() * size_t(scale_bytes));
+      p.d.src = p.src.get();
+      p.d.first = p.first.get();
+      p.d.rows = p.rows.get();
+      p.d.messages = int32_t(src.size());
+      p.d.in_bytes = 2 * H;
+      p.d.code_bytes = int32_t(code_bytes);
+      p.d.scale_bytes = int32_t(scale_bytes);
+      p.d.out = reinterpret_cast<char*>(buffers_[i].out_tokens.get());
+      p.d.scales = reinterpret_cast<char*>(p.scales.get());
+      p.c.src = p.combine_src.get();
+      p.c.weights = buffers_[i].sets[0].weights.get();
+      p.c.tokens = T;
+      p.c.top_k = K;
+      p.c.hidden = H;
+      p.c.out = buffers_[i].combine_out.get();
+      dispatch_bytes +=
+          double(src.size()) * 2 * H + double(rows.size()) * double(code_bytes + scale_bytes);
+      combine_bytes += double(live) * 2 * H + double(T) * 2 * H;
+    }
+    dispatch_bytes /= double(team_.n_local());
+    combine_bytes /= double(team_.n_local());
+    const int blocks = cfg_.num_sms;
+    for (FloorVariant v : kFloorVariants) {
+      const std::string name = floor_variant_name(v);
+      OpResult d = time_floor("dispatch floor " + name, [&](size_t i) {
+        launch_dispatch_floor(plans[i].d, v, blocks, stream(i));
+      });
+      d.bytes_per_rank = dispatch_bytes;
+      result_.ops.push_back(d);
+      if (opt_.check && !message_.quantized()) check_floor_dispatch(ref, "dispatch floor " + name);
+      OpResult c = time_floor("combine floor " + name, [&](size_t i) {
+        launch_combine_floor(plans[i].c, v, blocks, stream(i));
+      });
+      c.bytes_per_rank = combine_bytes;
+      result_.ops.push_back(c);
+      if (opt_.check && !message_.quantized()) check_floor_combine(ref, "combine floor " + name);
+    }
+  }
+
+  // The floor's bf16 rows against the reference's (the floor wrote them at the reference's rows).
+  void check_floor_dispatch(const Reference& ref, const std::string& what) {
+    std::vector<std::string> failures(team_.n_local());
+    for_each_rank(team_, [&](size_t i, const LocalRank& r) {
+      const epcomm::reference::DispatchResult& d = ref.dispatch[size_t(r.rank)];
+      const size_t count = size_t(d.rows()) * size_t(w_.hidden);
+      const std::vector<uint8_t> got = buffers_[i].out_tokens.download(count * 2);
+      if (std::memcmp(got.data(), d.tokens.data(), count * 2) != 0)
+        failures[i] = "rows differ from the reference";
+    });
+    result_.checks.push_back(verdict(what, failures));
+  }
+
+  void check_floor_combine(const Reference& ref, const std::string& what) {
+    std::vector<std::string> failures(team_.n_local());
+    if (floor_combine_ref_.empty()) {  // token-side weighted sums of the reference's rows
+      std::vector<std::vector<uint16_t>> rows;
+      for (const epcomm::reference::DispatchResult& d : ref.dispatch)
+        rows.push_back(d.tokens);
+      for (const LocalRank& r : team_.local())
+        floor_combine_ref_.push_back(
+            ref::combine(problems_.front(), ref.dispatch, rows, r.rank, /*weighted=*/true));
+    }
+    for_each_rank(team_, [&](size_t i, const LocalRank&) {
+      const std::vector<uint16_t> out =
+          buffers_[i].combine_out.download(size_t(w_.tokens) * size_t(w_.hidden));
+      failures[i] = check_combine(floor_combine_ref_[i], out);
+    });
+    result_.checks.push_back(verdict(what, failures));
+  }
+
   // ---- NCCL baseline ---------------------------------------------------------------------------
 
   void run_nccl() {
@@ -595,6 +778,7 @@ class WorkloadRun {
   std::vector<RankBuffers> buffers_;                    // per local rank
   std::vector<Events> events_;                          // per local rank: 4 per batch iteration
   std::unique_ptr<Reference> reference_;
+  std::vector<std::vector<double>> floor_combine_ref_;  // --floor's combine check, per local rank
   WorkloadResult result_;
 };
 

@@ -39,6 +39,11 @@ send/recv baseline, timed and checked against the CPU reference.
   --reduce expert|token   where epcomm's weighted combine sums a token's expert rows: on the
                           expert side (weights given to dispatch; one row per (token, rank)
                           back; default) or on the token side (one row per (token, k) back)
+  --floor                 also time kernels that move exactly the HBM bytes each rank's dispatch
+                          and combine must move (read each message once, write its rows; read
+                          each expert row once, write one row per token), with the same blocks,
+                          and print each operation's ratio to that floor (one process, every
+                          rank on one GPU)
   --trace N               after the timing, N more fused calls with Config::trace set: print
                           when each kernel's blocks pass each stage (epcomm/trace.h), µs after
                           the rank's kernel start, median over the N calls (the timed calls of
@@ -134,6 +139,8 @@ Options parse_options(int argc, char** argv) {
       if (path == epcomm::kNumDispatchPaths)
         throw std::invalid_argument("--path: '" + v + "' is none of auto, throughput, low-latency");
       opt.path = epcomm::DispatchPath(path);
+    } else if (flag == "--floor") {
+      opt.floor = true;
     } else if (flag == "--trace") {
       opt.trace = parse_int(flag, next(), 1);
     } else if (flag == "--list") {

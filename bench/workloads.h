@@ -43,6 +43,8 @@ struct Options {
   // experts' rows (true, default), or they go to combine and the token side sums (false).
   bool expert_side = true;
   epcomm::DispatchPath path = epcomm::DispatchPath::kAuto;  // Config::dispatch_path
+  // Also time the memory floor (floor.h) with the same blocks; one process, every rank on one GPU.
+  bool floor = false;
   int trace = 0;  // > 0: that many more fused calls with Config::trace, stage breakdown printed
   bool list = false;
   std::string command_line;

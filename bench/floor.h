@@ -1,0 +1,57 @@
+// --floor: kernels that move exactly the HBM bytes one rank's dispatch and combine must move,
+// with the same number of blocks, so each operation's time can be set against a floor measured
+// in the same run on the same SMs.
+//
+// How the bytes are counted (per rank):
+//   dispatch  each message (source token, this rank) read once as bf16 (2H bytes), and written
+//             to each of its expert-major rows: codes (format_row_bytes) + scales
+//             (format_scales_per_row * scale bytes, rounded up to 16).
+//   combine   each unmasked (token, k) expert row read once (2H bytes), one bf16 row of 2H
+//             written per token (the weighted fp32 sum).
+// Nothing else: no headers, no staging buffer, no signals. Each floor comes in two variants and
+// the faster one counts:
+//   regs  warps move rows through registers: 1024 threads per block, 8 (dispatch) or 8 rows x 2
+//         (combine, 512 threads) 16-byte loads in flight per lane.
+//   tma   bulk copies through shared memory (epcomm/detail/bulk.cuh): one lane per warp drives a
+//         ring of slots; dispatch stores each slot to its rows with bulk stores, combine's warps
+//         sum the K rows' pieces from shared memory and store from registers.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace epbench {
+
+struct DispatchFloorArgs {
+  const uint16_t* const* src = nullptr;  // [messages] bf16 token rows (2H bytes)
+  const int32_t* first = nullptr;        // [messages + 1] message i's rows: rows[first[i]...]
+  const int32_t* rows = nullptr;
+  int32_t messages = 0;
+  int32_t in_bytes = 0;     // 2H
+  int32_t code_bytes = 0;   // per row, a multiple of 16
+  int32_t scale_bytes = 0;  // per row, a multiple of 16 (0 for bf16)
+  char* out = nullptr;      // [rows, code_bytes]
+  char* scales = nullptr;   // [rows, scale_bytes]
+};
+
+struct CombineFloorArgs {
+  const uint16_t* const* src = nullptr;  // [T, K] expert rows (2H bytes), null: masked
+  const float* weights = nullptr;        // [T, K]
+  int32_t tokens = 0, top_k = 0, hidden = 0;
+  uint16_t* out = nullptr;  // [T, H]
+};
+
+enum class FloorVariant { kRegs, kTma };
+const char* floor_variant_name(FloorVariant v);
+constexpr FloorVariant kFloorVariants[] = {FloorVariant::kRegs, FloorVariant::kTma};
+
+// Launch on the current device. Throws on a CUDA error.
+void launch_dispatch_floor(const DispatchFloorArgs& a, FloorVariant v, int blocks,
+                           cudaStream_t stream);
+void launch_combine_floor(const CombineFloorArgs& a, FloorVariant v, int blocks,
+                          cudaStream_t stream);
+
+}  // namespace epbench

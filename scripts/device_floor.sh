@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The memory-floor matrix on a device machine: builds epcomm_bench (unless NO_BUILD=1), then for
+# each SM count and reduction runs WORKLOADS with --floor (one rank), and FLOOR_SHARED (8 ranks
+# sharing the GPU, 16 SMs each) if set. Results (text and JSON) under $OUT.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
+BUILD=${BUILD:-build-device}
+WORKLOADS=${WORKLOADS:-prefill,prefill-fp8,skewed}
+ITERS=${ITERS:-30}
+if [ -z "${NO_BUILD:-}" ]; then
+  cmake -S . -B $BUILD -G Ninja -DCMAKE_BUILD_TYPE=Release -DEPCOMM_BUILD_TESTS=OFF \
+    >"$OUT/configure.log" 2>&1 || { tail -20 "$OUT/configure.log"; exit 1; }
+  timeout 300 cmake --build $BUILD -j --target epcomm_bench >"$OUT/build.log" 2>&1 ||
+    { grep -E "error|FAILED" "$OUT/build.log" | head -30; exit 1; }
+fi
+BENCH=$BUILD/bench/epcomm_bench
+for reduce in ${REDUCE:-expert token}; do
+  for s in ${SMS:-8 16 24 32}; do
+    f="$OUT/floor_${reduce}_sms$s"
+    timeout ${RUN_TIMEOUT:-120} $BENCH --workload "$WORKLOADS" --sms "$s" --reduce $reduce --no-nccl \
+      --iters $ITERS --floor --json "$f.json" >"$f.txt" 2>"$f.err"
+    echo "== reduce=$reduce sms=$s rc=$?"
+    grep -E "^(prefill|skewed)|floor|check:" "$f.txt" | grep -v "async\|half"
+  done
+done
+if [ -n "${FLOOR_SHARED:-}" ]; then
+  f="$OUT/floor_shared8_sms16"
+  timeout ${RUN_TIMEOUT:-200} $BENCH --workload "$FLOOR_SHARED" --ranks 8 --sms 16 --no-nccl \
+    --iters $ITERS --floor --json "$f.json" >"$f.txt" 2>"$f.err"
+  echo "== 8 ranks sharing, 16 SMs each, rc=$?"
+  grep -E "^(prefill|skewed)|floor|check:" "$f.txt" | grep -v "async\|half"
+  tail -3 "$f.err"
+fi
