@@ -27,6 +27,7 @@ constexpr int kDispatchUnroll = 8;
 
 // One warp per message: load the bf16 row (kDispatchUnroll vectors per lane in flight), store
 // the codes' and scales' share of it to every row.
+template <bool kPrefetch>
 __global__ void __launch_bounds__(kRegsThreads, 1) dispatch_floor_regs(DispatchFloorArgs a) {
   const int lane = threadIdx.x % 32;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
@@ -35,6 +36,7 @@ __global__ void __launch_bounds__(kRegsThreads, 1) dispatch_floor_regs(DispatchF
   for (int64_t i = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; i < a.messages;
        i += warps) {
     const char* src = reinterpret_cast<const char*>(a.src[i]);
+    if (kPrefetch && lane == 0) prefetch_l2(src, uint32_t(a.in_bytes));  // the whole row at once
     const int32_t r0 = a.first[i], r1 = a.first[i + 1];
     for (int32_t v0 = 0; v0 < n_in; v0 += 32 * kDispatchUnroll) {
       uint4 buf[kDispatchUnroll];
@@ -98,12 +100,13 @@ __global__ void dispatch_floor_tma(DispatchFloorArgs a, int slots) {
 
 // ---- combine --------------------------------------------------------------------------------
 
-constexpr int kCombineRegsThreads = 512;
+constexpr int kCombineRegsThreads = 1024;
 constexpr int kCombineRows = 8;  // rows' loads in flight together
-constexpr int kCombineU = 2;     // 256-column steps per pass
+constexpr int kCombineU = 1;     // 256-column steps per pass
 
 // One warp per token: per pass, kCombineRows rows x kCombineU vectors per lane in flight, summed
 // in fp32 in k order, stored as bf16.
+template <bool kPrefetch>
 __global__ void __launch_bounds__(kCombineRegsThreads, 1) combine_floor_regs(CombineFloorArgs a) {
   const int lane = threadIdx.x % 32;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
@@ -111,6 +114,7 @@ __global__ void __launch_bounds__(kCombineRegsThreads, 1) combine_floor_regs(Com
   for (int64_t t = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; t < a.tokens;
        t += warps) {
     const uint16_t* mine = lane < K ? a.src[t * K + lane] : nullptr;
+    if (kPrefetch && mine != nullptr) prefetch_l2(mine, uint32_t(H) * 2);  // whole rows at once
     const float wmine = lane < K ? a.weights[t * K + lane] : 0.0f;
     for (int32_t base = lane * 8; base < H; base += 32 * 8 * kCombineU) {
       float acc[kCombineU][8] = {};
@@ -154,6 +158,7 @@ constexpr int kMaxK = 16;     // epcomm::kMaxTopK
 __global__ void combine_floor_tma(CombineFloorArgs a, int slots) {
   extern __shared__ __align__(128) char smem[];
   __shared__ __align__(8) uint64_t bar[kTmaMaxBarriers];
+  __shared__ float wbuf[kTmaMaxBarriers * kMaxK];  // per slot: its rows' weights
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int32_t K = a.top_k;
   const int64_t slot_bytes = int64_t(K) * kPiece;
@@ -169,51 +174,44 @@ __global__ void combine_floor_tma(CombineFloorArgs a, int slots) {
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
   const int64_t first = int64_t(blockIdx.x) * (blockDim.x / 32) + warp;
   const int64_t mine = first < items ? (items - first + warps - 1) / warps : 0;
-  auto load = [&](int64_t q) {  // lane 0
+  // The whole warp: lane k fetches row k's address and weight (kept beside the slot for the
+  // consumer) and issues its bulk load after lane 0 announced the bytes.
+  float* wslot = reinterpret_cast<float*>(wbuf) + (warp * slots) * kMaxK;
+  auto load = [&](int64_t q) {
     const int64_t item = first + q * warps;
     const int64_t t = item / pieces;
     const int32_t off = int32_t(item % pieces) * kPiece;
     const uint32_t bytes = uint32_t(min(kPiece, row_bytes - off));
     uint64_t* b = mb + q % slots;
-    uint32_t n = 0;
-    for (int32_t k = 0; k < K; ++k)
-      n += a.src[t * K + k] != nullptr;
-    mbar_expect(b, n * bytes);
-    for (int32_t k = 0; k < K; ++k) {
-      const uint16_t* s = a.src[t * K + k];
-      if (s != nullptr)
-        bulk_load(ring + (q % slots) * slot_bytes + k * kPiece,
-                  reinterpret_cast<const char*>(s) + off, bytes, b);
-    }
+    const uint16_t* src = lane < K ? a.src[t * K + lane] : nullptr;
+    if (lane < K) wslot[(q % slots) * kMaxK + lane] = src ? a.weights[t * K + lane] : 0.0f;
+    const uint32_t live = __ballot_sync(0xffffffffu, src != nullptr);
+    if (lane == 0) mbar_expect(b, __popc(live) * bytes);
+    __syncwarp();
+    if (src != nullptr)
+      bulk_load(ring + (q % slots) * slot_bytes + lane * kPiece,
+                reinterpret_cast<const char*>(src) + off, bytes, b);
   };
-  if (lane == 0)
-    for (int64_t q = 0; q < slots && q < mine; ++q)
-      load(q);
+  for (int64_t q = 0; q < slots && q < mine; ++q)
+    load(q);
   for (int64_t q = 0; q < mine; ++q) {
     const int64_t item = first + q * warps;
     const int64_t t = item / pieces;
     const int32_t off = int32_t(item % pieces) * kPiece;
     const int32_t n_vec = min(kPiece, row_bytes - off) / 16;
-    const bool live = lane < K && a.src[t * K + lane] != nullptr;
-    const float wl = lane < K ? a.weights[t * K + lane] : 0.0f;
-    const uint32_t live_mask = __ballot_sync(0xffffffffu, live);
-    float w[kMaxK];
-#pragma unroll
-    for (int k = 0; k < kMaxK; ++k)
-      w[k] = __shfl_sync(0xffffffffu, wl, k);
     mbar_wait(mb + q % slots, uint32_t((q / slots) & 1));
     const char* slot = ring + (q % slots) * slot_bytes;
+    const float* w = wslot + (q % slots) * kMaxK;
     for (int32_t v = lane; v < n_vec; v += 32) {
       float acc[8] = {};
-#pragma unroll
-      for (int k = 0; k < kMaxK; ++k)
-        if ((live_mask >> k) & 1u)
+      for (int32_t k = 0; k < K; ++k)  // a masked row's weight is 0 and its slot unread
+        if (w[k] != 0.0f)
           fma8(w[k], *reinterpret_cast<const uint4*>(slot + k * kPiece + v * 16), acc);
       *reinterpret_cast<uint4*>(reinterpret_cast<char*>(a.out) + t * row_bytes + off + v * 16) =
           pack_bf16x8(acc);
     }
     __syncwarp();
-    if (lane == 0 && q + slots < mine) {
+    if (q + slots < mine) {
       fence_proxy_async_smem();
       load(q + slots);
     }
@@ -221,25 +219,51 @@ __global__ void combine_floor_tma(CombineFloorArgs a, int slots) {
 }
 
 constexpr int kTmaSmem = 200 * 1024;
+constexpr int kDispatchTmaWarps = 4;  // as epcomm_nvlink_probe found best for 14 KB rows
+constexpr int kCombineSlots = 3;
+
+int dispatch_tma_slots(int in_bytes) {
+  const int slots =
+      std::min(kTmaSmem / (kDispatchTmaWarps * in_bytes), kTmaMaxBarriers / kDispatchTmaWarps);
+  if (slots < 2) throw std::runtime_error("--floor: rows too large for the bulk-copy ring");
+  return slots;
+}
+int combine_tma_warps(int top_k) {
+  const int warps = std::min(16, kTmaSmem / (kCombineSlots * top_k * kPiece));
+  if (warps < 1) throw std::runtime_error("--floor: K too large for the bulk-copy ring");
+  return warps;
+}
 
 }  // namespace
 
 const char* floor_variant_name(FloorVariant v) {
-  return v == FloorVariant::kRegs ? "regs" : "tma";
+  return v == FloorVariant::kRegs ? "regs" : (v == FloorVariant::kRegsL2 ? "regs-l2" : "tma");
+}
+
+void prepare_floor_kernels(int top_k, int hidden) {
+  cudaFuncAttributes attr;
+  for (bool l2 : {false, true}) {
+    CHECK_CUDA(
+        cudaFuncGetAttributes(&attr, l2 ? dispatch_floor_regs<true> : dispatch_floor_regs<false>));
+    CHECK_CUDA(
+        cudaFuncGetAttributes(&attr, l2 ? combine_floor_regs<true> : combine_floor_regs<false>));
+  }
+  CHECK_CUDA(cudaFuncSetAttribute(dispatch_floor_tma, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  kDispatchTmaWarps * dispatch_tma_slots(2 * hidden) * 2 * hidden));
+  CHECK_CUDA(cudaFuncSetAttribute(combine_floor_tma, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  combine_tma_warps(top_k) * kCombineSlots * top_k * kPiece));
 }
 
 void launch_dispatch_floor(const DispatchFloorArgs& a, FloorVariant v, int blocks,
                            cudaStream_t stream) {
   if (v == FloorVariant::kRegs) {
-    dispatch_floor_regs<<<blocks, kRegsThreads, 0, stream>>>(a);
+    dispatch_floor_regs<false><<<blocks, kRegsThreads, 0, stream>>>(a);
+  } else if (v == FloorVariant::kRegsL2) {
+    dispatch_floor_regs<true><<<blocks, kRegsThreads, 0, stream>>>(a);
   } else {
-    constexpr int kWarps = 4;  // as epcomm_nvlink_probe found best for 14 KB rows
-    const int slots = std::min(kTmaSmem / (kWarps * a.in_bytes), kTmaMaxBarriers / kWarps);
-    if (slots < 2) throw std::runtime_error("--floor: rows too large for the bulk-copy ring");
-    const int smem = kWarps * slots * a.in_bytes;
-    CHECK_CUDA(cudaFuncSetAttribute(dispatch_floor_tma, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    smem));
-    dispatch_floor_tma<<<blocks, 32 * kWarps, smem, stream>>>(a, slots);
+    const int slots = dispatch_tma_slots(a.in_bytes);
+    dispatch_floor_tma<<<blocks, 32 * kDispatchTmaWarps, kDispatchTmaWarps * slots * a.in_bytes,
+                         stream>>>(a, slots);
   }
   CHECK_CUDA(cudaGetLastError());
 }
@@ -247,16 +271,13 @@ void launch_dispatch_floor(const DispatchFloorArgs& a, FloorVariant v, int block
 void launch_combine_floor(const CombineFloorArgs& a, FloorVariant v, int blocks,
                           cudaStream_t stream) {
   if (v == FloorVariant::kRegs) {
-    combine_floor_regs<<<blocks, kCombineRegsThreads, 0, stream>>>(a);
+    combine_floor_regs<false><<<blocks, kCombineRegsThreads, 0, stream>>>(a);
+  } else if (v == FloorVariant::kRegsL2) {
+    combine_floor_regs<true><<<blocks, kCombineRegsThreads, 0, stream>>>(a);
   } else {
-    constexpr int kSlots = 3;
-    const int slot_bytes = a.top_k * kPiece;
-    const int warps = std::min(16, kTmaSmem / (kSlots * slot_bytes));
-    if (warps < 1) throw std::runtime_error("--floor: K too large for the bulk-copy ring");
-    const int smem = warps * kSlots * slot_bytes;
-    CHECK_CUDA(
-        cudaFuncSetAttribute(combine_floor_tma, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    combine_floor_tma<<<blocks, 32 * warps, smem, stream>>>(a, kSlots);
+    const int warps = combine_tma_warps(a.top_k);
+    combine_floor_tma<<<blocks, 32 * warps, warps * kCombineSlots * a.top_k * kPiece, stream>>>(
+        a, kCombineSlots);
   }
   CHECK_CUDA(cudaGetLastError());
 }

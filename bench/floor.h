@@ -8,13 +8,16 @@
 //             (format_scales_per_row * scale bytes, rounded up to 16).
 //   combine   each unmasked (token, k) expert row read once (2H bytes), one bf16 row of 2H
 //             written per token (the weighted fp32 sum).
-// Nothing else: no headers, no staging buffer, no signals. Each floor comes in two variants and
-// the faster one counts:
-//   regs  warps move rows through registers: 1024 threads per block, 8 (dispatch) or 8 rows x 2
-//         (combine, 512 threads) 16-byte loads in flight per lane.
+// Nothing else: no headers, no staging buffer, no signals. Each floor comes in three variants and
+// the fastest one counts:
+//   regs     warps move rows through registers: 1024 threads per block, 8 16-byte loads in
+//            flight per lane (dispatch: 8 vectors of a row; combine: one vector of each of 8
+//            rows).
+//   regs-l2  the same, each row first put in flight to L2 whole by a bulk prefetch.
 //   tma   bulk copies through shared memory (epcomm/detail/bulk.cuh): one lane per warp drives a
-//         ring of slots; dispatch stores each slot to its rows with bulk stores, combine's warps
-//         sum the K rows' pieces from shared memory and store from registers.
+//         ring of slots; dispatch stores each slot to its rows with bulk stores, combine's lanes
+//         each load one of the K rows' 1 KB pieces, and the warp sums them from shared memory
+//         and stores from registers.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -44,11 +47,16 @@ struct CombineFloorArgs {
   uint16_t* out = nullptr;  // [T, H]
 };
 
-enum class FloorVariant { kRegs, kTma };
+enum class FloorVariant { kRegs, kRegsL2, kTma };
 const char* floor_variant_name(FloorVariant v);
-constexpr FloorVariant kFloorVariants[] = {FloorVariant::kRegs, FloorVariant::kTma};
+constexpr FloorVariant kFloorVariants[] = {FloorVariant::kRegs, FloorVariant::kRegsL2,
+                                           FloorVariant::kTma};
 
-// Launch on the current device. Throws on a CUDA error.
+// Loads the floor kernels on the current device and sizes their shared memory, before any timed
+// launch: CUDA loads a kernel at its first launch and waits for the device to go idle to do so,
+// which would deadlock behind the benchmark's start gate.
+void prepare_floor_kernels(int top_k, int hidden);
+// Launch on the current device (after prepare_floor_kernels). Throws on a CUDA error.
 void launch_dispatch_floor(const DispatchFloorArgs& a, FloorVariant v, int blocks,
                            cudaStream_t stream);
 void launch_combine_floor(const CombineFloorArgs& a, FloorVariant v, int blocks,

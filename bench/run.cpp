@@ -584,6 +584,7 @@ class WorkloadRun {
     }
     dispatch_bytes /= double(team_.n_local());
     combine_bytes /= double(team_.n_local());
+    for_each_rank(team_, [&](size_t, const LocalRank&) { prepare_floor_kernels(K, H); });
     const int blocks = cfg_.num_sms;
     for (FloorVariant v : kFloorVariants) {
       const std::string name = floor_variant_name(v);

@@ -24,6 +24,7 @@
 #include <utility>
 
 #include "epcomm/config.h"
+#include "epcomm/detail/bulk.cuh"
 #include "epcomm/detail/device.cuh"
 #include "kernels/kernels.h"
 #include "kernels/quant_unit.cuh"
@@ -424,6 +425,7 @@ __device__ Dests send_token(const DispatchParams& p, int32_t t, const LaneRoute&
   }
   const char* src = static_cast<const char*>(p.tokens) + int64_t(t) * g.hidden * 2;
   const int32_t units = g.hidden / kLaneValues;
+  if (lane == 0 && unit_begin == 0 && unit_end >= units) prefetch_l2(src, uint32_t(g.hidden) * 2);
   unit_end = unit_end < units ? unit_end : units;
   if constexpr (F == TokenFormat::kBF16) {  // a unit is one 16-byte vector
     copy_vectors(src + int64_t(unit_begin) * 16, unit_end - unit_begin, d.n, LoadNc{},
@@ -696,6 +698,10 @@ __device__ void expand_message(const DispatchParams& p, const RecvGroups& rg, in
   char* out = static_cast<char*>(p.out_tokens);
 
   const char* msg = window_at(g, g.rank, wl.dispatch_recv_offset() + wl.dispatch_recv().offset(src, m));
+  const int32_t units = g.hidden / kLaneValues;
+  // A whole message: its payload into L2 at once, while the header is read.
+  if (lane == 0 && unit_begin == 0 && unit_end >= units)
+    prefetch_l2(msg + ml.payload_offset(), uint32_t(align_up(ml.payload_bytes(), 16)));
   const MessageHeader* h = reinterpret_cast<const MessageHeader*>(msg);
   MessageEntry e{};
   if (lane < g.top_k) e = h->entries[lane];  // with the header's words: one round trip
@@ -709,8 +715,11 @@ __device__ void expand_message(const DispatchParams& p, const RecvGroups& rg, in
     if (row >= row_limit) row = -1;  // never write outside the output
     if (row >= 0 && unit_begin == 0)
       p.src_info[row] = SrcInfo{token, int16_t(src), int16_t(e.slot())};
+    // This rank's own token: where its slot's row went, for the fused combine.
+    if (src == g.rank && unit_begin == 0 && token >= 0 && token < g.max_tokens && e.slot() >= 0 &&
+        e.slot() < g.top_k)
+      p.scratch.self_row[int64_t(token) * g.top_k + e.slot()] = int32_t(row);
   }
-  const int32_t units = g.hidden / kLaneValues;
   unit_end = unit_end < units ? unit_end : units;
   const int64_t unit_bytes = format_row_bytes(F, kLaneValues);  // 16, 8 or 4
   const int64_t first = unit_begin * unit_bytes;  // a multiple of 16: parts are whole vectors

@@ -251,7 +251,7 @@ void GroupState::setup(const Config& config, Bootstrap& bs, int dev) {
   const ExpertMap em{cfg.n_experts, n_ranks};
   const int64_t T = cfg.max_tokens_per_rank, K = cfg.top_k, nk = em.num_keys();
   const int64_t n_units = (T + dispatch_unit_tokens() - 1) / dispatch_unit_tokens();
-  constexpr int kParts = 8;
+  constexpr int kParts = 9;
   const int64_t words[kParts] = {T * K,
                                  T * K,
                                  T * n_ranks,
@@ -259,7 +259,8 @@ void GroupState::setup(const Config& config, Bootstrap& bs, int dev) {
                                  (n_units + 1) * nk,
                                  int64_t(num_chunks(int32_t(T))) * n_ranks,
                                  int64_t(n_ranks) * em.n_local(),
-                                 n_ranks};
+                                 n_ranks,
+                                 T * K};
   int64_t total = 0;
   for (int64_t w : words) total += align_up(w * 4, 256);
   check_cuda(cudaMalloc(&scratch_mem, size_t(total)), "cudaMalloc(scratch)");
@@ -270,8 +271,8 @@ void GroupState::setup(const Config& config, Bootstrap& bs, int dev) {
     parts[i] = reinterpret_cast<int32_t*>(scratch_mem + off);
     off += align_up(words[i] * 4, 256);
   }
-  scratch = RankScratch{parts[0], parts[1], parts[2], parts[3],
-                        parts[4], parts[5], parts[6], parts[7]};
+  scratch = RankScratch{parts[0], parts[1], parts[2], parts[3], parts[4],
+                        parts[5], parts[6], parts[7], parts[8]};
   check_cuda(cudaHostAlloc(&error_host, sizeof(DeviceErrorRecord),
                            cudaHostAllocMapped | cudaHostAllocPortable),
              "cudaHostAlloc(error record)");
@@ -654,6 +655,7 @@ detail::CombineParams Group::prepare_combine(const CombineInput* in, const Combi
   p.expert_side = s_->weights_dispatched ? 1 : 0;
   p.recv_base = s_->scratch.recv_base;
   p.recv_count = s_->scratch.recv_count;
+  p.self_row = s_->scratch.self_row;
   if (in) {
     require(in->hidden == s_->cfg.hidden, s_->rank, op,
             "hidden = " + std::to_string(in->hidden) + " but the group was set up with hidden = " +

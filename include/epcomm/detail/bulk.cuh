@@ -51,6 +51,13 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
         : "memory");
 }
 
+// Starts moving [gmem, gmem + bytes) into L2, with nothing to wait for and no register or shared
+// memory held: a warp that will read whole rows soon can put them all in flight at once, so its
+// loads hit L2 (a register-bound loop keeps only a few KB per warp in flight from HBM).
+__device__ __forceinline__ void prefetch_l2(const void* gmem, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(gmem), "r"(bytes) : "memory");
+}
+
 // Stores from shared memory. Writes of other threads to the slot must be ordered before (a
 // fence.proxy.async after generic-proxy writes to shared memory).
 __device__ __forceinline__ void bulk_store(void* gmem, const void* smem, uint32_t bytes) {

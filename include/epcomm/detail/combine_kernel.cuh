@@ -22,6 +22,7 @@
 #include <utility>
 
 #include "epcomm/config.h"
+#include "epcomm/detail/bulk.cuh"
 #include "epcomm/detail/device.cuh"
 #include "epcomm/detail/launch.h"
 
@@ -180,6 +181,7 @@ __device__ inline void combine_send_expert_side(const CombineParams& p, const in
     }
     char* dst = window_at(g, s, wl.combine_recv_offset() + cl.offset(token, slot));
     const int32_t stride = ws.split * kWarpSize * 8;
+    if (ws.split == 1 && row >= 0) prefetch_l2(in + row * H * 2, uint32_t(H) * 2);  // whole rows
     if (stride >= H)  // one 256-column step per item
       sum_message_rows<1, 8>(in, H, row, w, n, part, stride, dst);
     else
@@ -187,7 +189,9 @@ __device__ inline void combine_send_expert_side(const CombineParams& p, const in
   }
 }
 
-template <bool kExpertSide>
+// kDirectSelf (the fused kernel, token side): rows of this rank's own tokens stay where they
+// are; the receive reads them from expert_out (scratch.self_row).
+template <bool kExpertSide, bool kDirectSelf>
 __device__ inline void combine_send(const CombineParams& p, unsigned long long seq) {
   const GroupView& g = p.g;
   // Expert side: the (source, group) base rows, loaded while the acks are awaited.
@@ -235,6 +239,7 @@ __device__ inline void combine_send(const CombineParams& p, unsigned long long s
     if (info.rank < 0 || info.rank >= g.n_ranks || info.token < 0 || info.token >= g.max_tokens ||
         info.slot < 0 || info.slot >= g.top_k)
       continue;  // padding rows, and never a write outside a peer's buffer
+    if (kDirectSelf && info.rank == g.rank) continue;  // read in place by the receive
     char* dst =
         window_at(g, info.rank, wl.combine_recv_offset() + cl.offset(info.token, info.slot)) +
         int64_t(v0) * 16;
@@ -245,7 +250,7 @@ __device__ inline void combine_send(const CombineParams& p, unsigned long long s
   trace_mark(g, kTraceCombine, kTraceSent);
 }
 
-template <bool kExpertSide, class Epilogue>
+template <bool kExpertSide, bool kDirectSelf, class Epilogue>
 __device__ void combine_recv(const CombineParams& p, unsigned long long seq, Epilogue& epi) {
   const GroupView& g = p.g;
   if (!block_wait_signal(g, all_ranks_mask(g), WindowLayout::kCombineArrived, kOpCombineRecv,
@@ -264,6 +269,11 @@ __device__ void combine_recv(const CombineParams& p, unsigned long long seq, Epi
   const WorkSplit ws = WorkSplit::make(num_tokens, H);
   const int32_t split = ws.split;
   const ExpertMap em = g.experts();
+  // kDirectSelf: this rank's own expert rows are read in expert_out, at rows below what the
+  // dispatch wrote (a stale scratch.self_row never reads past the caller's rows).
+  int64_t self_rows = 0;
+  if (kDirectSelf) self_rows = min(int64_t(p.row_offsets[g.n_local()]), g.output().rows);
+  const char* expert_out = static_cast<const char*>(p.expert_out);
   for (int64_t item = WorkSplit::first_item(); item < ws.items; item += WorkSplit::stride()) {
     const int32_t t = int32_t(item / split), part = int32_t(item % split);
     // Every lane gets what the token's rows need before the column loops: lanes run those
@@ -276,6 +286,7 @@ __device__ void combine_recv(const CombineParams& p, unsigned long long seq, Epi
       // One row per rank the token went to, in rank order.
       const uint32_t rank_mask = __reduce_or_sync(0xffffffffu, id >= 0 ? 1u << em.rank_of(id) : 0u);
       const int32_t n = __popc(rank_mask);
+      if (split == 1 && lane < n) prefetch_l2(slots + lane * cl.row_bytes(), uint32_t(H) * 2);
       for (int32_t c = first; c < H; c += stride) {
         uint4 raw[WindowLayout::kMaxPeers];
 #pragma unroll
@@ -296,11 +307,23 @@ __device__ void combine_recv(const CombineParams& p, unsigned long long seq, Epi
       continue;
     }
     const float w = (lane < K && p.weights != nullptr) ? p.weights[int64_t(t) * K + lane] : 0.f;
-    int32_t ids[kMaxTopK];
+    // Slot k's row: in the combine buffer, or (kDirectSelf, an expert of this rank) in
+    // expert_out; null for a masked slot.
+    const char* mine = nullptr;
+    if (id >= 0) {
+      mine = slots + int64_t(lane) * cl.row_bytes();
+      if (kDirectSelf && em.rank_of(id) == g.rank) {
+        const int32_t r = p.self_row[int64_t(t) * K + lane];
+        mine = r >= 0 && r < self_rows ? expert_out + int64_t(r) * H * 2 : nullptr;
+      }
+    }
+    if (split == 1 && mine != nullptr) prefetch_l2(mine, uint32_t(H) * 2);  // whole rows
+    const char* src[kMaxTopK];
     float ws[kMaxTopK];
 #pragma unroll
     for (int k = 0; k < kMaxTopK; ++k) {
-      ids[k] = __shfl_sync(0xffffffffu, id, k);
+      src[k] = reinterpret_cast<const char*>(
+          __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(mine), k));
       ws[k] = __shfl_sync(0xffffffffu, w, k);
     }
     if (p.weights != nullptr) {
@@ -310,11 +333,11 @@ __device__ void combine_recv(const CombineParams& p, unsigned long long seq, Epi
         uint4 raw[kMaxTopK];
 #pragma unroll
         for (int k = 0; k < kMaxTopK; ++k)
-          if (k < K) raw[k] = ld_plain_v4(slots + k * cl.row_bytes() + int64_t(c) * 2);
+          if (k < K && src[k] != nullptr) raw[k] = ld_plain_v4(src[k] + int64_t(c) * 2);
         float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int k = 0; k < kMaxTopK; ++k) {
-          if (k >= K || ids[k] < 0) continue;
+          if (k >= K || src[k] == nullptr) continue;
           float y[8];
           unpack_bf16x8(raw[k], y);
 #pragma unroll
@@ -329,8 +352,8 @@ __device__ void combine_recv(const CombineParams& p, unsigned long long seq, Epi
       for (int k = 0; k < kMaxTopK; ++k) {
         if (k >= K) continue;
         for (int32_t c = first; c < H; c += stride) {
-          const uint4 v = ids[k] >= 0 ? ld_v4(slots + k * cl.row_bytes() + int64_t(c) * 2)
-                                      : make_uint4(0, 0, 0, 0);
+          const uint4 v =
+              src[k] != nullptr ? ld_v4(src[k] + int64_t(c) * 2) : make_uint4(0, 0, 0, 0);
           st_v4(out + (int64_t(k) * H + c) * 2, v);
         }
       }
@@ -354,11 +377,13 @@ __global__ void __launch_bounds__(kCombineThreads, 1)
   trace_begin(p.g, kTraceCombine, kSend ? kTraceStart : kTraceRecvStart,
               kRecv ? kTraceMarks : kTraceRecvStart);
   const unsigned long long seq = p.g.state->combine_seq + 1;
-  if (kSend) combine_send<kExpertSide>(p, seq);
+  // The fused kernel's token side reads this rank's own rows in place.
+  constexpr bool kDirectSelf = kSend && kRecv && !kExpertSide;
+  if (kSend) combine_send<kExpertSide, kDirectSelf>(p, seq);
   if (!kRecv) trace_mark(p.g, kTraceCombine, kTraceDone);
   if (kRecv && !block_aborted(p.g)) {
     if (kSend) trace_mark(p.g, kTraceCombine, kTraceRecvStart);
-    combine_recv<kExpertSide>(p, seq, epi);
+    combine_recv<kExpertSide, kDirectSelf>(p, seq, epi);
   }
 }
 

@@ -112,6 +112,11 @@ struct RankScratch {
   // received messages): written by the receiver's block 0.
   int32_t* recv_base;   // [n_ranks, n_local]: first output row of source s in group g
   int32_t* recv_count;  // [n_ranks]: messages received from source s
+  // [max_tokens, K]: for this rank's own token t and a slot k whose expert is local, the output
+  // row the last dispatch wrote it to (-1: none), written by the receiver as it expands this
+  // rank's own messages. The fused combine reads those rows in place (no copy through the
+  // combine buffer).
+  int32_t* self_row;
 };
 
 struct DispatchParams {
@@ -140,6 +145,7 @@ struct CombineParams {
   int32_t pad_;
   const int32_t* recv_base;   // scratch.recv_base
   const int32_t* recv_count;  // scratch.recv_count
+  const int32_t* self_row;    // scratch.self_row
   // send side
   const void* expert_out;
   const uint32_t* row_offsets;
