@@ -100,9 +100,9 @@ __global__ void dispatch_floor_tma(DispatchFloorArgs a, int slots) {
 
 // ---- combine --------------------------------------------------------------------------------
 
-constexpr int kCombineRegsThreads = 1024;
+constexpr int kCombineRegsThreads = 512;
 constexpr int kCombineRows = 8;  // rows' loads in flight together
-constexpr int kCombineU = 1;     // 256-column steps per pass
+constexpr int kCombineU = 2;     // 256-column steps per pass
 
 // One warp per token: per pass, kCombineRows rows x kCombineU vectors per lane in flight, summed
 // in fp32 in k order, stored as bf16.
