@@ -5,6 +5,7 @@
 #include <stdexcept>
 
 #include "common.h"
+#include "epcomm/config.h"
 #include "epcomm/detail/bulk.cuh"
 #include "epcomm/detail/device.cuh"
 
@@ -150,7 +151,7 @@ __global__ void __launch_bounds__(kCombineRegsThreads, 1) combine_floor_regs(Com
 }
 
 constexpr int kPiece = 1024;  // bytes of each row per ring slot
-constexpr int kMaxK = 16;     // epcomm::kMaxTopK
+constexpr int kMaxK = epcomm::kMaxTopK;
 
 // One lane per warp loads (token, piece) items into a ring of slots (K rows x kPiece bytes each,
 // one barrier per slot); the whole warp sums the K pieces from shared memory and stores the bf16
@@ -176,7 +177,7 @@ __global__ void combine_floor_tma(CombineFloorArgs a, int slots) {
   const int64_t mine = first < items ? (items - first + warps - 1) / warps : 0;
   // The whole warp: lane k fetches row k's address and weight (kept beside the slot for the
   // consumer) and issues its bulk load after lane 0 announced the bytes.
-  float* wslot = reinterpret_cast<float*>(wbuf) + (warp * slots) * kMaxK;
+  float* wslot = wbuf + (warp * slots) * kMaxK;
   auto load = [&](int64_t q) {
     const int64_t item = first + q * warps;
     const int64_t t = item / pieces;
