@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <string>
 
+#include "epcomm/layout.h"
 #include "epcomm/token_format.h"
 
 namespace epcomm {
@@ -58,6 +59,27 @@ struct Config {
   // kLowLatencyMaxTokens.
   DispatchPath dispatch_path = DispatchPath::kAuto;
 
+  // Modes (SPEC §7).
+  // Fused shared expert: group 0 of every rank's dispatch output holds this rank's own tokens
+  // (rows [0, T), token order, in the dispatch format; expert_ids[0] = kSharedExpertId), the
+  // local experts are groups 1..n_local, and combine adds the shared expert's output row of
+  // token t into out[t] (weight 1, after the routed experts). Needs router weights (at dispatch
+  // or at combine) and top_k < kMaxTopK (the shared expert takes a slot).
+  bool shared_expert = false;
+  // Tensor-parallel attention: every rank holds the same tokens (the same T, topk_ids, weights
+  // and tokens on every rank). Dispatch keeps only this rank's experts, with no traffic between
+  // ranks; combine returns the partial weighted sum over them, for the caller to all-reduce.
+  // With shared_expert, the shared expert's tokens are split over allreduce_world_size ranks:
+  // share r = rank % W takes (T + W - r - 1) / W tokens from r * (T / W) + min(r, T % W), so
+  // that after the all-reduce every token has its shared-expert output once.
+  bool skip_a2a = false;
+  // skip_a2a + shared_expert: W, the ranks the caller all-reduces over (0: n_ranks); at most
+  // n_ranks.
+  int32_t allreduce_world_size = 0;
+
+  // How rank `rank` of an n_ranks group routes (layout.h RouteMap).
+  RouteMap route(int n_ranks, int rank) const;
+
   // The path the group runs: dispatch_path with kAuto resolved.
   DispatchPath resolved_path() const {
     if (dispatch_path != DispatchPath::kAuto) return dispatch_path;
@@ -77,9 +99,10 @@ void check_configs_match(const Config* configs, int n_ranks);
 struct Sizes {
   int32_t n_ranks = 0;
   int32_t n_local_experts = 0;    // experts per rank
-  int32_t num_groups = 0;         // G = n_local_experts
-  int64_t max_routed_rows = 0;    // rows that can arrive: max_tokens * n_ranks * min(K, G), or
-                                  // Config::max_recv_rows where that is smaller
+  int32_t num_groups = 0;         // G = n_local_experts (+ 1 with the shared expert)
+  int64_t max_routed_rows = 0;    // rows that can arrive: max_tokens * n_ranks * min(K,
+                                  // n_local) (n_ranks 1 with skip_a2a), + max_tokens with the
+                                  // shared expert; or Config::max_recv_rows where smaller
   int64_t max_recv_rows = 0;      // rows of the dispatch output, format padding included
   int64_t token_bytes = 0;        // bytes of one dispatched row's codes (format_row_bytes)
   int64_t scales_bytes = 0;       // bytes of the dispatch scales output (0 for bf16)

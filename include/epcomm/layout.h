@@ -18,6 +18,87 @@ EPCOMM_HD constexpr int64_t max_routed_rows(int32_t max_tokens, int32_t n_ranks,
   return int64_t(max_tokens) * n_ranks * (top_k < n_local ? top_k : n_local);
 }
 
+// expert_ids[g] of the shared expert's group (group 0 with Config::shared_expert).
+constexpr int32_t kSharedExpertId = -1;
+
+// How the caller's routing becomes the routing the kernels run (SPEC §7 modes). The kernels see
+// a "view" of the group: its ranks, experts and top-k slots, which equal the caller's unless
+//  - shared_expert: every rank gets one more expert, its local expert 0 (group 0), to which it
+//    routes its own tokens only, through one more top-k slot (slot K, weight 1, last); the
+//    caller's local expert l is group l + 1.
+//  - skip_a2a: every rank holds the same tokens and keeps only its own experts: the view is a
+//    group of one rank (itself) whose experts are its local ones; the caller's ids of other
+//    ranks' experts become masked slots. With shared_expert, the shared expert takes only this
+//    rank's share of the tokens (shared_begin / shared_count), split over allreduce_world ranks.
+// With neither, the view is the caller's group and every id maps to itself.
+struct RouteMap {
+  int32_t n_experts;  // the caller's experts (the range of topk_ids)
+  int32_t top_k;      // the caller's K: the columns of topk_ids and of the router weights
+  int32_t n_ranks;    // the group's ranks
+  int32_t rank;       // this rank
+  int32_t shared;     // 1: fused shared expert
+  int32_t skip_a2a;   // 1: no traffic between ranks
+  int32_t ar_world;   // skip_a2a + shared: ranks the shared expert's tokens are split over
+  int32_t ar_rank;    // this rank's share, in [0, ar_world)
+
+  EPCOMM_HD int32_t n_local() const { return n_experts / n_ranks; }
+  // Groups of a rank's dispatch output, and the view's experts per rank.
+  EPCOMM_HD int32_t groups() const { return n_local() + shared; }
+  // The view's top-k slots, ranks, this rank in it, and experts.
+  EPCOMM_HD int32_t slots() const { return top_k + shared; }
+  EPCOMM_HD int32_t view_ranks() const { return skip_a2a ? 1 : n_ranks; }
+  EPCOMM_HD int32_t view_rank() const { return skip_a2a ? 0 : rank; }
+  EPCOMM_HD int32_t view_experts() const { return view_ranks() * groups(); }
+  // The view's id of the caller's expert id (0 <= id < n_experts); -1 where skip_a2a drops it.
+  EPCOMM_HD int32_t expert(int32_t id) const {
+    const int32_t r = id / n_local(), l = id % n_local();
+    if (skip_a2a) return r == rank ? shared + l : -1;
+    return r * groups() + shared + l;
+  }
+  // The expert (in the view) of this rank's shared expert.
+  EPCOMM_HD int32_t shared_expert() const { return view_rank() * groups(); }
+  // This rank's tokens that go to its shared expert: [shared_begin, shared_begin + shared_count)
+  // of the call's T. All of them, except with skip_a2a, where share ar_rank of ar_world takes
+  // (T + W - r - 1) / W tokens from r * (T / W) + min(r, T % W).
+  EPCOMM_HD int32_t shared_begin(int32_t T) const {
+    if (!shared || !skip_a2a) return 0;
+    const int32_t W = ar_world, r = ar_rank;
+    return r * (T / W) + (r < T % W ? r : T % W);
+  }
+  EPCOMM_HD int32_t shared_count(int32_t T) const {
+    if (!shared) return 0;
+    if (!skip_a2a) return T;
+    return (T + ar_world - ar_rank - 1) / ar_world;
+  }
+  // The view's expert of slot k (< slots()) of token t of a T-token call, where `id` is the
+  // caller's topk_ids[t][k] for k < top_k (already checked to lie in [-1, n_experts)): -1 for a
+  // masked or dropped slot.
+  EPCOMM_HD int32_t slot_expert(int32_t id, int32_t k, int32_t t, int32_t T) const {
+    if (k < top_k) return id < 0 ? -1 : expert(id);
+    const int32_t b = shared_begin(T);
+    return t >= b && t < b + shared_count(T) ? shared_expert() : -1;
+  }
+  // The caller's rank of the view's rank v (src_info holds the caller's), and back (-1: not in
+  // the view).
+  EPCOMM_HD int32_t caller_rank(int32_t v) const { return skip_a2a ? rank : v; }
+  EPCOMM_HD int32_t view_rank_of(int32_t r) const { return skip_a2a ? (r == rank ? 0 : -1) : r; }
+  // The router weight of slot k of token t: the caller's weights[t][k], and 1 for the shared slot.
+  EPCOMM_HD float slot_weight(const float* weights, int32_t t, int32_t k) const {
+    return k < top_k ? weights[int64_t(t) * top_k + k] : 1.0f;
+  }
+  // expert_ids[g] of the dispatch output: the rank's local expert of group g, or
+  // kSharedExpertId.
+  EPCOMM_HD int32_t group_expert(int32_t g) const {
+    return g < shared ? kSharedExpertId : g - shared;
+  }
+  // Rows a dispatch can deliver to this rank before format padding: max_tokens from each source
+  // the view has, in at most min(K, n_local) groups each, plus max_tokens shared-expert rows.
+  EPCOMM_HD int64_t max_routed_rows(int32_t max_tokens) const {
+    return epcomm::max_routed_rows(max_tokens, view_ranks(), top_k, n_local()) +
+           int64_t(shared) * max_tokens;
+  }
+};
+
 // What combine needs to send a dispatched row home. One per dispatch output row.
 struct SrcInfo {
   int32_t token;  // token index on the source rank

@@ -27,6 +27,13 @@ struct Problem {
   int32_t top_k = 0;
   int32_t n_experts = 0;
   std::vector<RankInput> ranks;  // n_ranks entries
+  // Modes (SPEC §7; Config's fields of the same names). With skip_a2a every rank's dispatch
+  // reads only its own input (make_replicated_problem gives every rank the same one).
+  bool shared_expert = false;
+  bool skip_a2a = false;
+  int32_t allreduce_world_size = 0;
+  // The routing of rank `rank` (Config::route with these fields).
+  RouteMap route(int32_t rank) const;
 };
 
 // The first problem with a rank's topk_ids, as the device reports it.
@@ -36,8 +43,10 @@ struct TopkError {
   int32_t slot = -1;
   int32_t value = 0;
 };
+// Duplicates are looked for among experts [dup_begin, dup_end) only (skip_a2a: a rank sees
+// duplicates of its own experts); by default among all.
 TopkError validate_topk(const int32_t* topk_ids, int32_t num_tokens, int32_t top_k,
-                        int32_t n_experts);
+                        int32_t n_experts, int32_t dup_begin = 0, int32_t dup_end = -1);
 
 // What dispatch produces on one rank.
 struct DispatchResult {
@@ -49,12 +58,16 @@ struct DispatchResult {
 };
 
 // Dispatch output of rank `rank`. A source whose topk_ids fail validate_topk sends nothing.
+// With shared_expert, group 0 holds the rank's own share of its tokens (src_info slot = top_k)
+// and expert_ids[0] = kSharedExpertId; with skip_a2a, the rank's own tokens only.
 DispatchResult dispatch(const Problem& p, int32_t rank);
 
 // Combine output of rank `rank` in float64, given every rank's dispatch result and expert
 // outputs ([rows, H] bf16 bits, in that rank's dispatch row order).
-//   weighted = true : [T, H], out[t] = sum over unmasked k of w[t,k] * y[t,k], k ascending
+//   weighted = true : [T, H], out[t] = sum over unmasked k of w[t,k] * y[t,k], k ascending,
+//                     plus the shared expert's row of t (weight 1) where it has one
 //   weighted = false: [T, K, H], masked slots zero
+// With skip_a2a the sum is over this rank's experts only (the partial sum).
 std::vector<double> combine(const Problem& p, const std::vector<DispatchResult>& layouts,
                             const std::vector<std::vector<uint16_t>>& expert_out, int32_t rank,
                             bool weighted);
@@ -83,6 +96,10 @@ std::vector<float> make_weights(int64_t count, std::mt19937_64& rng);
 Problem make_problem(int32_t n_ranks, int32_t hidden, int32_t top_k, int32_t n_experts,
                      const std::vector<int32_t>& num_tokens, uint64_t seed, double zipf_s = 0.0,
                      double mask_prob = 0.0);
+// The same, with every rank holding rank 0's input (num_tokens tokens): skip_a2a's inputs.
+Problem make_replicated_problem(int32_t n_ranks, int32_t hidden, int32_t top_k, int32_t n_experts,
+                                int32_t num_tokens, uint64_t seed, double zipf_s = 0.0,
+                                double mask_prob = 0.0);
 
 // Comparison helpers returning an empty string on success, else a description of the first
 // mismatch (used by the tests and the benchmark).

@@ -40,22 +40,34 @@ constexpr int kUnroll = 4;                       // 16-byte vectors in flight pe
 
 // ---- 1. ranking -----------------------------------------------------------------------------
 
-// Token t's row of topk_ids, every load in flight together.
+// Token t's row of topk_ids (the caller's K columns), every load in flight together.
 __device__ __forceinline__ void load_ids(const DispatchParams& p, int32_t t,
                                          int32_t (&ids)[kMaxTopK]) {
-  const int32_t K = p.g.top_k;
+  const int32_t K = p.g.route.top_k;
 #pragma unroll
   for (int k = 0; k < kMaxTopK; ++k)
     if (k < K) ids[k] = p.topk_ids[int64_t(t) * K + k];
 }
 
-// Enters token t's ids (from load_ids) in its warp's bitmaps (bm) and returns its destination
-// ranks. A bad id is recorded and masked (-1 in ids and scratch.topk); a duplicate shows as the
-// lane's own bit already set in the expert's word. The slot loops are not unrolled: unrolled
-// over kMaxTopK, with a pairwise duplicate check, the ranking was about 60 KB of straight-line
-// code, and fetching it after an L2 flush took 14 us per 512-token unit (x4 H200, stage trace).
-// `record`: this block reports bad ids and keeps the validated copy for combine (the
-// low-latency path's blocks all rank the same tokens; block 0 records).
+// The view's expert and router weight of slot k of token t (RouteMap), from the caller's
+// topk_ids (valid: the call's ids passed enter_ids) and weights.
+__device__ __forceinline__ int32_t view_expert(const DispatchParams& p, int32_t t, int32_t k) {
+  const RouteMap& rm = p.g.route;
+  const int32_t id = k < rm.top_k ? p.topk_ids[int64_t(t) * rm.top_k + k] : -1;
+  return rm.slot_expert(id, k, t, p.num_tokens);
+}
+__device__ __forceinline__ float view_weight(const DispatchParams& p, int32_t t, int32_t k) {
+  return p.weights != nullptr ? p.g.route.slot_weight(p.weights, t, k) : 0.0f;
+}
+
+// Enters token t's ids (from load_ids; on return, the view's ids of its slots, RouteMap) in its
+// warp's bitmaps (bm) and returns its destination ranks. A bad id is recorded and masked (-1 in
+// ids and scratch.topk); a duplicate shows as the lane's own bit already set in the expert's
+// word (with skip_a2a, among this rank's experts only: the others' ids are dropped). The slot loops
+// are not unrolled: unrolled over kMaxTopK, with a pairwise duplicate check, the ranking was about
+// 60 KB of straight-line code, and fetching it after an L2 flush took 14 us per 512-token unit (x4
+// H200, stage trace). `record`: this block reports bad ids and keeps the validated copy for combine
+// (the low-latency path's blocks all rank the same tokens; block 0 records).
 __device__ uint32_t enter_ids(const DispatchParams& p, int32_t t, unsigned long long seq,
                               uint32_t* bm, int32_t (&ids)[kMaxTopK], bool record, bool& bad) {
   const GroupView& g = p.g;
@@ -65,12 +77,13 @@ __device__ uint32_t enter_ids(const DispatchParams& p, int32_t t, unsigned long 
   uint32_t rank_mask = 0;
 #pragma unroll 1
   for (int k = 0; k < K; ++k) {
-    int32_t id = ids[k];
-    if (id < -1 || id >= g.n_experts) {
+    int32_t id = k < g.route.top_k ? ids[k] : -1;
+    if (id < -1 || id >= g.route.n_experts) {
       if (record) record_error(g, ErrorCode::kBadExpertId, kOpDispatchSend, 0, t, k, id, kWaitNone);
       bad = true;
       id = -1;
     }
+    id = g.route.slot_expert(id, k, t, p.num_tokens);
     ids[k] = id;
     if (record) p.scratch.topk[int64_t(t) * K + k] = id;
     if (id < 0) continue;
@@ -370,7 +383,7 @@ __device__ LaneRoute route_from_scratch(const DispatchParams& p, int32_t t) {
     r.id = p.scratch.topk[int64_t(t) * K + lane];
     if (r.id >= 0) {
       r.pos = prefix[r.id] + p.scratch.expert_pos[int64_t(t) * K + lane];
-      if (p.weights != nullptr) r.weight = p.weights[int64_t(t) * K + lane];
+      r.weight = view_weight(p, t, lane);
     }
   }
   if (lane < g.n_ranks) {
@@ -574,10 +587,10 @@ __device__ __noinline__ bool ll_send(const DispatchParams& p, unsigned long long
       const int32_t t = int32_t(i / n_parts), part = int32_t(i % n_parts);
       LaneRoute r;
       if (lane < K) {
-        r.id = p.topk_ids[int64_t(t) * K + lane];  // valid: the call is not bad
+        r.id = view_expert(p, t, lane);  // valid: the call is not bad
         if (r.id >= 0) {
           r.pos = lr.pos(t, r.id);
-          if (p.weights != nullptr) r.weight = p.weights[int64_t(t) * K + lane];
+          r.weight = view_weight(p, t, lane);
         }
       }
       const uint32_t ranks = __reduce_or_sync(0xffffffffu, r.id >= 0 ? 1u << em.rank_of(r.id) : 0u);
@@ -714,7 +727,7 @@ __device__ void expand_message(const DispatchParams& p, const RecvGroups& rg, in
     if (grp < n_local) row = int64_t(rg.base[src * n_local + grp]) + e.pos;
     if (row >= row_limit) row = -1;  // never write outside the output
     if (row >= 0 && unit_begin == 0)
-      p.src_info[row] = SrcInfo{token, int16_t(src), int16_t(e.slot())};
+      p.src_info[row] = SrcInfo{token, int16_t(g.route.caller_rank(src)), int16_t(e.slot())};
     // This rank's own token: where its slot's row went, for the fused combine.
     if (src == g.rank && unit_begin == 0 && token >= 0 && token < g.max_tokens && e.slot() >= 0 &&
         e.slot() < g.top_k)
@@ -1019,7 +1032,7 @@ __device__ __noinline__ void dispatch_recv(const DispatchParams& p, unsigned lon
     if (rb == 0) {
       for (int32_t grp = threadIdx.x; grp <= n_local; grp += kThreads) {
         p.row_offsets[grp] = 0;
-        if (grp < n_local) p.expert_ids[grp] = grp;
+        if (grp < n_local) p.expert_ids[grp] = g.route.group_expert(grp);
         if (format_swizzled(F) && grp < n_local) p.scales_offsets[grp] = 0;
       }
       if (threadIdx.x < n_ranks) p.scratch.recv_count[threadIdx.x] = 0;
@@ -1072,7 +1085,7 @@ __device__ __noinline__ void dispatch_recv(const DispatchParams& p, unsigned lon
     if (threadIdx.x < n_ranks) p.scratch.recv_count[threadIdx.x] = rg.stream_count[threadIdx.x];
     for (int32_t grp = threadIdx.x; grp <= n_local; grp += kThreads) {
       p.row_offsets[grp] = uint32_t(rg.row_offset[grp]);
-      if (grp < n_local) p.expert_ids[grp] = grp;
+      if (grp < n_local) p.expert_ids[grp] = g.route.group_expert(grp);
       if (format_swizzled(F) && grp < n_local)
         p.scales_offsets[grp] = uint32_t(rg.tile_start[grp] - rg.row_offset[grp] / kTileRows);
     }

@@ -11,50 +11,84 @@ namespace epcomm {
 namespace reference {
 
 TopkError validate_topk(const int32_t* topk_ids, int32_t num_tokens, int32_t top_k,
-                        int32_t n_experts) {
+                        int32_t n_experts, int32_t dup_begin, int32_t dup_end) {
+  if (dup_end < 0) dup_end = n_experts;
   for (int32_t t = 0; t < num_tokens; ++t) {
     for (int32_t k = 0; k < top_k; ++k) {
       const int32_t id = topk_ids[int64_t(t) * top_k + k];
       if (id < -1 || id >= n_experts) return TopkError{ErrorCode::kBadExpertId, t, k, id};
+      if (id < dup_begin || id >= dup_end) continue;
       for (int32_t j = 0; j < k; ++j)
-        if (id >= 0 && topk_ids[int64_t(t) * top_k + j] == id)
+        if (topk_ids[int64_t(t) * top_k + j] == id)
           return TopkError{ErrorCode::kDuplicateExpert, t, k, id};
     }
   }
   return TopkError{};
 }
 
+RouteMap Problem::route(int32_t rank) const {
+  RouteMap m{};
+  m.n_experts = n_experts;
+  m.top_k = top_k;
+  m.n_ranks = n_ranks;
+  m.rank = rank;
+  m.shared = shared_expert ? 1 : 0;
+  m.skip_a2a = skip_a2a ? 1 : 0;
+  m.ar_world = allreduce_world_size > 0 ? allreduce_world_size : n_ranks;
+  m.ar_rank = rank % m.ar_world;
+  return m;
+}
+
 namespace {
+// Rank s's tokens go out (its topk_ids pass the checks its dispatch makes).
 bool sends(const Problem& p, int32_t s) {
   const RankInput& in = p.ranks[size_t(s)];
-  return validate_topk(in.topk_ids.data(), in.num_tokens, p.top_k, p.n_experts).code ==
+  const int32_t n_local = p.n_experts / p.n_ranks;
+  const int32_t lo = p.skip_a2a ? s * n_local : 0, hi = p.skip_a2a ? lo + n_local : p.n_experts;
+  return validate_topk(in.topk_ids.data(), in.num_tokens, p.top_k, p.n_experts, lo, hi).code ==
          ErrorCode::kOk;
+}
+
+void add_row(DispatchResult& r, const Problem& p, int32_t s, int32_t t, int32_t slot) {
+  const RankInput& in = p.ranks[size_t(s)];
+  r.src_info.push_back(SrcInfo{t, int16_t(s), int16_t(slot)});
+  const uint16_t* row = in.tokens.data() + size_t(t) * p.hidden;
+  r.tokens.insert(r.tokens.end(), row, row + p.hidden);
 }
 }  // namespace
 
 DispatchResult dispatch(const Problem& p, int32_t rank) {
-  const ExpertMap em{p.n_experts, p.n_ranks};
-  const int32_t n_local = em.n_local();
+  const int32_t n_local = p.n_experts / p.n_ranks;
+  const int32_t shared = p.shared_expert ? 1 : 0, G = n_local + shared;
   DispatchResult r;
-  r.row_offsets.assign(size_t(n_local) + 1, 0);
-  r.expert_ids.resize(size_t(n_local));
+  r.row_offsets.assign(size_t(G) + 1, 0);
+  r.expert_ids.resize(size_t(G));
   std::vector<bool> ok(static_cast<size_t>(p.n_ranks));
   for (int32_t s = 0; s < p.n_ranks; ++s) ok[size_t(s)] = sends(p, s);
-  // Group-major, then source rank, then source token index.
-  for (int32_t g = 0; g < n_local; ++g) {
-    r.expert_ids[size_t(g)] = g;
-    const int32_t expert = rank * n_local + g;
+  // The shared expert: group 0, this rank's own share of its tokens in token order.
+  if (shared) {
+    r.expert_ids[0] = kSharedExpertId;
+    if (ok[size_t(rank)]) {
+      const RouteMap rm = p.route(rank);
+      const int32_t T = p.ranks[size_t(rank)].num_tokens;
+      const int32_t begin = rm.shared_begin(T);
+      for (int32_t t = begin; t < begin + rm.shared_count(T); ++t)
+        add_row(r, p, rank, t, p.top_k);
+    }
+    r.row_offsets[1] = uint32_t(r.src_info.size());
+  }
+  // The local experts: group-major, then source rank (skip_a2a: this rank only), then source
+  // token index.
+  for (int32_t l = 0; l < n_local; ++l) {
+    const int32_t g = shared + l;
+    r.expert_ids[size_t(g)] = l;
+    const int32_t expert = rank * n_local + l;
     for (int32_t s = 0; s < p.n_ranks; ++s) {
-      if (!ok[size_t(s)]) continue;
+      if (!ok[size_t(s)] || (p.skip_a2a && s != rank)) continue;
       const RankInput& in = p.ranks[size_t(s)];
-      for (int32_t t = 0; t < in.num_tokens; ++t) {
-        for (int32_t k = 0; k < p.top_k; ++k) {
-          if (in.topk_ids[size_t(t) * p.top_k + k] != expert) continue;
-          r.src_info.push_back(SrcInfo{t, int16_t(s), int16_t(k)});
-          const uint16_t* row = in.tokens.data() + size_t(t) * p.hidden;
-          r.tokens.insert(r.tokens.end(), row, row + p.hidden);
-        }
-      }
+      for (int32_t t = 0; t < in.num_tokens; ++t)
+        for (int32_t k = 0; k < p.top_k; ++k)
+          if (in.topk_ids[size_t(t) * p.top_k + k] == expert) add_row(r, p, s, t, k);
     }
     r.row_offsets[size_t(g) + 1] = uint32_t(r.src_info.size());
   }
@@ -63,10 +97,11 @@ DispatchResult dispatch(const Problem& p, int32_t rank) {
 
 namespace {
 // Where each of rank `rank`'s (token, slot) rows went: (expert rank, row), {-1, -1} if nowhere.
+// Slots: the top_k routed ones, then the shared expert's.
 std::vector<std::pair<int32_t, int64_t>> slot_rows(const Problem& p,
                                                    const std::vector<DispatchResult>& layouts,
                                                    int32_t rank, int32_t T) {
-  const int64_t K = p.top_k;
+  const int64_t K = p.top_k + (p.shared_expert ? 1 : 0);
   std::vector<std::pair<int32_t, int64_t>> where(static_cast<size_t>(T * K), {-1, -1});
   for (int32_t d = 0; d < p.n_ranks; ++d) {
     const DispatchResult& l = layouts[size_t(d)];
@@ -84,15 +119,16 @@ std::vector<double> combine(const Problem& p, const std::vector<DispatchResult>&
                             bool weighted) {
   const RankInput& in = p.ranks[size_t(rank)];
   const int32_t T = sends(p, rank) ? in.num_tokens : 0;
-  const int64_t H = p.hidden, K = p.top_k;
+  const int64_t H = p.hidden, K = p.top_k, slots = K + (p.shared_expert ? 1 : 0);
   const auto where = slot_rows(p, layouts, rank, T);
   std::vector<double> out(static_cast<size_t>(weighted ? T * H : T * K * H), 0.0);
   for (int32_t t = 0; t < T; ++t) {
-    for (int32_t k = 0; k < K; ++k) {
-      if (in.topk_ids[size_t(t * K + k)] < 0) continue;
-      const auto [d, row] = where[size_t(t * K + k)];
+    for (int32_t k = 0; k < (weighted ? slots : K); ++k) {  // un-reduced: no shared slot
+      if (k < K && in.topk_ids[size_t(t * K + k)] < 0) continue;
+      const auto [d, row] = where[size_t(t * slots + k)];
+      if (d < 0) continue;  // skip_a2a: another rank's expert; the shared slot of another share
       const uint16_t* y = expert_out[size_t(d)].data() + row * H;
-      const double w = weighted ? double(in.weights[size_t(t * K + k)]) : 1.0;
+      const double w = !weighted || k == K ? 1.0 : double(in.weights[size_t(t * K + k)]);
       double* o = out.data() + (weighted ? t * H : (t * K + k) * H);
       for (int64_t h = 0; h < H; ++h) o[h] += w * double(bf16_to_float(y[h]));
     }
@@ -106,7 +142,7 @@ std::vector<float> combine_expert_side(const Problem& p,
                                        int32_t rank) {
   const RankInput& in = p.ranks[size_t(rank)];
   const int32_t T = sends(p, rank) ? in.num_tokens : 0;
-  const int64_t H = p.hidden, K = p.top_k;
+  const int64_t H = p.hidden, K = p.top_k, slots = K + (p.shared_expert ? 1 : 0);
   const ExpertMap em{p.n_experts, p.n_ranks};
   const auto where = slot_rows(p, layouts, rank, T);
   std::vector<float> out(static_cast<size_t>(T * H), 0.0f);
@@ -115,13 +151,17 @@ std::vector<float> combine_expert_side(const Problem& p,
     for (int32_t r = 0; r < p.n_ranks; ++r) {  // rank ascending
       bool any = false;
       std::fill(partial.begin(), partial.end(), 0.0f);
-      for (int32_t k = 0; k < K; ++k) {  // the expert side: slot ascending, fused multiply-add
-        const int32_t id = in.topk_ids[size_t(t * K + k)];
-        if (id < 0 || em.rank_of(id) != r) continue;
+      // The expert side: slot ascending (the shared expert's last, on this rank, weight 1),
+      // fused multiply-add.
+      for (int32_t k = 0; k < slots; ++k) {
+        const int32_t id = k < K ? in.topk_ids[size_t(t * K + k)] : -1;
+        if (k < K && (id < 0 || em.rank_of(id) != r)) continue;
+        if (k == K && r != rank) continue;
+        const auto [d, row] = where[size_t(t * slots + k)];
+        if (d < 0) continue;  // skip_a2a: another rank's expert; the shared slot of another share
         any = true;
-        const auto [d, row] = where[size_t(t * K + k)];
         const uint16_t* y = expert_out[size_t(d)].data() + row * H;
-        const float w = in.weights[size_t(t * K + k)];
+        const float w = k < K ? in.weights[size_t(t * K + k)] : 1.0f;
         for (int64_t h = 0; h < H; ++h)
           partial[size_t(h)] = std::fma(w, bf16_to_float(y[h]), partial[size_t(h)]);
       }
@@ -177,6 +217,15 @@ std::vector<float> make_weights(int64_t count, std::mt19937_64& rng) {
   std::vector<float> v(static_cast<size_t>(count));
   for (auto& x : v) x = u(rng);
   return v;
+}
+
+Problem make_replicated_problem(int32_t n_ranks, int32_t hidden, int32_t top_k, int32_t n_experts,
+                                int32_t num_tokens, uint64_t seed, double zipf_s,
+                                double mask_prob) {
+  Problem p = make_problem(1, hidden, top_k, n_experts, {num_tokens}, seed, zipf_s, mask_prob);
+  p.n_ranks = n_ranks;
+  p.ranks.resize(size_t(n_ranks), p.ranks[0]);
+  return p;
 }
 
 Problem make_problem(int32_t n_ranks, int32_t hidden, int32_t top_k, int32_t n_experts,

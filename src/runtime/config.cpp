@@ -114,6 +114,28 @@ void Config::validate(int n_ranks) const {
             max_tokens_per_rank);
   require(max_recv_rows >= 0, "max_recv_rows", "0 (the worst case) or a positive row count",
           max_recv_rows);
+  if (shared_expert)
+    require(top_k < kMaxTopK, "top_k",
+            "at most " + std::to_string(kMaxTopK - 1) +
+                " with shared_expert (the shared expert takes one of the " +
+                std::to_string(kMaxTopK) + " slots)",
+            top_k);
+  require(allreduce_world_size >= 0 && allreduce_world_size <= n_ranks, "allreduce_world_size",
+          "0 (n_ranks) or between 1 and n_ranks = " + std::to_string(n_ranks),
+          allreduce_world_size);
+}
+
+RouteMap Config::route(int n_ranks, int rank) const {
+  RouteMap m{};
+  m.n_experts = n_experts;
+  m.top_k = top_k;
+  m.n_ranks = n_ranks;
+  m.rank = rank;
+  m.shared = shared_expert ? 1 : 0;
+  m.skip_a2a = skip_a2a ? 1 : 0;
+  m.ar_world = allreduce_world_size > 0 ? allreduce_world_size : n_ranks;
+  m.ar_rank = rank % m.ar_world;
+  return m;
 }
 
 void check_configs_match(const Config* configs, int n_ranks) {
@@ -139,16 +161,19 @@ void check_configs_match(const Config* configs, int n_ranks) {
     field("share_gpus", a.share_gpus, b.share_gpus);
     field("max_recv_rows", double(a.max_recv_rows), double(b.max_recv_rows));
     field("dispatch_path (resolved)", double(a.resolved_path()), double(b.resolved_path()));
+    field("shared_expert", a.shared_expert, b.shared_expert);
+    field("skip_a2a", a.skip_a2a, b.skip_a2a);
+    field("allreduce_world_size", a.allreduce_world_size, b.allreduce_world_size);
   }
 }
 
 Sizes compute_sizes(const Config& cfg, int n_ranks) {
   Sizes s;
   s.n_ranks = n_ranks;
-  s.n_local_experts = cfg.n_experts / n_ranks;
-  s.num_groups = s.n_local_experts;
-  s.max_routed_rows =
-      max_routed_rows(cfg.max_tokens_per_rank, n_ranks, cfg.top_k, s.n_local_experts);
+  const RouteMap route = cfg.route(n_ranks, 0);  // the same sizes on every rank
+  s.n_local_experts = route.n_local();
+  s.num_groups = route.groups();
+  s.max_routed_rows = route.max_routed_rows(cfg.max_tokens_per_rank);
   if (cfg.max_recv_rows > 0 && cfg.max_recv_rows < s.max_routed_rows)
     s.max_routed_rows = cfg.max_recv_rows;
   const DispatchOutputLayout out =

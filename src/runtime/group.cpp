@@ -68,13 +68,15 @@ void check_setup(bool ok, int rank, const std::string& msg) {
   if (!ok) throw Error(ErrorCode::kSetup, rank_prefix(rank) + msg);
 }
 
-// What every kernel knows about the group, but the rank and the pointers.
-GroupView make_view(const Config& cfg, int n_ranks, const Sizes& sizes) {
+// What every kernel of rank `rank` knows about the group, but the pointers.
+GroupView make_view(const Config& cfg, int n_ranks, int rank, const Sizes& sizes) {
   GroupView v{};
-  v.n_ranks = n_ranks;
+  v.route = cfg.route(n_ranks, rank);
+  v.rank = v.route.view_rank();
+  v.n_ranks = v.route.view_ranks();
   v.hidden = cfg.hidden;
-  v.top_k = cfg.top_k;
-  v.n_experts = cfg.n_experts;
+  v.top_k = v.route.slots();
+  v.n_experts = v.route.view_experts();
   v.max_tokens = cfg.max_tokens_per_rank;
   v.num_blocks = cfg.num_sms;
   v.format = cfg.format;
@@ -157,9 +159,10 @@ void GroupState::setup(const Config& config, Bootstrap& bs, int dev) {
   cudaDeviceProp prop{};
   check_cuda(cudaGetDeviceProperties(&prop, dev), "cudaGetDeviceProperties");
   std::memcpy(me.uuid, prop.uuid.bytes, 16);
-  if (local_error.empty()) me.resident_blocks = resident_blocks_here(make_view(cfg, n_ranks, sizes));
+  if (local_error.empty())
+    me.resident_blocks = resident_blocks_here(make_view(cfg, n_ranks, rank, sizes));
 
-  const WindowLayout wl = make_view(cfg, n_ranks, sizes).layout();
+  const WindowLayout wl = make_view(cfg, n_ranks, rank, sizes).layout();
   if (local_error.empty()) {
     size_t free_b = 0, total_b = 0;
     check_cuda(cudaMemGetInfo(&free_b, &total_b), "cudaMemGetInfo");
@@ -202,13 +205,12 @@ void GroupState::setup(const Config& config, Bootstrap& bs, int dev) {
 
   // Peer pointers: the same process -> its own pointer (same GPU) or peer access; another
   // process -> CUDA IPC (also on the same GPU).
-  view = make_view(cfg, n_ranks, sizes);
-  for (int r = 0; r < n_ranks; ++r) {
+  // skip_a2a: the view is this rank alone, and no peer is mapped.
+  view = make_view(cfg, n_ranks, rank, sizes);
+  view.window[view.rank] = window;
+  for (int r = 0; r < n_ranks && view.n_ranks > 1; ++r) {
     const PeerInfo& p = all[r];
-    if (r == rank) {
-      view.window[r] = window;
-      continue;
-    }
+    if (r == rank) continue;
     check_setup(std::strncmp(p.host, me.host, sizeof(me.host)) == 0, rank,
                 "rank " + std::to_string(r) + " is on host " + p.host +
                     "; this build connects the GPUs of one node only");
@@ -248,18 +250,19 @@ void GroupState::setup(const Config& config, Bootstrap& bs, int dev) {
   // Local state, ranking scratch and the host-mapped error record.
   check_cuda(cudaMalloc(&state, sizeof(LocalState)), "cudaMalloc(state)");
   check_cuda(cudaMemset(state, 0, sizeof(LocalState)), "cudaMemset(state)");
-  const ExpertMap em{cfg.n_experts, n_ranks};
-  const int64_t T = cfg.max_tokens_per_rank, K = cfg.top_k, nk = em.num_keys();
+  const ExpertMap em = view.experts();
+  const int64_t T = cfg.max_tokens_per_rank, K = view.top_k, nk = em.num_keys();
+  const int64_t n_view = view.n_ranks;
   const int64_t n_units = (T + dispatch_unit_tokens() - 1) / dispatch_unit_tokens();
   constexpr int kParts = 9;
   const int64_t words[kParts] = {T * K,
                                  T * K,
-                                 T * n_ranks,
+                                 T * n_view,
                                  n_units * nk,
                                  (n_units + 1) * nk,
-                                 int64_t(num_chunks(int32_t(T))) * n_ranks,
-                                 int64_t(n_ranks) * em.n_local(),
-                                 n_ranks,
+                                 int64_t(num_chunks(int32_t(T))) * n_view,
+                                 n_view * em.n_local(),
+                                 n_view,
                                  T * K};
   int64_t total = 0;
   for (int64_t w : words) total += align_up(w * 4, 256);
@@ -281,7 +284,6 @@ void GroupState::setup(const Config& config, Bootstrap& bs, int dev) {
   check_cuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(&error_dev), error_host, 0),
              "cudaHostGetDevicePointer");
 
-  view.rank = rank;
   view.state = state;
   view.error = error_dev;
   if (cfg.trace) {
@@ -330,7 +332,8 @@ GroupState::~GroupState() {
 int max_resident_blocks(const Config& cfg, int n_ranks, int device) {
   cfg.validate(n_ranks);
   detail::check_cuda(cudaSetDevice(device), "cudaSetDevice");
-  return detail::resident_blocks_here(detail::make_view(cfg, n_ranks, compute_sizes(cfg, n_ranks)));
+  return detail::resident_blocks_here(
+      detail::make_view(cfg, n_ranks, 0, compute_sizes(cfg, n_ranks)));
 }
 
 Group::Group(std::unique_ptr<detail::GroupState> state) : s_(std::move(state)) {}
@@ -672,6 +675,9 @@ detail::CombineParams Group::prepare_combine(const CombineInput* in, const Combi
             "the last dispatch carried router weights, so combine reduces with those on the "
             "expert side: pass weights = nullptr");
     const bool reduced = out->weights != nullptr || s_->weights_dispatched;
+    require(reduced || !s_->cfg.shared_expert, s_->rank, op,
+            "with shared_expert, combine needs router weights (given to dispatch or here): "
+            "the shared expert's row is added into each token's reduced row");
     if (out->out != nullptr || !reduced) require_ptr(out->out, s_->rank, op, "out", true);
     if (out->weights)
       require((reinterpret_cast<uintptr_t>(out->weights) & 3u) == 0, s_->rank, op,

@@ -246,3 +246,49 @@ TEST(Config, DispatchPathResolvesAndIsChecked) {
   cs[1].dispatch_path = DispatchPath::kThroughput;
   EXPECT_EQ(expect_mismatch(cs, 2, "dispatch_path"), ErrorCode::kConfigMismatch);
 }
+
+// The modes of SPEC §7: the shared expert takes a top-k slot; allreduce_world_size is at most
+// the group; every mode field must agree between ranks; the sizes count the shared group and
+// skip_a2a's single source.
+TEST(Config, ModesAreCheckedAndSized) {
+  Config c = good();
+  c.shared_expert = true;
+  EXPECT_NO_THROW(c.validate(8));
+  c.top_k = 16;
+  expect_bad(c, 8, "top_k");
+  c.top_k = 15;
+  EXPECT_NO_THROW(c.validate(8));
+  c = good();
+  c.skip_a2a = true;
+  c.allreduce_world_size = 9;
+  expect_bad(c, 8, "allreduce_world_size");
+  c.allreduce_world_size = -1;
+  expect_bad(c, 8, "allreduce_world_size");
+  c.allreduce_world_size = 4;
+  EXPECT_NO_THROW(c.validate(8));
+
+  Config cs[2] = {good(), good()};
+  cs[1].shared_expert = true;
+  EXPECT_EQ(expect_mismatch(cs, 2, "shared_expert"), ErrorCode::kConfigMismatch);
+  cs[1] = good();
+  cs[1].skip_a2a = true;
+  EXPECT_EQ(expect_mismatch(cs, 2, "skip_a2a"), ErrorCode::kConfigMismatch);
+  cs[0].skip_a2a = cs[1].skip_a2a = true;
+  cs[1].allreduce_world_size = 2;
+  EXPECT_EQ(expect_mismatch(cs, 2, "allreduce_world_size"), ErrorCode::kConfigMismatch);
+
+  c = good();  // 256 experts, K 8, 128 tokens
+  c.shared_expert = true;
+  Sizes s = compute_sizes(c, 8);
+  EXPECT_EQ(s.n_local_experts, 32);
+  EXPECT_EQ(s.num_groups, 33);
+  EXPECT_EQ(s.max_routed_rows, 128 * 8 * 8 + 128);
+  c.skip_a2a = true;
+  s = compute_sizes(c, 8);
+  EXPECT_EQ(s.num_groups, 33);
+  EXPECT_EQ(s.max_routed_rows, 128 * 8 + 128);
+  c.shared_expert = false;
+  s = compute_sizes(c, 8);
+  EXPECT_EQ(s.num_groups, 32);
+  EXPECT_EQ(s.max_routed_rows, 128 * 8);
+}

@@ -162,3 +162,94 @@ TEST(Layout, AlignUp) {
   EXPECT_EQ(align_up(16, 16), 16);
   EXPECT_EQ(align_up(17, 256), 256);
 }
+
+// RouteMap with no mode: the view is the caller's group and every id maps to itself.
+TEST(Layout, RouteMapWithoutModesIsTheIdentity) {
+  const RouteMap m{256, 8, 8, 3, 0, 0, 8, 3};
+  EXPECT_EQ(m.view_ranks(), 8);
+  EXPECT_EQ(m.view_rank(), 3);
+  EXPECT_EQ(m.slots(), 8);
+  EXPECT_EQ(m.groups(), 32);
+  EXPECT_EQ(m.view_experts(), 256);
+  for (int e = 0; e < 256; ++e)
+    EXPECT_EQ(m.slot_expert(e, 5, 0, 10), e);
+  EXPECT_EQ(m.slot_expert(-1, 0, 0, 10), -1);
+  EXPECT_EQ(m.group_expert(7), 7);
+  EXPECT_EQ(m.shared_count(100), 0);
+  EXPECT_EQ(m.max_routed_rows(128), 128 * 8 * 8);
+  for (int r = -1; r < 8; ++r)
+    EXPECT_EQ(m.view_rank_of(r), r);
+  EXPECT_EQ(m.caller_rank(5), 5);
+  const float w[16] = {0.5f, 0.25f, 1, 1, 1, 1, 1, 1, 2, 3, 4, 5, 6, 7, 8, 9};
+  EXPECT_EQ(m.slot_weight(w, 1, 2), 4.0f);
+}
+
+// The shared expert: local expert 0 of every rank in the view, the caller's local expert l is
+// group l + 1, and slot K of each of this rank's tokens goes to its own shared expert.
+TEST(Layout, RouteMapSharedExpert) {
+  const RouteMap m{64, 4, 4, 2, 1, 0, 4, 2};
+  EXPECT_EQ(m.n_local(), 16);
+  EXPECT_EQ(m.groups(), 17);
+  EXPECT_EQ(m.slots(), 5);
+  EXPECT_EQ(m.view_experts(), 68);
+  const ExpertMap em{m.view_experts(), m.view_ranks()};
+  for (int e = 0; e < 64; ++e) {
+    const int32_t v = m.slot_expert(e, 0, 0, 1);
+    EXPECT_EQ(em.rank_of(v), e / 16) << e;
+    EXPECT_EQ(em.local_of(v), e % 16 + 1) << e;
+  }
+  EXPECT_EQ(m.shared_expert(), 2 * 17);
+  for (int t = 0; t < 9; ++t)
+    EXPECT_EQ(m.slot_expert(-1, 4, t, 9), 34);
+  EXPECT_EQ(m.group_expert(0), kSharedExpertId);
+  EXPECT_EQ(m.group_expert(1), 0);
+  EXPECT_EQ(m.group_expert(16), 15);
+  EXPECT_EQ(m.shared_begin(9), 0);
+  EXPECT_EQ(m.shared_count(9), 9);
+  const float w[8] = {0.5f, 0.25f, 0.125f, 2, 3, 4, 5, 6};
+  EXPECT_EQ(m.slot_weight(w, 1, 3), 6.0f);
+  EXPECT_EQ(m.slot_weight(w, 1, 4), 1.0f);  // the shared slot
+  EXPECT_EQ(m.max_routed_rows(100), 100 * 4 * 4 + 100);
+}
+
+// skip_a2a: a group of one rank whose experts are its own; the others' ids are dropped.
+TEST(Layout, RouteMapSkipA2a) {
+  const RouteMap m{32, 8, 4, 1, 0, 1, 4, 1};
+  EXPECT_EQ(m.view_ranks(), 1);
+  EXPECT_EQ(m.view_rank(), 0);
+  EXPECT_EQ(m.view_experts(), 8);
+  for (int e = 0; e < 32; ++e)
+    EXPECT_EQ(m.slot_expert(e, 2, 0, 1), e / 8 == 1 ? e % 8 : -1) << e;
+  EXPECT_EQ(m.max_routed_rows(50), 50 * 8);
+  EXPECT_EQ(m.caller_rank(0), 1);  // src_info names the caller's rank
+  EXPECT_EQ(m.view_rank_of(1), 0);
+  EXPECT_EQ(m.view_rank_of(0), -1);
+  EXPECT_EQ(m.view_rank_of(-1), -1);
+  const RouteMap s{32, 8, 4, 1, 1, 1, 4, 1};
+  EXPECT_EQ(s.view_experts(), 9);
+  EXPECT_EQ(s.slot_expert(9, 0, 0, 1), 2);  // rank 1's local expert 1 -> group 2
+  EXPECT_EQ(s.max_routed_rows(50), 50 * 8 + 50);
+}
+
+// skip_a2a + shared expert: the W shares tile the tokens in order, sizes within one of each
+// other, share r of (T + W - r - 1) / W tokens (SPEC §7); a token is shared on exactly one share.
+TEST(Layout, RouteMapSharedSplitTilesTheTokens) {
+  for (int W = 1; W <= 8; ++W) {
+    for (int T = 0; T <= 40; ++T) {
+      int next = 0;
+      for (int r = 0; r < W; ++r) {
+        const RouteMap m{8 * W, 4, W, r, 1, 1, W, r};
+        EXPECT_EQ(m.shared_begin(T), next) << W << " " << T << " " << r;
+        EXPECT_EQ(m.shared_count(T), (T + W - r - 1) / W);
+        EXPECT_LE(m.shared_count(T), T / W + 1);
+        EXPECT_GE(m.shared_count(T), T / W);
+        for (int t = 0; t < T; ++t) {
+          const bool mine = t >= next && t < next + m.shared_count(T);
+          EXPECT_EQ(m.slot_expert(-1, 4, t, T), mine ? 0 : -1);
+        }
+        next += m.shared_count(T);
+      }
+      EXPECT_EQ(next, T);
+    }
+  }
+}

@@ -8,6 +8,8 @@
 #include <set>
 #include <string>
 
+#include "epcomm/bf16.h"
+
 namespace epcomm {
 namespace testing {
 
@@ -180,8 +182,62 @@ std::vector<uint16_t> expert_outputs(int rank, uint64_t seed, int64_t rows, int3
   return reference::make_tokens(rows * hidden, rng);
 }
 
+float expert_value(int32_t expert, int32_t token, int32_t column) {
+  // A hash of the three to a bf16 value of magnitude in [0.5, 2), never zero.
+  uint64_t x = (uint64_t(uint32_t(expert)) << 42) ^ (uint64_t(uint32_t(token)) << 20) ^
+               uint64_t(uint32_t(column));
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdull;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ull;
+  x ^= x >> 33;
+  const float mag = 0.5f + 1.5f * float(x & 0xffff) / 65536.0f;
+  return bf16_to_float(float_to_bf16((x >> 16) & 1 ? -mag : mag));
+}
+
+std::vector<uint16_t> function_expert_outputs(const reference::DispatchResult& d, int32_t rank,
+                                              int32_t n_local, int32_t hidden) {
+  std::vector<uint16_t> y(static_cast<size_t>(d.rows()) * size_t(hidden), 0);
+  const int32_t G = int32_t(d.expert_ids.size());
+  for (int32_t g = 0; g < G; ++g) {
+    const int32_t local = d.expert_ids[size_t(g)];
+    const int32_t expert = local == kSharedExpertId ? kSharedExpertId : rank * n_local + local;
+    for (int64_t r = d.row_offsets[size_t(g)]; r < int64_t(d.row_offsets[size_t(g) + 1]); ++r) {
+      const SrcInfo& si = d.src_info[size_t(r)];
+      if (si.rank < 0) continue;  // padding
+      for (int32_t h = 0; h < hidden; ++h)
+        y[size_t(r) * size_t(hidden) + size_t(h)] =
+            float_to_bf16(expert_value(expert, si.token, h));
+    }
+  }
+  return y;
+}
+
+std::vector<double> layer_output(const reference::RankInput& in, int32_t top_k, int32_t hidden,
+                                 bool shared_expert) {
+  std::vector<double> out(static_cast<size_t>(in.num_tokens) * size_t(hidden), 0.0);
+  for (int32_t t = 0; t < in.num_tokens; ++t) {
+    double* o = out.data() + size_t(t) * size_t(hidden);
+    for (int32_t k = 0; k < top_k; ++k) {
+      const int32_t e = in.topk_ids[size_t(t) * size_t(top_k) + size_t(k)];
+      if (e < 0) continue;
+      const double w = in.weights[size_t(t) * size_t(top_k) + size_t(k)];
+      for (int32_t h = 0; h < hidden; ++h)
+        o[h] += w * double(expert_value(e, t, h));
+    }
+    if (shared_expert)
+      for (int32_t h = 0; h < hidden; ++h)
+        o[h] += double(expert_value(kSharedExpertId, t, h));
+  }
+  return out;
+}
+
 void RankIO::make_expert_out(int64_t rows) {
-  expert_out_host = expert_outputs(rank, expert_seed++, rows, hidden);
+  set_expert_out(expert_outputs(rank, expert_seed++, rows, hidden));
+}
+
+void RankIO::set_expert_out(std::vector<uint16_t> rows) {
+  expert_out_host = std::move(rows);
   expert_out.upload(expert_out_host.data(), expert_out_host.size() * 2, stream);
 }
 
@@ -357,8 +413,12 @@ void trace(const char* what) {
 }
 }  // namespace
 
-std::string run_round(LocalGroup& lg, const reference::Problem& p, const RoundOptions& o) {
+std::string run_round(LocalGroup& lg, const reference::Problem& problem, const RoundOptions& o) {
   const int n = lg.n();
+  reference::Problem p = problem;  // in the group's modes
+  p.shared_expert = lg.groups[0]->config().shared_expert;
+  p.skip_a2a = lg.groups[0]->config().skip_a2a;
+  p.allreduce_world_size = lg.groups[0]->config().allreduce_world_size;
   trace("round: upload");
   for (int r = 0; r < n; ++r) {
     lg.io[size_t(r)]->upload(p.ranks[size_t(r)]);
@@ -409,7 +469,12 @@ std::string run_round(LocalGroup& lg, const reference::Problem& p, const RoundOp
   }
   std::vector<std::vector<uint16_t>> y(static_cast<size_t>(n));
   for (int r = 0; r < n; ++r) {
-    lg.io[size_t(r)]->make_expert_out(refs[size_t(r)].rows());
+    RankIO& io = *lg.io[size_t(r)];
+    if (o.function_outputs)
+      io.set_expert_out(
+          function_expert_outputs(refs[size_t(r)], r, p.n_experts / p.n_ranks, p.hidden));
+    else
+      io.make_expert_out(refs[size_t(r)].rows());
     y[size_t(r)] = lg.io[size_t(r)]->expert_out_host;
   }
   // The combines this round runs: with the weights dispatched, only the expert-side one (its
@@ -443,6 +508,11 @@ std::string run_round(LocalGroup& lg, const reference::Problem& p, const RoundOp
       });
     }
     trace("round: combined");
+    if (o.reduced_out != nullptr && (weighted || o.expert_side)) {
+      o.reduced_out->clear();
+      for (int r = 0; r < n; ++r)
+        o.reduced_out->push_back(lg.io[size_t(r)]->download_combine(true));
+    }
     for (int r = 0; r < n; ++r) {
       if (o.expert_side) {
         const std::string e = lg.io[size_t(r)]->check_combine_expert_side(

@@ -100,6 +100,8 @@ struct RankIO {
   CombineOutput combine_output(bool weighted) const;
   // Random expert outputs for `rows` rows (fresh per call), uploaded to expert_out.
   void make_expert_out(int64_t rows);
+  // These expert outputs ([rows, H] bf16 bits), uploaded to expert_out.
+  void set_expert_out(std::vector<uint16_t> rows);
   // bf16: downloads the dispatch outputs and compares them with the reference ("" = equal).
   std::string check_dispatch(const reference::DispatchResult& ref) const;
   // Quantised formats. The dispatch outputs as the reference holds them: row_offsets, expert_ids,
@@ -137,6 +139,21 @@ std::vector<int32_t> random_counts(int n, int max_tokens, uint64_t seed);
 // can recompute every rank's.
 std::vector<uint16_t> expert_outputs(int rank, uint64_t seed, int64_t rows, int32_t hidden);
 
+// Expert outputs that are a function of (expert, token, column) alone: the row of group g of
+// rank `rank`'s dispatch `d` holding source token t gets expert_value(expert, t, h), where the
+// expert is rank * n_local + expert_ids[g] (the shared expert: kSharedExpertId, the same on
+// every rank). A token held by every rank (skip_a2a) then has the same expert outputs wherever
+// it is computed, and the layer's output follows from the routing alone (layer_output).
+// Padding rows (src_info rank -1) get zeros: no token reads them. [rows, H] bf16 bits.
+float expert_value(int32_t expert, int32_t token, int32_t column);
+std::vector<uint16_t> function_expert_outputs(const reference::DispatchResult& d, int32_t rank,
+                                              int32_t n_local, int32_t hidden);
+// The whole layer's output of input `in` (one rank's tokens) in float64, from its routing:
+// out[t] = sum over unmasked k of w[t,k] * expert_value(topk_ids[t,k], t, h), plus
+// expert_value(kSharedExpertId, t, h) with the shared expert. [T, H].
+std::vector<double> layer_output(const reference::RankInput& in, int32_t top_k, int32_t hidden,
+                                 bool shared_expert);
+
 // The reference's view of every rank's dispatch, and the combine reference of one rank.
 std::vector<reference::DispatchResult> reference_dispatch_all(const reference::Problem& p);
 // The same for a quantised group: reference::dispatch_quantized of every rank in cfg's format,
@@ -173,7 +190,8 @@ enum class Form { kFused, kAsyncWait };
 // One full round on a LocalGroup: upload a problem, poison, dispatch, check exactly (in the
 // group's format: reference::dispatch for bf16, reference::dispatch_quantized otherwise), make
 // expert outputs for every output row (padding rows included), combine (weighted and/or
-// un-reduced), check. Returns "" or the first failure.
+// un-reduced), check. The problem is taken in the group's modes (Config::shared_expert,
+// skip_a2a, allreduce_world_size). Returns "" or the first failure.
 struct RoundOptions {
   Form form = Form::kFused;
   bool weighted = true;
@@ -183,6 +201,11 @@ struct RoundOptions {
   // The router weights go to dispatch and combine reduces on the expert side (checked bit for
   // bit); weighted / unreduced are then ignored.
   bool expert_side = false;
+  // Expert outputs from function_expert_outputs (a function of expert and token) instead of
+  // random rows, so that the layer's output follows from the routing alone.
+  bool function_outputs = false;
+  // If set, receives every rank's reduced [T, H] combine output of the round (bf16 bits).
+  std::vector<std::vector<uint16_t>>* reduced_out = nullptr;
 };
 std::string run_round(LocalGroup& lg, const reference::Problem& p, const RoundOptions& o);
 

@@ -194,11 +194,14 @@ __device__ inline void combine_send_expert_side(const CombineParams& p, const in
 template <bool kExpertSide, bool kDirectSelf>
 __device__ inline void combine_send(const CombineParams& p, unsigned long long seq) {
   const GroupView& g = p.g;
-  // Expert side: the (source, group) base rows, loaded while the acks are awaited.
-  static_assert(kMaxExperts <= 2 * kCombineThreads, "two bases per thread");
-  int32_t base[2] = {0, 0};
+  // Expert side: the (source, group) base rows, loaded while the acks are awaited (the view's
+  // experts: one more per rank with the shared expert).
+  constexpr int kMaxBases = kMaxExperts + kMaxRanks;
+  constexpr int kBasesPerThread = (kMaxBases + kCombineThreads - 1) / kCombineThreads;
+  int32_t base[kBasesPerThread] = {};
   if constexpr (kExpertSide)
-    for (int i = 0; i < 2; ++i) {
+#pragma unroll
+    for (int i = 0; i < kBasesPerThread; ++i) {
       const int32_t j = threadIdx.x + i * kCombineThreads;
       if (j < g.n_experts) base[i] = p.recv_base[j];  // n_ranks * n_local = n_experts
     }
@@ -207,8 +210,9 @@ __device__ inline void combine_send(const CombineParams& p, unsigned long long s
     return;
   trace_mark(g, kTraceCombine, kTraceAcked);
   if constexpr (kExpertSide) {
-    __shared__ int32_t bases[kMaxExperts];
-    for (int i = 0; i < 2; ++i) {
+    __shared__ int32_t bases[kMaxBases];
+#pragma unroll
+    for (int i = 0; i < kBasesPerThread; ++i) {
       const int32_t j = threadIdx.x + i * kCombineThreads;
       if (j < g.n_experts) bases[j] = base[i];
     }
@@ -236,13 +240,13 @@ __device__ inline void combine_send(const CombineParams& p, unsigned long long s
     const int64_t r = item / pieces;
     const int32_t v0 = int32_t(item % pieces) * kPiece;
     const SrcInfo info = p.src_info[r];
-    if (info.rank < 0 || info.rank >= g.n_ranks || info.token < 0 || info.token >= g.max_tokens ||
+    const int32_t owner = g.route.view_rank_of(info.rank);  // src_info holds the caller's rank
+    if (owner < 0 || owner >= g.n_ranks || info.token < 0 || info.token >= g.max_tokens ||
         info.slot < 0 || info.slot >= g.top_k)
       continue;  // padding rows, and never a write outside a peer's buffer
-    if (kDirectSelf && info.rank == g.rank) continue;  // read in place by the receive
-    char* dst =
-        window_at(g, info.rank, wl.combine_recv_offset() + cl.offset(info.token, info.slot)) +
-        int64_t(v0) * 16;
+    if (kDirectSelf && owner == g.rank) continue;  // read in place by the receive
+    char* dst = window_at(g, owner, wl.combine_recv_offset() + cl.offset(info.token, info.slot)) +
+                int64_t(v0) * 16;
     copy_vectors(in + (r * g.hidden + int64_t(v0) * 8) * 2, min(kPiece, n_vec - v0), 1, LoadNc{},
                  [&](int32_t) { return dst; });
   }
@@ -306,7 +310,8 @@ __device__ void combine_recv(const CombineParams& p, unsigned long long seq, Epi
       }
       continue;
     }
-    const float w = (lane < K && p.weights != nullptr) ? p.weights[int64_t(t) * K + lane] : 0.f;
+    const float w =
+        (lane < K && p.weights != nullptr) ? g.route.slot_weight(p.weights, t, lane) : 0.f;
     // Slot k's row: in the combine buffer, or (kDirectSelf, an expert of this rank) in
     // expert_out; null for a masked slot.
     const char* mine = nullptr;

@@ -142,8 +142,9 @@ static __device__ __noinline__ void record_error(const GroupView& g, ErrorCode c
   const unsigned int cleared = unsigned(*reinterpret_cast<volatile int32_t*>(&e->epoch));
   if (atomicCAS(&g.state->errors_claimed, cleared, cleared + 1u) != cleared) return;
   e->op = op;
-  e->rank = g.rank;
-  e->peer_mask = peer_mask;
+  // The caller's ranks (the view of a skip_a2a group is this rank alone, as its rank 0).
+  e->rank = g.route.rank;
+  e->peer_mask = g.route.skip_a2a && peer_mask != 0 ? int32_t(1u << g.route.rank) : peer_mask;
   e->token = token;
   e->slot = slot;
   e->value = value;

@@ -68,13 +68,16 @@ struct LocalState {
   int32_t abort;                     // set after a timeout: every wait gives up at once
 };
 
-// What every kernel knows about the group.
+// What every kernel knows about the group. rank, n_ranks, top_k and n_experts are those of the
+// routing view (RouteMap: the caller's, unless a mode of SPEC §7 is on); `route` maps the
+// caller's topk_ids and weights into it.
 struct GroupView {
   int32_t rank;
   int32_t n_ranks;
   int32_t hidden;
   int32_t top_k;
   int32_t n_experts;
+  RouteMap route;
   int32_t max_tokens;
   int32_t num_blocks;     // grid size of every epcomm kernel
   TokenFormat format;     // the dispatch output's format
