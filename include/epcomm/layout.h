@@ -41,6 +41,14 @@ struct RouteMap {
   int32_t ar_world;   // skip_a2a + shared: ranks the shared expert's tokens are split over
   int32_t ar_rank;    // this rank's share, in [0, ar_world)
 
+  // Rank `rank` of a group with these modes; allreduce_world_size 0 means n_ranks, and the
+  // rank's share of the shared expert's tokens is rank % that.
+  EPCOMM_HD static RouteMap make(int32_t n_experts, int32_t top_k, int32_t n_ranks, int32_t rank,
+                                 bool shared_expert, bool skip_a2a, int32_t allreduce_world_size) {
+    const int32_t w = allreduce_world_size > 0 ? allreduce_world_size : n_ranks;
+    return RouteMap{n_experts,        top_k, n_ranks, rank, shared_expert ? 1 : 0,
+                    skip_a2a ? 1 : 0, w,     rank % w};
+  }
   EPCOMM_HD int32_t n_local() const { return n_experts / n_ranks; }
   // Groups of a rank's dispatch output, and the view's experts per rank.
   EPCOMM_HD int32_t groups() const { return n_local() + shared; }

@@ -27,16 +27,8 @@ TopkError validate_topk(const int32_t* topk_ids, int32_t num_tokens, int32_t top
 }
 
 RouteMap Problem::route(int32_t rank) const {
-  RouteMap m{};
-  m.n_experts = n_experts;
-  m.top_k = top_k;
-  m.n_ranks = n_ranks;
-  m.rank = rank;
-  m.shared = shared_expert ? 1 : 0;
-  m.skip_a2a = skip_a2a ? 1 : 0;
-  m.ar_world = allreduce_world_size > 0 ? allreduce_world_size : n_ranks;
-  m.ar_rank = rank % m.ar_world;
-  return m;
+  return RouteMap::make(n_experts, top_k, n_ranks, rank, shared_expert, skip_a2a,
+                        allreduce_world_size);
 }
 
 namespace {

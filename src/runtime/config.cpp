@@ -126,16 +126,8 @@ void Config::validate(int n_ranks) const {
 }
 
 RouteMap Config::route(int n_ranks, int rank) const {
-  RouteMap m{};
-  m.n_experts = n_experts;
-  m.top_k = top_k;
-  m.n_ranks = n_ranks;
-  m.rank = rank;
-  m.shared = shared_expert ? 1 : 0;
-  m.skip_a2a = skip_a2a ? 1 : 0;
-  m.ar_world = allreduce_world_size > 0 ? allreduce_world_size : n_ranks;
-  m.ar_rank = rank % m.ar_world;
-  return m;
+  return RouteMap::make(n_experts, top_k, n_ranks, rank, shared_expert, skip_a2a,
+                        allreduce_world_size);
 }
 
 void check_configs_match(const Config* configs, int n_ranks) {
