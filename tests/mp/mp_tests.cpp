@@ -134,10 +134,15 @@ std::string expect_missing_rank(Bootstrap& bs, const MakeBootstrap& make, double
   }
 }
 
-// One dispatch + combine round on this rank, checked against the reference.
-std::string round(Group& g, RankIO& io, const reference::Problem& p, bool async,
+// One dispatch + combine round on this rank, checked against the reference (the problem taken
+// in the group's modes; the un-reduced combine only without the shared expert).
+std::string round(Group& g, RankIO& io, const reference::Problem& problem, bool async,
                   uint64_t expert_seed) {
   const int rank = g.rank();
+  reference::Problem p = problem;
+  p.shared_expert = g.config().shared_expert;
+  p.skip_a2a = g.config().skip_a2a;
+  p.allreduce_world_size = g.config().allreduce_world_size;
   io.upload(p.ranks[size_t(rank)]);
   io.poison();
   if (async) {
@@ -156,6 +161,7 @@ std::string round(Group& g, RankIO& io, const reference::Problem& p, bool async,
   io.expert_seed = expert_seed;
   io.make_expert_out(refs[size_t(rank)].rows());
   for (bool weighted : {true, false}) {
+    if (!weighted && p.shared_expert) continue;
     io.combine_out.fill(0xff, io.stream);
     if (async) {
       g.combine_async(io.combine_input(), io.stream);
@@ -210,6 +216,29 @@ int run_gpu_tests(Bootstrap& bs, const MakeBootstrap& make) {
         const std::string e = round(*g, io, p, it % 2 == 1, seed);
         if (!e.empty())
           return "H " + std::to_string(s.H) + " iteration " + std::to_string(it) + ": " + e;
+      }
+    }
+    return "";
+  });
+
+  run.check("modes: the shared expert, skip_a2a (no peer mapped), both", [&]() -> std::string {
+    for (int mode = 0; mode < 3; ++mode) {
+      Config c = make_cfg(2048, 4, 8 * n, 64);
+      c.shared_expert = mode != 1;
+      c.skip_a2a = mode != 0;
+      auto g = Group::create(placed(c, n), bs, device);
+      RankIO io(*g);
+      for (int it = 0; it < 4; ++it) {
+        const uint64_t seed = 500 + uint64_t(it) + 10 * uint64_t(mode);
+        const auto p = c.skip_a2a
+                           ? reference::make_replicated_problem(n, 2048, 4, 8 * n, 64 - 21 * it,
+                                                                seed, 0.0, 0.1)
+                           : reference::make_problem(n, 2048, 4, 8 * n, random_counts(n, 64, seed),
+                                                     seed, 0.0, 0.1);
+        const std::string e = round(*g, io, p, it % 2 == 1, seed);
+        if (!e.empty())
+          return std::string(c.shared_expert ? "shared expert " : "") +
+                 (c.skip_a2a ? "skip_a2a " : "") + "iteration " + std::to_string(it) + ": " + e;
       }
     }
     return "";
