@@ -64,7 +64,8 @@ struct Config {
   // (rows [0, T), token order, in the dispatch format; expert_ids[0] = kSharedExpertId), the
   // local experts are groups 1..n_local, and combine adds the shared expert's output row of
   // token t into out[t] (weight 1, after the routed experts). Needs router weights (at dispatch
-  // or at combine) and top_k < kMaxTopK (the shared expert takes a slot).
+  // or at combine), top_k < kMaxTopK (the shared expert takes a slot) and
+  // n_experts / n_ranks < kMaxExperts (it is one more group).
   bool shared_expert = false;
   // Tensor-parallel attention: every rank holds the same tokens (the same T, topk_ids, weights
   // and tokens on every rank). Dispatch keeps only this rank's experts, with no traffic between

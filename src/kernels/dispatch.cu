@@ -83,13 +83,15 @@ __device__ uint32_t enter_ids(const DispatchParams& p, int32_t t, unsigned long 
       bad = true;
       id = -1;
     }
+    const int32_t caller_id = id;  // errors name the caller's expert id
     id = g.route.slot_expert(id, k, t, p.num_tokens);
     ids[k] = id;
     if (record) p.scratch.topk[int64_t(t) * K + k] = id;
     if (id < 0) continue;
     if (atomicOr(&bm[id], bit) & bit) {
       if (record)
-        record_error(g, ErrorCode::kDuplicateExpert, kOpDispatchSend, 0, t, k, id, kWaitNone);
+        record_error(g, ErrorCode::kDuplicateExpert, kOpDispatchSend, 0, t, k, caller_id,
+                     kWaitNone);
       bad = true;
     }
     rank_mask |= 1u << em.rank_of(id);

@@ -115,6 +115,12 @@ void Config::validate(int n_ranks) const {
   require(max_recv_rows >= 0, "max_recv_rows", "0 (the worst case) or a positive row count",
           max_recv_rows);
   if (shared_expert)
+    require(n_experts / n_ranks + 1 <= kMaxExperts, "n_experts",
+            "at most " + std::to_string(kMaxExperts - 1) +
+                " per rank with shared_expert (the shared expert is one more group of at most " +
+                std::to_string(kMaxExperts) + ")",
+            n_experts);
+  if (shared_expert)
     require(top_k < kMaxTopK, "top_k",
             "at most " + std::to_string(kMaxTopK - 1) +
                 " with shared_expert (the shared expert takes one of the " +

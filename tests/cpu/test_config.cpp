@@ -258,6 +258,9 @@ TEST(Config, ModesAreCheckedAndSized) {
   expect_bad(c, 8, "top_k");
   c.top_k = 15;
   EXPECT_NO_THROW(c.validate(8));
+  c.n_experts = 1024;  // 1025 groups on one rank: more than a dispatch scans
+  expect_bad(c, 1, "n_experts");
+  EXPECT_NO_THROW(c.validate(2));
   c = good();
   c.skip_a2a = true;
   c.allreduce_world_size = 9;

@@ -243,6 +243,33 @@ TEST(Modes, BadInput) {
       EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
       EXPECT_NE(std::string(e.what()).find("shared_expert"), std::string::npos) << e.what();
     }
+    // A duplicate expert with the shared expert: reported with the caller's id; the group
+    // stays usable.
+    auto dup = p;
+    dup.ranks[1].topk_ids[2 * K + 0] = 6;
+    dup.ranks[1].topk_ids[2 * K + 3] = 6;
+    dup.ranks[1].topk_ids[2 * K + 1] = 0;
+    dup.ranks[1].topk_ids[2 * K + 2] = 1;
+    lg.issue_dispatch(dup);
+    for (int r = 0; r < n; ++r) {
+      RankIO& q = *lg.io[size_t(r)];
+      EPCOMM_CUDA_OK(cudaSetDevice(q.device));
+      EPCOMM_CUDA_OK(cudaStreamSynchronize(q.stream));
+      if (r == 0) {
+        EXPECT_NO_THROW(lg.groups[0]->check());
+        continue;
+      }
+      try {
+        lg.groups[1]->check();
+        ADD_FAILURE() << "rank 1 did not report its duplicate expert";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::kDuplicateExpert);
+        EXPECT_NE(std::string(e.what()).find("names expert 6 twice"), std::string::npos)
+            << e.what();
+      }
+    }
+    RoundOptions o;
+    EXPECT_EQ(run_round(lg, reference::make_problem(n, H, K, E, {T, 3}, 9), o), "");
   }
   LocalGroup lg(in_mode(make_cfg(H, K, E, T), Mode::kSkip), n);
   auto p = reference::make_replicated_problem(n, H, K, E, T, 6);
@@ -269,6 +296,9 @@ TEST(Modes, BadInput) {
       } catch (const Error& e) {
         EXPECT_EQ(e.code(), ErrorCode::kDuplicateExpert);
         EXPECT_NE(std::string(e.what()).find("epcomm rank 1"), std::string::npos) << e.what();
+        // The caller's expert id, not the view's.
+        EXPECT_NE(std::string(e.what()).find("names expert 5 twice"), std::string::npos)
+            << e.what();
       }
     }
   }
