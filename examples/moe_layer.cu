@@ -150,11 +150,11 @@ __global__ void dequant_rows(TokenFormat f, const uint8_t* codes, const void* sc
                              uint16_t* out) {
   const int64_t rows = min(int64_t(row_offsets[G]), max_rows);
   const int per_row = H / 16;
+  const DispatchOutputLayout out_l = DispatchOutputLayout::make(f, H, routed_rows, G);
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < rows * per_row;
        i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = i / per_row;
     const int c0 = int(i % per_row) * 16;
-    const DispatchOutputLayout out_l = DispatchOutputLayout::make(f, H, routed_rows, G);
     float v[16];
     if (f == TokenFormat::kFp8Blockwise) {
       const Fp8BlockQuant q = Fp8BlockQuant::from_scale(
