@@ -12,6 +12,7 @@
 #pragma once
 
 #include "epcomm/detail/combine_kernel.cuh"
+#include "epcomm/detail/nvtx.h"
 #include "epcomm/group.h"
 
 namespace epcomm {
@@ -29,6 +30,7 @@ void load_combine_kernels() {
 template <class Epilogue>
 void combine(Group& group, const CombineInput& in, const float* weights, const Epilogue& epi,
              cudaStream_t stream) {
+  EPCOMM_NVTX_RANGE("epcomm::combine");
   const CombineOutput out{nullptr, weights};
   const detail::CombineParams p = group.prepare_combine(&in, &out);
   detail::launch_combine(p, epi, true, true, stream);
@@ -38,6 +40,7 @@ void combine(Group& group, const CombineInput& in, const float* weights, const E
 // The receive half with an epilogue, after group.combine_async(in, stream).
 template <class Epilogue>
 void combine_wait(Group& group, const float* weights, const Epilogue& epi, cudaStream_t stream) {
+  EPCOMM_NVTX_RANGE("epcomm::combine_wait");
   const CombineOutput out{nullptr, weights};
   const detail::CombineParams p = group.prepare_combine(nullptr, &out);
   detail::launch_combine(p, epi, false, true, stream);

@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "kernels/kernels.h"
+#include "epcomm/detail/nvtx.h"
 
 namespace epcomm {
 namespace detail {
@@ -607,6 +608,7 @@ static void check_dispatch_output(detail::GroupState& s, const DispatchOutput& o
 }
 
 void Group::dispatch(const DispatchInput& in, const DispatchOutput& out, cudaStream_t stream) {
+  EPCOMM_NVTX_RANGE("epcomm::dispatch");
   const char* op = "dispatch";
   check_usable(*s_, op);
   require(!s_->async_dispatch_pending, s_->rank, op, "a dispatch_async is waiting for its dispatch_wait");
@@ -619,6 +621,7 @@ void Group::dispatch(const DispatchInput& in, const DispatchOutput& out, cudaStr
 }
 
 void Group::dispatch_async(const DispatchInput& in, cudaStream_t stream) {
+  EPCOMM_NVTX_RANGE("epcomm::dispatch_async");
   const char* op = "dispatch_async";
   check_usable(*s_, op);
   require(!s_->async_dispatch_pending, s_->rank, op, "the previous dispatch_async has no dispatch_wait yet");
@@ -630,6 +633,7 @@ void Group::dispatch_async(const DispatchInput& in, cudaStream_t stream) {
 }
 
 void Group::dispatch_wait(const DispatchOutput& out, cudaStream_t stream) {
+  EPCOMM_NVTX_RANGE("epcomm::dispatch_wait");
   const char* op = "dispatch_wait";
   check_usable(*s_, op);
   require(s_->async_dispatch_pending, s_->rank, op, "no dispatch_async to wait for");
@@ -690,6 +694,7 @@ detail::CombineParams Group::prepare_combine(const CombineInput* in, const Combi
 }
 
 void Group::combine(const CombineInput& in, const CombineOutput& out, cudaStream_t stream) {
+  EPCOMM_NVTX_RANGE("epcomm::combine");
   require_ptr(out.out, s_->rank, "combine", "out", true);
   const detail::CombineParams p = prepare_combine(&in, &out);
   detail::launch_combine_default(p, true, true, stream);
@@ -697,12 +702,14 @@ void Group::combine(const CombineInput& in, const CombineOutput& out, cudaStream
 }
 
 void Group::combine_async(const CombineInput& in, cudaStream_t stream) {
+  EPCOMM_NVTX_RANGE("epcomm::combine_async");
   const detail::CombineParams p = prepare_combine(&in, nullptr);
   detail::launch_combine_default(p, true, false, stream);
   after_launch("combine_async");
 }
 
 void Group::combine_wait(const CombineOutput& out, cudaStream_t stream) {
+  EPCOMM_NVTX_RANGE("epcomm::combine_wait");
   require_ptr(out.out, s_->rank, "combine_wait", "out", true);
   const detail::CombineParams p = prepare_combine(nullptr, &out);
   detail::launch_combine_default(p, false, true, stream);

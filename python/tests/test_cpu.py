@@ -1,0 +1,325 @@
+"""What the package does without a GPU: import, configuration and its errors, the bootstraps,
+argument checks, and the CPU reference model. These run in CI."""
+
+import os
+import tempfile
+import threading
+
+import numpy as np
+import pytest
+
+import epcomm
+
+BASE = dict(hidden=512, top_k=4, n_experts=16, max_tokens_per_rank=64)
+
+
+def test_import_and_constants():
+    assert epcomm.FORMATS == ["bf16", "fp8-blockwise", "nvfp4", "mxfp8", "mxfp4"]
+    assert epcomm.MAX_TOP_K == 16 and epcomm.MAX_EXPERTS == 1024 and epcomm.MAX_RANKS == 8
+    assert epcomm.SHARED_EXPERT_ID == -1
+    assert issubclass(epcomm.InvalidArgument, epcomm.Error)
+    assert issubclass(epcomm.InvalidArgument, ValueError)
+    assert issubclass(epcomm.Error, RuntimeError)
+
+
+def test_config_keywords_round_trip():
+    cfg = epcomm.make_config(**BASE, format="nvfp4", nvfp4_global_scale=0.5, num_sms=16,
+                             timeout_seconds=2.5, share_gpus=True, max_recv_rows=100,
+                             dispatch_path="low-latency", shared_expert=True, skip_a2a=True,
+                             allreduce_world_size=2, trace=True)
+    assert (cfg.hidden, cfg.top_k, cfg.n_experts, cfg.max_tokens_per_rank) == (512, 4, 16, 64)
+    assert cfg.format == "nvfp4" and cfg.dispatch_path == "low-latency"
+    assert cfg.nvfp4_global_scale == 0.5 and cfg.num_sms == 16 and cfg.timeout_seconds == 2.5
+    assert cfg.share_gpus and cfg.shared_expert and cfg.skip_a2a and cfg.trace
+    assert cfg.max_recv_rows == 100 and cfg.allreduce_world_size == 2
+    cfg.validate(4)
+
+
+def test_config_unknown_and_mistyped_fields():
+    with pytest.raises(TypeError, match="unknown field 'hiden'"):
+        epcomm.make_config(hiden=7168)
+    with pytest.raises(TypeError, match="hidden = 'big' has type str; it takes int"):
+        epcomm.make_config(hidden="big")
+
+
+@pytest.mark.parametrize(
+    "fields, n_ranks, message",
+    [
+        (dict(hidden=100), 2, "hidden = 100 is invalid: a positive multiple of 8 (bf16)"),
+        (dict(hidden=256, format="fp8-blockwise"), 2,
+         None),
+        (dict(hidden=64, format="fp8-blockwise"), 2,
+         "hidden = 64 is invalid: a positive multiple of 128 (fp8-blockwise)"),
+        (dict(top_k=17), 2, "top_k = 17 is invalid: between 1 and 16"),
+        (dict(n_experts=15), 2, "n_experts = 15 is invalid: a multiple of n_ranks = 2"),
+        (dict(max_tokens_per_rank=0), 2, "max_tokens_per_rank = 0 is invalid"),
+        (dict(max_tokens_per_rank=1024, dispatch_path="low-latency"), 2,
+         "max_tokens_per_rank = 1024 is invalid: at most 512 with dispatch_path = kLowLatency"),
+        (dict(top_k=16, shared_expert=True), 2, "top_k = 16 is invalid: at most 15 with shared_expert"),
+        (dict(allreduce_world_size=3), 2, "allreduce_world_size = 3 is invalid"),
+        (dict(num_sms=0), 2, "num_sms = 0 is invalid: between 1 and 1024"),
+        (dict(), 9, "n_ranks = 9 is invalid: between 1 and 8"),
+        (dict(format="nvfp4", nvfp4_global_scale=-1.0), 2, "nvfp4_global_scale"),
+    ],
+)
+def test_config_validation_messages(fields, n_ranks, message):
+    cfg = epcomm.make_config(**{**BASE, **fields})
+    if message is None:
+        cfg.validate(n_ranks)
+        return
+    with pytest.raises(epcomm.InvalidArgument) as e:
+        cfg.validate(n_ranks)
+    assert message in str(e.value)
+    assert e.value.code == epcomm.ErrorCode.invalid_argument
+
+
+def test_format_and_path_names_are_checked():
+    with pytest.raises(epcomm.InvalidArgument, match="format = 'fp4' is invalid: one of 'bf16', "):
+        epcomm.make_config(format="fp4")
+    with pytest.raises(epcomm.InvalidArgument, match="dispatch_path = 'fast' is invalid"):
+        epcomm.make_config(dispatch_path="fast")
+
+
+def test_sizes():
+    s = epcomm.make_config(**BASE).sizes(4)
+    assert (s.n_ranks, s.n_local_experts, s.num_groups) == (4, 4, 4)
+    assert s.max_routed_rows == 64 * 4 * 4 and s.max_recv_rows == s.max_routed_rows
+    assert s.token_bytes == 1024 and s.scales_bytes == 0 and s.num_scales_offsets == 0
+    s = epcomm.make_config(**BASE, format="fp8-blockwise", shared_expert=True).sizes(4)
+    assert s.num_groups == 5 and s.token_bytes == 512
+    assert s.max_routed_rows == 64 * 4 * 4 + 64
+    assert s.scales_bytes == 4 * (512 // 128) * s.max_recv_rows
+
+
+def _thread_gather(n):
+    """n CallbackBootstraps over one Python rendezvous: an all-gather through a dict."""
+    slots, barrier = {}, threading.Barrier(n)
+
+    def endpoint(rank):
+        def all_gather(data):
+            slots[rank] = data
+            barrier.wait()
+            out = [slots[r] for r in range(n)]
+            barrier.wait()
+            return out
+        return epcomm.CallbackBootstrap(rank, n, all_gather)
+
+    return [endpoint(r) for r in range(n)]
+
+
+def _run_threads(n, fn):
+    results, errors = [None] * n, []
+
+    def run(r):
+        try:
+            results[r] = fn(r)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    ts = [threading.Thread(target=run, args=(r,)) for r in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert not errors, errors
+    return results
+
+
+def test_callback_bootstrap_gathers_across_threads():
+    bss = _thread_gather(3)
+
+    def run(r):
+        bss[r].barrier()
+        return bss[r].all_gather(bytes([r]) * 5)
+
+    for got in _run_threads(3, run):
+        assert got == b"\x00" * 5 + b"\x01" * 5 + b"\x02" * 5
+
+
+def test_file_bootstrap_releases_the_gil():
+    # Three FileBootstraps in threads of one process: each all_gather blocks in C++ until the
+    # others arrive, which needs the others' Python threads to run.
+    with tempfile.TemporaryDirectory() as d:
+        bss = [epcomm.FileBootstrap(d, r, 3, 30.0) for r in range(3)]
+        got = _run_threads(3, lambda r: bss[r].all_gather(b"rank%d" % r))
+    assert all(g == b"rank0rank1rank2" for g in got)
+
+
+def test_file_bootstrap_from_env():
+    with tempfile.TemporaryDirectory() as d:
+        os.environ.update(EPCOMM_RANK="0", EPCOMM_WORLD_SIZE="1", EPCOMM_BOOTSTRAP_DIR=d)
+        try:
+            bs = epcomm.FileBootstrap.from_env(5.0)
+            assert (bs.rank, bs.size) == (0, 1)
+            assert bs.all_gather(b"abc") == b"abc"
+        finally:
+            for k in ("EPCOMM_RANK", "EPCOMM_WORLD_SIZE", "EPCOMM_BOOTSTRAP_DIR"):
+                del os.environ[k]
+
+
+@pytest.mark.parametrize(
+    "result, message",
+    [
+        (lambda b: b * 2, "returned 8 bytes; expected 3 x 4"),
+        (lambda b: [b, b], "returned 2 entries; expected one per rank (3)"),
+        (lambda b: [b, b, b"xy"], "entry 2 holds 2 bytes; every rank sends 4"),
+        (lambda b: [b, b, "text"], "entry 2 of the all_gather callback's result is not bytes"),
+        (lambda b: 42, "must return bytes or a list of bytes"),
+    ],
+)
+def test_callback_bootstrap_bad_results(result, message):
+    with pytest.raises(epcomm.Error) as e:
+        epcomm.CallbackBootstrap(1, 3, result).all_gather(b"abcd")
+    assert e.value.code == epcomm.ErrorCode.bootstrap
+    assert str(e.value).startswith("epcomm bootstrap (rank 1): ")
+    assert message in str(e.value)
+
+
+def test_callback_bootstrap_callback_raises():
+    def gone(_):
+        raise ConnectionError("peer 2 gone")
+
+    with pytest.raises(epcomm.Error, match="callback raised ConnectionError: peer 2 gone") as e:
+        epcomm.CallbackBootstrap(0, 2, gone).barrier()
+    assert e.value.code == epcomm.ErrorCode.bootstrap
+    with pytest.raises(epcomm.InvalidArgument, match="rank 3 of size 2 is out of range"):
+        epcomm.CallbackBootstrap(3, 2, gone)
+
+
+def test_group_setup_checks_the_config_first():
+    # Every rank validates, then the ranks compare configs, after selecting the device: so
+    # this needs a GPU (without one, set-up fails on the device first; see the next test).
+    pytest.importorskip("torch", reason="needs PyTorch to see whether a GPU is visible")
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU visible: set-up selects the device before comparing configs")
+    solo = epcomm.CallbackBootstrap(0, 1, lambda b: [b])
+    with pytest.raises(epcomm.InvalidArgument, match="top_k = 0 is invalid"):
+        epcomm.Group.create(solo, 0, **{**BASE, "top_k": 0})
+
+
+def test_group_setup_without_a_gpu_is_a_clear_error():
+    try:
+        import torch  # noqa: F401
+
+        if torch.cuda.is_available():
+            pytest.skip("a GPU is visible: this checks the no-GPU failure")
+    except ImportError:
+        pass
+    solo = epcomm.CallbackBootstrap(0, 1, lambda b: [b])
+    with pytest.raises(epcomm.Error) as e:
+        epcomm.Group.create(solo, 0, **BASE)
+    assert e.value.code in (epcomm.ErrorCode.cuda, epcomm.ErrorCode.setup)
+    assert "cuda" in str(e.value).lower()
+
+
+def _silu_args(rows=8, inter=256, groups=2):
+    x = np.zeros((rows, 2 * inter), dtype=np.uint16)  # bf16 bits
+    ro = np.array([0, 4, rows][: groups + 1], dtype=np.int32)
+    return x, ro, inter
+
+
+def test_array_checks_name_the_argument():
+    x, ro, inter = _silu_args()
+    out = np.zeros((8, inter), dtype=np.uint16)
+    C = epcomm._epcomm
+    with pytest.raises(epcomm.InvalidArgument,
+                       match=r"epcomm silu_bf16: x must be bfloat16 .*; got float32"):
+        C.silu_bf16(x.astype(np.float32), ro, inter, out, 0)
+    with pytest.raises(epcomm.InvalidArgument,
+                       match=r"x must have shape \[rows, 2 \* I\]; got \[8, 500\]"):
+        C.silu_bf16(x[:, :500].copy(), ro, inter, out, 0)
+    with pytest.raises(epcomm.InvalidArgument, match="x must be contiguous"):
+        C.silu_bf16(np.zeros((8, 1024), np.uint16)[:, ::2], ro, inter, out, 0)
+    with pytest.raises(epcomm.InvalidArgument,
+                       match=r"x must be a CUDA tensor on cuda:0; got cpu memory"):
+        C.silu_bf16(x, ro, inter, out, 0)
+
+
+def test_silu_wrapper_arguments():
+    x, ro, _ = _silu_args()
+    with pytest.raises(epcomm.InvalidArgument, match="clamp is only for format='mxfp4'"):
+        epcomm.silu(x, ro, format="bf16", clamp=(7.0, 1.702), out=x)
+    with pytest.raises(epcomm.InvalidArgument, match="x has 511 columns; it needs 2 \\* I"):
+        epcomm.silu(np.zeros((8, 511), np.uint16), ro, out=x)
+    with pytest.raises(epcomm.InvalidArgument, match="format = 'fp16' is invalid"):
+        epcomm.silu(x, ro, format="fp16", out=x)
+
+
+# ---- the CPU reference model through the bindings ----------------------------------------------
+
+def _bf16_to_f64(bits):
+    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32).astype(np.float64)
+
+
+def _random_bf16(rng, shape):
+    v = (rng.uniform(0.5, 2.0, size=shape) * rng.choice([-1, 1], size=shape)).astype(np.float32)
+    return (v.view(np.uint32) >> 16).astype(np.uint16)
+
+
+def test_reference_dispatch_and_combine_agree_with_numpy():
+    n, H, K, E = 3, 64, 4, 12
+    p = epcomm.reference.make_problem(n, H, K, E, [7, 0, 5], seed=11)
+    layouts = [epcomm.reference.dispatch(p, r) for r in range(n)]
+    # Every routed (token, slot) arrives once, at the rank of its expert, in its group.
+    n_local = E // n
+    for r, d in enumerate(layouts):
+        ro = d.row_offsets
+        for g in range(n_local):
+            for row in range(ro[g], ro[g + 1]):
+                tok, rs = d.src_info[row]
+                src, slot = np.int16(rs & 0xFFFF), rs >> 16
+                assert p.topk_ids(src)[tok, slot] == r * n_local + g
+                assert (d.tokens[row] == p.tokens(src)[tok]).all()
+    routed = sum(int((p.topk_ids(s) >= 0).sum()) for s in range(n))
+    assert sum(d.rows for d in layouts) == routed
+    rng = np.random.default_rng(3)
+    ys = [_random_bf16(rng, (d.rows, H)) for d in layouts]
+    for r in range(n):
+        ref = epcomm.reference.combine(p, layouts, ys, r, True)
+        ids, w = p.topk_ids(r), p.weights(r)
+        want = np.zeros((p.num_tokens(r), H))
+        for d_rank, d in enumerate(layouts):
+            for row in range(d.rows):
+                tok, rs = d.src_info[row]
+                if np.int16(rs & 0xFFFF) == r:
+                    want[tok] += w[tok, rs >> 16] * _bf16_to_f64(ys[d_rank][row])
+        np.testing.assert_allclose(ref, want, rtol=1e-12, atol=1e-12)
+        assert ids.shape == (p.num_tokens(r), K)
+
+
+def test_reference_compare_finds_a_flipped_bit():
+    p = epcomm.reference.make_problem(2, 64, 2, 4, [6, 6], seed=5)
+    d = epcomm.reference.dispatch(p, 0)
+    ro = d.row_offsets.view(np.int32)
+    assert epcomm.reference.compare_dispatch(d, ro, d.expert_ids, d.src_info, d.tokens, 64) == ""
+    t = d.tokens.copy()
+    t[2, 9] ^= 1
+    msg = epcomm.reference.compare_dispatch(d, ro, d.expert_ids, d.src_info, t, 64)
+    assert msg.startswith("tokens[2][9]")
+    layouts = [d, epcomm.reference.dispatch(p, 1)]
+    ys = [_random_bf16(np.random.default_rng(r), (l.rows, 64)) for r, l in enumerate(layouts)]
+    ref = epcomm.reference.combine(p, layouts, ys, 0, False)
+    exact = (ref.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    assert epcomm.reference.compare_exact_bf16(ref, exact) == ""
+    exact[1, 0, 3] ^= 2
+    assert epcomm.reference.compare_exact_bf16(ref, exact) != ""
+
+
+def test_reference_quantized_dispatch_compares_with_itself():
+    p = epcomm.reference.make_problem(2, 256, 4, 8, [9, 4], seed=2)
+    for fmt in ("fp8-blockwise", "nvfp4", "mxfp8", "mxfp4"):
+        q = epcomm.reference.dispatch_quantized(p, 1, fmt, 1.0)
+        lay = q.layout()
+        assert (lay.row_offsets == q.row_offsets).all() and lay.rows == q.rows
+        ro = q.row_offsets.view(np.int32)
+        args = (q.out_rows, q.row_bytes, ro, q.expert_ids, q.src_info, q.codes, q.scales,
+                q.scales_offsets)
+        assert epcomm.reference.compare_dispatch_quantized(q, *args) == "", fmt
+        codes = q.codes.copy()
+        codes[0, 3] ^= 0x10
+        msg = epcomm.reference.compare_dispatch_quantized(q, args[0], args[1], ro, q.expert_ids,
+                                                          q.src_info, codes, q.scales,
+                                                          q.scales_offsets)
+        assert "codes" in msg, (fmt, msg)

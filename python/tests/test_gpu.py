@@ -1,0 +1,133 @@
+"""The GPU tests of the Python package: dist_worker.py under torchrun with 1, 2 and 4
+processes (sharing the GPUs there are: one is enough), and one process driving several ranks.
+Skipped, with the reason, without PyTorch or a CUDA GPU."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import epcomm
+
+torch = pytest.importorskip("torch", reason="the GPU tests need PyTorch")
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA GPU visible", allow_module_level=True)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def torchrun(nproc, *args, timeout=400):
+    env = dict(os.environ, PYTHONUNBUFFERED="1", NCCL_NVLS_ENABLE="0",
+               TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", os.path.join(HERE, "dist_worker.py"), *args]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    out = r.stdout + r.stderr
+    print(out)
+    assert r.returncode == 0, out[-4000:]
+    assert out.count("PASS [rank") == nproc, out[-4000:]
+
+
+@pytest.mark.parametrize("nproc", [1, 2, 4])
+def test_torchrun_every_format_and_mode(nproc):
+    torchrun(nproc, "--cases", "formats,shared,errors")
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_torchrun_graph_capture(nproc):
+    torchrun(nproc, "--cases", "graph")
+
+
+def test_one_process_several_ranks():
+    """create_local: two ranks in this process (on GPU 0 twice where there is one GPU)."""
+    n = 2
+    ngpu = torch.cuda.device_count()
+    devices = [r % ngpu for r in range(n)]
+    H, K, E, T = 256, 2, 8, 24
+    groups = epcomm.Group.create_local(devices, hidden=H, top_k=K, n_experts=E,
+                                       max_tokens_per_rank=T, share_gpus=ngpu < n, num_sms=8)
+    p = epcomm.reference.make_problem(n, H, K, E, [T, 11], seed=4)
+    # One stream per rank: ranks on one stream would wait on each other's queued kernels.
+    streams = [torch.cuda.Stream(g.device) for g in groups]
+    outs = []
+    for r, g in enumerate(groups):  # every rank's call before any synchronisation
+        with torch.cuda.device(g.device):
+            x = torch.from_numpy(p.tokens(r)).to(g.device).view(torch.bfloat16)
+            ids = torch.from_numpy(p.topk_ids(r)).to(g.device)
+            w = torch.from_numpy(p.weights(r)).to(g.device)
+            streams[r].wait_stream(torch.cuda.current_stream(g.device))
+            outs.append((x, ids, w, g.dispatch(x, ids, w, stream=streams[r])))
+    for r, g in enumerate(groups):
+        g.synchronize(streams[r])
+    layouts = [epcomm.reference.dispatch(p, r) for r in range(n)]
+    for r, g in enumerate(groups):
+        d = outs[r][3]
+        msg = epcomm.reference.compare_dispatch(
+            layouts[r], d.row_offsets.cpu().numpy(), d.expert_ids.cpu().numpy(),
+            d.src_info.cpu().numpy(), d.tokens.view(torch.int16).cpu().numpy().view(np.uint16), H)
+        assert msg == "", msg
+    results = [g.combine(outs[r][3].tokens, stream=streams[r]) for r, g in enumerate(groups)]
+    for r, g in enumerate(groups):
+        g.synchronize(streams[r])
+    for r in range(n):
+        ref = epcomm.reference.combine_expert_side(p, layouts, [l.tokens for l in layouts], r)
+        got = results[r].view(torch.int16).cpu().numpy().view(np.uint16)
+        assert epcomm.reference.compare_combine_expert_side(ref, got) == ""
+
+
+def test_cupy_tensors_in_and_out():
+    cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
+    H, K, E, T = 256, 2, 4, 16
+    (g,) = epcomm.Group.create_local([0], hidden=H, top_k=K, n_experts=E, max_tokens_per_rank=T,
+                                     num_sms=8)
+    p = epcomm.reference.make_problem(1, H, K, E, [T], seed=8)
+    x = cupy.asarray(p.tokens(0))  # uint16 bf16 bits: CuPy has no bfloat16
+    d = g.dispatch(x, cupy.asarray(p.topk_ids(0)), cupy.asarray(p.weights(0)))
+    assert isinstance(d.tokens, cupy.ndarray) and d.tokens.dtype == cupy.uint16
+    out = g.combine(d.tokens)
+    g.synchronize()
+    ref = epcomm.reference.dispatch(p, 0)
+    assert epcomm.reference.compare_dispatch(
+        ref, cupy.asnumpy(d.row_offsets), cupy.asnumpy(d.expert_ids), cupy.asnumpy(d.src_info),
+        cupy.asnumpy(d.tokens), H) == ""
+    want = epcomm.reference.combine_expert_side(p, [ref], [ref.tokens], 0)
+    assert epcomm.reference.compare_combine_expert_side(want, cupy.asnumpy(out)) == ""
+
+
+def test_silu_kernels_against_the_reference_formula():
+    rows, inter, G = 64, 256, 3
+    x = (torch.randn(rows, 2 * inter, device="cuda") * 2).to(torch.bfloat16)
+    ro = torch.tensor([0, 20, 20, 52], dtype=torch.int32, device="cuda")
+    z = torch.nn.functional.silu(x[:, :inter].float()) * x[:, inter:].float()
+    out = epcomm.silu(x, ro)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out[:52].float(), z[:52], rtol=2 ** -7, atol=1e-6)
+    codes, scales = epcomm.silu(x, ro, format="fp8-blockwise")
+    torch.cuda.synchronize()
+    assert codes.dtype == torch.float8_e4m3fn and tuple(scales.shape) == (inter // 128, rows)
+    deq = codes[:52].float().view(52, inter // 128, 128) * scales[:, :52].t().unsqueeze(-1)
+    torch.testing.assert_close(deq.view(52, inter), z[:52], rtol=2 ** -3, atol=1e-2)
+    c4, s4 = epcomm.silu(x, ro, format="mxfp4", clamp=(7.0, 1.702))
+    c4n, s4n, off = epcomm.silu(x, ro, format="nvfp4",
+                                global_scales=torch.ones(G, device="cuda"))
+    torch.cuda.synchronize()
+    assert tuple(c4.shape) == (rows, inter // 2) and tuple(s4.shape) == (rows, inter // 32)
+    assert tuple(c4n.shape) == (rows, inter // 2) and tuple(off.shape) == (G,)
+    assert int(c4[:52].ne(0).sum()) > 0 and int(c4n[:52].ne(0).sum()) > 0
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8-blockwise"])
+def test_example_torch_moe(fmt):
+    """examples/torch_moe.py under torchrun with 2 processes: the layer matches the dense one."""
+    example = os.path.join(HERE, "..", "..", "examples", "torch_moe.py")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", NCCL_NVLS_ENABLE="0",
+               TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc-per-node=2", example, "--format", fmt, "--iters", "3"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    print(r.stdout + r.stderr)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert "check: every rank's output matches the dense layer" in r.stdout
