@@ -12,7 +12,6 @@ every row at once, the second GEMM, combine. Exits 1 if any rank's output is off
 """
 
 import argparse
-import os
 import sys
 
 import torch
@@ -102,10 +101,8 @@ def main():
 
     dist.init_process_group("gloo")
     rank, n = dist.get_rank(), dist.get_world_size()
-    ngpu = torch.cuda.device_count()
-    device = int(os.environ.get("LOCAL_RANK", rank)) % ngpu
+    device, sharing = epcomm.torch_device()
     torch.cuda.set_device(device)
-    sharing = (n + ngpu - 1) // ngpu
     E = a.experts or 4 * n
     g = epcomm.Group.from_torch(hidden=a.hidden, top_k=a.topk, n_experts=E,
                                 max_tokens_per_rank=a.tokens, format=a.format,

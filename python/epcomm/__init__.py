@@ -51,6 +51,7 @@ __all__ = [
     "CombineHandle",
     "make_config",
     "torch_bootstrap",
+    "torch_device",
     "silu",
     "Config",
     "Sizes",
@@ -62,6 +63,11 @@ __all__ = [
     "FileBootstrap",
     "reference",
     "FORMATS",
+    "MAX_TOP_K",
+    "MAX_EXPERTS",
+    "MAX_RANKS",
+    "LOW_LATENCY_MAX_TOKENS",
+    "SHARED_EXPERT_ID",
 ]
 
 CONFIG_FIELDS = (
@@ -120,6 +126,21 @@ def torch_bootstrap(group=None) -> Bootstrap:
         return out
 
     return CallbackBootstrap(rank, size, all_gather)
+
+
+def torch_device(group=None):
+    """(device, ranks_per_gpu) of this process in a torch.distributed group run one process per
+    GPU (torchrun): device = LOCAL_RANK (else the group rank) modulo the visible GPUs, and how
+    many of the group's processes land on each GPU that way (> 1: pass share_gpus=True, and a
+    num_sms that lets every sharing rank's blocks be resident at once)."""
+    import torch
+    import torch.distributed as dist
+
+    n = torch.cuda.device_count()
+    if n == 0:
+        raise Error("epcomm: no CUDA device is visible")
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    return int(os.environ.get("LOCAL_RANK", rank)) % n, (size + n - 1) // n
 
 
 # How each dispatch output's bytes are viewed in PyTorch (the library exports plain types).
@@ -224,14 +245,9 @@ class Group:
         process group (default: the world). device: this process's GPU; default LOCAL_RANK
         modulo the visible GPUs (processes share a GPU where there are fewer GPUs than
         processes: then pass share_gpus=True)."""
-        import torch
-
         bs = torch_bootstrap(group)
         if device is None:
-            n = torch.cuda.device_count()
-            if n == 0:
-                raise Error("epcomm: no CUDA device is visible")
-            device = int(os.environ.get("LOCAL_RANK", bs.rank)) % n
+            device = torch_device(group)[0]
         return cls.create(bs, device, **config)
 
     @classmethod

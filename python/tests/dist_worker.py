@@ -12,7 +12,6 @@ case and "PASS <n> cases" at the end; exits 1 on the first failure.
 
 import argparse
 import os
-import sys
 
 import numpy as np
 import torch
@@ -294,15 +293,13 @@ def main():
     a = ap.parse_args()
     dist.init_process_group("gloo")
     rank, n = dist.get_rank(), dist.get_world_size()
-    ngpu = torch.cuda.device_count()
-    device = int(os.environ.get("LOCAL_RANK", rank)) % ngpu
+    device, sharing = epcomm.torch_device()
     torch.cuda.set_device(device)
-    sharing = (n + ngpu - 1) // ngpu
     # Every rank sharing a GPU needs its blocks resident with the others'.
     num_sms = a.num_sms or max(2, min(16, 128 // (2 * sharing)))
     ctx = dict(share_gpus=sharing > 1, num_sms=num_sms, timeout_seconds=20.0)
     if rank == 0:
-        print(f"{n} ranks on {ngpu} GPU(s), {sharing} per GPU, num_sms {num_sms}", flush=True)
+        print(f"{n} ranks, {sharing} per GPU, num_sms {num_sms}", flush=True)
     names = list(CASES) if a.cases == "all" else a.cases.split(",")
     total = 0
     try:
