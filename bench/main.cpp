@@ -62,7 +62,7 @@ int main(int argc, char** argv) {
     if (team->root() && opt.workloads.empty()) {
       std::string others;
       for (const Workload& w : all_workloads())
-        if (!build_format(w.format)) others += " " + w.name + " (" + w.format + ")";
+        if (!epcomm::token_format_from_name(w.format)) others += " " + w.name + " (" + w.format + ")";
       if (!others.empty()) std::printf("not supported by this build:%s\n", others.c_str());
     }
     if (team->root() && !opt.json_path.empty()) {

@@ -89,7 +89,7 @@ class WorkloadRun {
   }
 
   WorkloadResult run() {
-    const std::optional<epcomm::TokenFormat> format = build_format(w_.format);
+    const std::optional<epcomm::TokenFormat> format = epcomm::token_format_from_name(w_.format);
     if (!format) {
       result_.skipped = "not supported by this build (format " + w_.format + ")";
       return result_;

@@ -68,12 +68,6 @@ const std::vector<Workload>& all_workloads() {
   return table;
 }
 
-std::optional<epcomm::TokenFormat> build_format(const std::string& format) {
-  for (int32_t f = 0; f < epcomm::kNumTokenFormats; ++f)
-    if (format == epcomm::token_format_name(epcomm::TokenFormat(f))) return epcomm::TokenFormat(f);
-  return std::nullopt;
-}
-
 Options parse_options(int argc, char** argv) {
   Options opt;
   for (int i = 0; i < argc; ++i)
@@ -106,9 +100,9 @@ Options parse_options(int argc, char** argv) {
       opt.experts = parse_int(flag, next(), 1);
     } else if (flag == "--format") {
       opt.format = next();
-      if (!build_format(*opt.format))
-        throw std::invalid_argument("--format: unknown format '" + *opt.format +
-                                    "' (bf16, fp8-blockwise, nvfp4, mxfp8, mxfp4)");
+      if (!epcomm::token_format_from_name(*opt.format))
+        throw std::invalid_argument("--format: unknown format '" + *opt.format + "' (one of " +
+                                    epcomm::token_format_names() + ")");
     } else if (flag == "--ranks") {
       opt.ranks = parse_int(flag, next(), 1);
     } else if (flag == "--sms") {
@@ -132,13 +126,11 @@ Options parse_options(int argc, char** argv) {
       opt.expert_side = where == "expert";
     } else if (flag == "--path") {
       const std::string v = next();
-      int32_t path = 0;
-      while (path < epcomm::kNumDispatchPaths &&
-             v != epcomm::dispatch_path_name(epcomm::DispatchPath(path)))
-        ++path;
-      if (path == epcomm::kNumDispatchPaths)
-        throw std::invalid_argument("--path: '" + v + "' is none of auto, throughput, low-latency");
-      opt.path = epcomm::DispatchPath(path);
+      const std::optional<epcomm::DispatchPath> path = epcomm::dispatch_path_from_name(v);
+      if (!path)
+        throw std::invalid_argument("--path: '" + v + "' is none of " +
+                                    epcomm::dispatch_path_names());
+      opt.path = *path;
     } else if (flag == "--floor") {
       opt.floor = true;
     } else if (flag == "--trace") {
@@ -160,7 +152,7 @@ void print_workload_table() {
         w.zipf_s > 0 ? "zipf " + std::to_string(w.zipf_s).substr(0, 3) : std::string("uniform");
     std::printf("%-12s %6d %6d %3d %7d %-14s %-10s %s\n", w.name.c_str(), w.tokens, w.hidden,
                 w.top_k, w.experts, w.format.c_str(), popularity.c_str(),
-                build_format(w.format) ? "supported" : "not supported");
+                epcomm::token_format_from_name(w.format) ? "supported" : "not supported");
   }
 }
 
@@ -168,7 +160,7 @@ std::vector<Workload> select_workloads(const Options& opt) {
   std::vector<Workload> selected;
   if (opt.workloads.empty()) {
     for (const Workload& w : all_workloads())
-      if (build_format(w.format)) selected.push_back(w);
+      if (epcomm::token_format_from_name(w.format)) selected.push_back(w);
   }
   for (const std::string& name : opt.workloads) {
     const Workload* found = nullptr;

@@ -22,9 +22,8 @@ struct Workload {
 
 // Every PERF.md workload, in its order, supported by this build or not.
 const std::vector<Workload>& all_workloads();
-// The epcomm format of a PERF.md format name (epcomm::token_format_name: bf16, fp8-blockwise,
-// nvfp4, mxfp8, mxfp4), if this build implements it.
-std::optional<epcomm::TokenFormat> build_format(const std::string& format);
+// A workload's format is an epcomm::token_format_name where this build implements it
+// (epcomm::token_format_from_name finds it), else a name the benchmark reports unsupported.
 
 struct Options {
   std::vector<std::string> workloads;  // empty: every workload this build supports
@@ -32,7 +31,7 @@ struct Options {
   // One process: this many ranks, rank r on GPU r % GPUs (sharing GPUs where there are fewer:
   // Config::share_gpus, no NCCL baseline). Default: one rank per visible GPU.
   std::optional<int32_t> ranks;
-  std::optional<std::string> format;  // dispatch format override (a build_format name)
+  std::optional<std::string> format;  // dispatch format override (a token_format_name)
   int iters = 100;
   int warmup = 10;
   std::string json_path;

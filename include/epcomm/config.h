@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "epcomm/layout.h"
@@ -31,6 +32,10 @@ constexpr int32_t kLowLatencyMaxTokens = 512;
 constexpr int32_t kNumDispatchPaths = 3;
 // "auto", "throughput", "low-latency".
 const char* dispatch_path_name(DispatchPath p);
+// The path whose dispatch_path_name is `name`, or nullopt.
+std::optional<DispatchPath> dispatch_path_from_name(const std::string& name);
+// Every path's name, quoted, comma-separated (for error messages).
+std::string dispatch_path_names();
 
 struct Config {
   int32_t hidden = 0;               // H: a multiple of format_hidden_multiple(format)

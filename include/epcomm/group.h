@@ -103,6 +103,14 @@ struct CombineOutput {
   const float* weights = nullptr;  // [T, K] router weights (token-side reduction), or null
 };
 
+// The last completed dispatch of a group, which combine reduces for: its token count T (-1
+// before any dispatch) and whether it carried router weights (combine then reduces on the
+// expert side and takes no weights).
+struct DispatchRecord {
+  int32_t num_tokens = -1;
+  bool weights = false;
+};
+
 namespace detail {
 struct GroupState;
 struct CombineParams;
@@ -139,6 +147,8 @@ class Group {
   // cudaStreamSynchronize(stream), then check().
   void synchronize(cudaStream_t stream);
   bool poisoned() const;
+  // The last completed dispatch (a dispatch_async counts once its dispatch_wait is issued).
+  DispatchRecord last_dispatch() const;
 
   // The stage marks of this rank's last dispatch and last combine (Config::trace must be set;
   // throws kInvalidArgument otherwise). Synchronises the device.

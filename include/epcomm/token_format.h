@@ -10,6 +10,8 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
+#include <string>
 
 #include "epcomm/hd.h"
 
@@ -25,6 +27,10 @@ enum class TokenFormat : int32_t {
 constexpr int32_t kNumTokenFormats = 5;
 
 const char* token_format_name(TokenFormat f);
+// The format whose token_format_name is `name`, or nullopt.
+std::optional<TokenFormat> token_format_from_name(const std::string& name);
+// Every format's name, quoted, comma-separated (for error messages).
+std::string token_format_names();
 
 // Values per scale (0 for bf16: no scales).
 EPCOMM_HD constexpr int32_t format_scale_group(TokenFormat f) {

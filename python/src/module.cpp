@@ -14,6 +14,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <optional>
@@ -27,6 +28,7 @@
 #include "epcomm/formats/reference_codecs.h"
 #include "epcomm/formats/scale_layouts.h"
 #include "epcomm/group.h"
+#include "epcomm/padded_layout.h"
 #include "epcomm/reference.h"
 #include "epcomm/silu.h"
 
@@ -50,7 +52,7 @@ void cuda_check(cudaError_t e, const char* what) {
 // ---- array checks ------------------------------------------------------------------------------
 
 // The element types the API takes. kBytes: any 1-byte type (uint8, int8, float8 variants).
-enum class Elem { kBf16, kF32, kI32, kBytes };
+enum class Elem { kBf16, kF32, kI32, kI64, kBytes };
 
 const char* elem_name(Elem e) {
   switch (e) {
@@ -60,6 +62,8 @@ const char* elem_name(Elem e) {
       return "float32";
     case Elem::kI32:
       return "int32";
+    case Elem::kI64:
+      return "int64";
     case Elem::kBytes:
       return "a 1-byte type (uint8 / int8 / float8)";
   }
@@ -76,6 +80,8 @@ bool elem_matches(const nb::dlpack::dtype& d, Elem e) {
       return d.code == uint8_t(C::Float) && d.bits == 32;
     case Elem::kI32:
       return d.code == uint8_t(C::Int) && d.bits == 32;
+    case Elem::kI64:
+      return d.code == uint8_t(C::Int) && d.bits == 64;
     case Elem::kBytes:
       return d.bits == 8;
   }
@@ -437,8 +443,6 @@ class PyGroup {
       nb::gil_scoped_release nogil;
       live()->dispatch(in, out, as_stream(stream));
     }
-    last_tokens_ = in.num_tokens;
-    last_weighted_ = in.weights != nullptr;
   }
 
   void dispatch_async(const Array& tokens, const Array& topk_ids,
@@ -450,8 +454,6 @@ class PyGroup {
       nb::gil_scoped_release nogil;
       live()->dispatch_async(in, as_stream(stream));
     }
-    pending_tokens_ = in.num_tokens;
-    pending_weighted_ = in.weights != nullptr;
   }
 
   void dispatch_wait(uintptr_t stream, const std::optional<Array>& o_tokens,
@@ -468,28 +470,33 @@ class PyGroup {
       nb::gil_scoped_release nogil;
       live()->dispatch_wait(out, as_stream(stream));
     }
-    last_tokens_ = pending_tokens_;
-    last_weighted_ = pending_weighted_;
   }
 
+  // used_rows: the caller has read row_offsets[G] of the last dispatch from the device (after
+  // it completed) and vouches that combine reads no row past it; -1: the host does not know it,
+  // so expert_out must hold every row the dispatch output can have.
   epcomm::CombineInput combine_input(const Ctx& c, const Array& expert_out,
                                      const std::optional<Array>& row_offsets,
-                                     const std::optional<Array>& src_info) const {
+                                     const std::optional<Array>& src_info,
+                                     int64_t used_rows) const {
     const epcomm::Config& cfg = live()->config();
     const epcomm::Sizes& s = live()->sizes();
     check_array(c, "expert_out", expert_out, Elem::kBf16, {-1, cfg.hidden},
                 "[rows, hidden], rows >= the dispatch output's rows (sizes.max_recv_rows)");
-    if (int64_t(expert_out.shape(0)) < s.max_recv_rows)
+    const int64_t need = used_rows >= 0 ? std::min(used_rows, s.max_recv_rows) : s.max_recv_rows;
+    if (int64_t(expert_out.shape(0)) < need)
       invalid(c.op + ": expert_out has " + std::to_string(expert_out.shape(0)) +
-              " rows; it needs the dispatch output's " + std::to_string(s.max_recv_rows) +
-              " (sizes.max_recv_rows): combine reads rows up to row_offsets[G], which only the "
-              "device knows");
+              " rows; it needs " +
+              (used_rows >= 0 ? "the " + std::to_string(need) + " rows the dispatch produced"
+                              : "the dispatch output's " + std::to_string(need) +
+                                    " (sizes.max_recv_rows): combine reads rows up to "
+                                    "row_offsets[G], which only the device knows"));
     if (bool(row_offsets) != bool(src_info))
       invalid(c.op +
               ": give both row_offsets and src_info (the dispatch output's), or neither "
               "(the group's own dispatch output)");
     epcomm::CombineInput in;
-    in.expert_out = expert_out.data();
+    in.expert_out = present(expert_out);
     in.hidden = cfg.hidden;
     if (row_offsets) {
       check_array(c, "row_offsets", *row_offsets, Elem::kI32, {s.num_groups + 1}, "[G + 1]");
@@ -507,11 +514,12 @@ class PyGroup {
   epcomm::CombineOutput combine_output(const Ctx& c, const std::optional<Array>& weights,
                                        const std::optional<Array>& out, uintptr_t stream) {
     const epcomm::Config& cfg = live()->config();
-    if (last_tokens_ < 0) invalid(c.op + ": no dispatch has completed on this group yet");
-    const int64_t T = last_tokens_;
+    const epcomm::DispatchRecord last = live()->last_dispatch();
+    if (last.num_tokens < 0) invalid(c.op + ": no dispatch has completed on this group yet");
+    const int64_t T = last.num_tokens;
     epcomm::CombineOutput o;
     if (weights) {
-      if (last_weighted_)
+      if (last.weights)
         invalid(c.op +
                 ": the last dispatch carried router weights, so combine reduces with "
                 "those on the expert side: pass weights=None");
@@ -519,7 +527,7 @@ class PyGroup {
                   "[T, top_k] for the T tokens of the last dispatch");
       o.weights = static_cast<const float*>(present(*weights));
     }
-    const bool reduced = weights || last_weighted_;
+    const bool reduced = weights || last.weights;
     if (out) {
       if (reduced)
         check_array(c, "out", *out, Elem::kBf16, {T, cfg.hidden},
@@ -557,23 +565,23 @@ class PyGroup {
   // Returns whether the output is reduced ([T, H]) and T.
   nb::tuple combine(const Array& expert_out, const std::optional<Array>& weights, uintptr_t stream,
                     const std::optional<Array>& out, const std::optional<Array>& row_offsets,
-                    const std::optional<Array>& src_info) {
+                    const std::optional<Array>& src_info, int64_t used_rows) {
     const Ctx c = ctx("combine");
-    const epcomm::CombineInput in = combine_input(c, expert_out, row_offsets, src_info);
+    const epcomm::CombineInput in = combine_input(c, expert_out, row_offsets, src_info, used_rows);
     const epcomm::CombineOutput o = combine_output(c, weights, out, stream);
     DeviceGuard guard;
     {
       nb::gil_scoped_release nogil;
       live()->combine(in, o, as_stream(stream));
     }
-    return nb::make_tuple(o.weights != nullptr || last_weighted_, last_tokens_);
+    return nb::make_tuple(o.weights != nullptr || last_weighted(), last_tokens());
   }
 
   void combine_async(const Array& expert_out, uintptr_t stream,
                      const std::optional<Array>& row_offsets,
-                     const std::optional<Array>& src_info) {
+                     const std::optional<Array>& src_info, int64_t used_rows) {
     const Ctx c = ctx("combine_async");
-    const epcomm::CombineInput in = combine_input(c, expert_out, row_offsets, src_info);
+    const epcomm::CombineInput in = combine_input(c, expert_out, row_offsets, src_info, used_rows);
     DeviceGuard guard;
     nb::gil_scoped_release nogil;
     live()->combine_async(in, as_stream(stream));
@@ -588,7 +596,7 @@ class PyGroup {
       nb::gil_scoped_release nogil;
       live()->combine_wait(o, as_stream(stream));
     }
-    return nb::make_tuple(o.weights != nullptr || last_weighted_, last_tokens_);
+    return nb::make_tuple(o.weights != nullptr || last_weighted(), last_tokens());
   }
 
   // One of the group's buffers as an array (no framework: the Python side converts it once
@@ -634,8 +642,8 @@ class PyGroup {
     invalid("epcomm: no buffer named '" + name + "'");
   }
 
-  int32_t last_tokens() const { return last_tokens_; }
-  bool last_weighted() const { return last_weighted_; }
+  int32_t last_tokens() const { return live()->last_dispatch().num_tokens; }
+  bool last_weighted() const { return live()->last_dispatch().weights; }
 
  private:
   epcomm::Group* live() const {
@@ -645,10 +653,6 @@ class PyGroup {
   std::unique_ptr<epcomm::Group> g_;
   DeviceBuffer tokens_, scales_, row_offsets_, expert_ids_, src_info_, scales_offsets_, out_,
       unreduced_;
-  int32_t last_tokens_ = -1;
-  bool last_weighted_ = false;
-  int32_t pending_tokens_ = -1;
-  bool pending_weighted_ = false;
 };
 
 // ---- SiLU --------------------------------------------------------------------------------------
@@ -713,23 +717,53 @@ using I32 = nb::ndarray<int32_t, nb::device::cpu, nb::c_contig>;
 using U8 = nb::ndarray<uint8_t, nb::device::cpu, nb::c_contig>;
 
 epcomm::TokenFormat parse_format(const std::string& name) {
-  std::string names;
-  for (int32_t f = 0; f < epcomm::kNumTokenFormats; ++f) {
-    const char* n = epcomm::token_format_name(epcomm::TokenFormat(f));
-    if (name == n) return epcomm::TokenFormat(f);
-    names += std::string(f ? ", " : "") + "'" + n + "'";
-  }
-  invalid("epcomm config: format = '" + name + "' is invalid: one of " + names);
+  if (auto f = epcomm::token_format_from_name(name)) return *f;
+  invalid("epcomm config: format = '" + name + "' is invalid: one of " +
+          epcomm::token_format_names());
 }
 
 epcomm::DispatchPath parse_path(const std::string& name) {
-  std::string names;
-  for (int32_t p = 0; p < epcomm::kNumDispatchPaths; ++p) {
-    const char* n = epcomm::dispatch_path_name(epcomm::DispatchPath(p));
-    if (name == n) return epcomm::DispatchPath(p);
-    names += std::string(p ? ", " : "") + "'" + n + "'";
-  }
-  invalid("epcomm config: dispatch_path = '" + name + "' is invalid: one of " + names);
+  if (auto p = epcomm::dispatch_path_from_name(name)) return *p;
+  invalid("epcomm config: dispatch_path = '" + name + "' is invalid: one of " +
+          epcomm::dispatch_path_names());
+}
+
+// ---- the padded per-expert layout -------------------------------------------------------------
+
+// The rows of a dispatch output: row_offsets int32 [G + 1], src_info int32 [max_rows, 2].
+epcomm::DispatchRows dispatch_rows(const Ctx& c, const Array& row_offsets, const Array& src_info) {
+  check_array(c, "row_offsets", row_offsets, Elem::kI32, {-1}, "[G + 1]");
+  check_array(c, "src_info", src_info, Elem::kI32, {-1, 2}, "[max_rows, 2]");
+  if (row_offsets.shape(0) < 2) invalid(c.op + ": row_offsets needs at least 2 entries");
+  epcomm::DispatchRows r;
+  r.row_offsets = static_cast<const uint32_t*>(row_offsets.data());
+  r.src_info = static_cast<const epcomm::SrcInfo*>(src_info.data());
+  r.groups = int32_t(row_offsets.shape(0) - 1);
+  r.max_rows = int64_t(src_info.shape(0));
+  return r;
+}
+
+// Bytes a row of a contiguous CUDA array whose first `lead` dimensions hold `rows` rows.
+int64_t row_bytes_of(const Ctx& c, const char* name, const Array& a, int64_t rows, size_t lead) {
+  const std::string who = c.op + ": " + name;
+  if (a.device_type() != nb::device::cuda::value || a.device_id() != c.device)
+    invalid(who + " must be a CUDA tensor on cuda:" + std::to_string(c.device) + "; got " +
+            device_str(a) + " memory");
+  if (!c_contiguous(a)) invalid(who + " must be contiguous (row-major)");
+  if (a.ndim() <= lead) invalid(who + " has shape " + shape_str(a) + ": it needs rows of values");
+  int64_t lead_rows = 1;
+  for (size_t i = 0; i < lead; ++i) lead_rows *= int64_t(a.shape(i));
+  if (lead_rows != rows)
+    invalid(who + " has shape " + shape_str(a) + "; it needs " + std::to_string(rows) + " rows");
+  return rows ? int64_t(a.nbytes()) / rows : 0;
+}
+
+// capacity of a padded [G, capacity, ...] array.
+int64_t padded_capacity(const Ctx& c, const char* name, const Array& a, int64_t groups) {
+  if (a.ndim() < 3 || int64_t(a.shape(0)) != groups)
+    invalid(c.op + ": " + name + " must have shape [G = " + std::to_string(groups) +
+            ", capacity, ...]; got " + shape_str(a));
+  return int64_t(a.shape(1));
 }
 
 }  // namespace
@@ -921,9 +955,10 @@ NB_MODULE(_epcomm, m) {
            "out_scales_offsets"_a.none() = nb::none())
       .def("combine", &PyGroup::combine, "expert_out"_a, "weights"_a.none(), "stream"_a,
            "out"_a.none() = nb::none(), "row_offsets"_a.none() = nb::none(),
-           "src_info"_a.none() = nb::none())
+           "src_info"_a.none() = nb::none(), "used_rows"_a = -1)
       .def("combine_async", &PyGroup::combine_async, "expert_out"_a, "stream"_a,
-           "row_offsets"_a.none() = nb::none(), "src_info"_a.none() = nb::none())
+           "row_offsets"_a.none() = nb::none(), "src_info"_a.none() = nb::none(),
+           "used_rows"_a = -1)
       .def("combine_wait", &PyGroup::combine_wait, "weights"_a.none(), "stream"_a,
            "out"_a.none() = nb::none())
       .def(
@@ -934,6 +969,76 @@ NB_MODULE(_epcomm, m) {
           "name"_a, "plain"_a = false);
 
   // SiLU kernels (epcomm/silu.h). Outputs are given by the caller.
+  m.def(
+      "pad_expert_rows",
+      [](const Array& codes, const std::optional<Array>& scales, const Array& row_offsets,
+         const Array& src_info, int32_t n_ranks, const Array& padded_codes,
+         const std::optional<Array>& padded_scales, const Array& counts,
+         const std::optional<Array>& src_token, const std::optional<Array>& layout_range,
+         uintptr_t stream) {
+        const Ctx c{"epcomm pad_expert_rows", codes.device_id()};
+        epcomm::PadExpertRows a;
+        a.rows = dispatch_rows(c, row_offsets, src_info);
+        a.row_bytes = row_bytes_of(c, "codes", codes, a.rows.max_rows, 1);
+        const int64_t G = a.rows.groups;
+        a.capacity = padded_capacity(c, "padded_codes", padded_codes, G);
+        if (row_bytes_of(c, "padded_codes", padded_codes, G * a.capacity, 2) != a.row_bytes)
+          invalid(c.op + ": padded_codes rows are not codes rows: " + shape_str(padded_codes) +
+                  " against " + shape_str(codes));
+        a.codes = codes.data();
+        a.padded_codes = padded_codes.data();
+        if (bool(scales) != bool(padded_scales))
+          invalid(c.op + ": give both scales and padded_scales, or neither");
+        if (scales) {
+          check_array(c, "scales", *scales, Elem::kF32, {-1, a.rows.max_rows},
+                      "[H / 128, max_rows] (the dispatch output's)");
+          a.scale_cols = int32_t(scales->shape(0));
+          check_array(c, "padded_scales", *padded_scales, Elem::kF32,
+                      {G, a.scale_cols, a.capacity}, "[G, H / 128, capacity]");
+          a.scales = static_cast<const float*>(scales->data());
+          a.padded_scales = static_cast<float*>(padded_scales->data());
+        }
+        check_array(c, "counts", counts, Elem::kI32, {G}, "[G]");
+        a.counts = static_cast<int32_t*>(counts.data());
+        if (src_token) {
+          check_array(c, "src_token", *src_token, Elem::kI32, {G, a.capacity}, "[G, capacity]");
+          a.src_token = static_cast<int32_t*>(src_token->data());
+        }
+        if (layout_range) {
+          check_array(c, "layout_range", *layout_range, Elem::kI64, {G, n_ranks},
+                      "[G, n_ranks]");
+          a.layout_range = static_cast<int64_t*>(layout_range->data());
+        }
+        a.n_ranks = n_ranks;
+        DeviceGuard guard;
+        cuda_check(cudaSetDevice(c.device), "cudaSetDevice");
+        epcomm::pad_expert_rows(a, as_stream(stream));
+      },
+      "codes"_a, "scales"_a.none(), "row_offsets"_a, "src_info"_a, "n_ranks"_a,
+      "padded_codes"_a, "padded_scales"_a.none(), "counts"_a, "src_token"_a.none(),
+      "layout_range"_a.none(), "stream"_a,
+      "Copies a dispatch output into the padded per-expert layout (epcomm/padded_layout.h).");
+  m.def(
+      "unpad_expert_rows",
+      [](const Array& padded, const Array& row_offsets, const Array& src_info, const Array& out,
+         uintptr_t stream) {
+        const Ctx c{"epcomm unpad_expert_rows", padded.device_id()};
+        epcomm::UnpadExpertRows a;
+        a.rows = dispatch_rows(c, row_offsets, src_info);
+        const int64_t G = a.rows.groups;
+        a.capacity = padded_capacity(c, "padded", padded, G);
+        a.row_bytes = row_bytes_of(c, "padded", padded, G * a.capacity, 2);
+        if (row_bytes_of(c, "out", out, a.rows.max_rows, 1) != a.row_bytes)
+          invalid(c.op + ": out rows are not padded rows: " + shape_str(out) + " against " +
+                  shape_str(padded));
+        a.padded = padded.data();
+        a.out = out.data();
+        DeviceGuard guard;
+        cuda_check(cudaSetDevice(c.device), "cudaSetDevice");
+        epcomm::unpad_expert_rows(a, as_stream(stream));
+      },
+      "padded"_a, "row_offsets"_a, "src_info"_a, "out"_a, "stream"_a,
+      "Brings padded per-expert rows back to dispatch row order (epcomm/padded_layout.h).");
   m.def(
       "silu_bf16",
       [](const Array& x, const Array& row_offsets, int32_t intermediate, const Array& out,

@@ -68,6 +68,36 @@ const char* dispatch_path_name(DispatchPath p) {
 }
 
 namespace {
+
+// The enum value in [0, n) whose name is `name`, or -1; and every name, quoted.
+template <typename E>
+int32_t find_name(const std::string& name, int32_t n, const char* (*name_of)(E)) {
+  for (int32_t v = 0; v < n; ++v)
+    if (name == name_of(E(v))) return v;
+  return -1;
+}
+template <typename E>
+std::string all_names(int32_t n, const char* (*name_of)(E)) {
+  std::string out;
+  for (int32_t v = 0; v < n; ++v) out += std::string(v ? ", '" : "'") + name_of(E(v)) + "'";
+  return out;
+}
+
+}  // namespace
+
+std::optional<TokenFormat> token_format_from_name(const std::string& name) {
+  const int32_t v = find_name(name, kNumTokenFormats, &token_format_name);
+  return v < 0 ? std::nullopt : std::optional<TokenFormat>(TokenFormat(v));
+}
+std::string token_format_names() { return all_names(kNumTokenFormats, &token_format_name); }
+
+std::optional<DispatchPath> dispatch_path_from_name(const std::string& name) {
+  const int32_t v = find_name(name, kNumDispatchPaths, &dispatch_path_name);
+  return v < 0 ? std::nullopt : std::optional<DispatchPath>(DispatchPath(v));
+}
+std::string dispatch_path_names() { return all_names(kNumDispatchPaths, &dispatch_path_name); }
+
+namespace {
 void require(bool ok, const std::string& field, const std::string& rule, long long value) {
   if (!ok) {
     std::ostringstream os;

@@ -36,8 +36,8 @@ struct GroupState {
   GroupView view{};
   bool poisoned = false;
   bool joined = false;  // set-up completed on every rank (teardown then synchronises with peers)
-  bool dispatched = false;  // a dispatch preceded this combine
-  bool weights_dispatched = false;  // the last dispatch (or the pending dispatch_async) carried weights
+  DispatchRecord last;     // the last completed dispatch (combine reduces for it)
+  DispatchRecord pending;  // the dispatch_async waiting for its dispatch_wait
   bool async_dispatch_pending = false;
   bool async_combine_pending = false;
 
@@ -401,6 +401,7 @@ int Group::device() const { return s_->device; }
 const Config& Group::config() const { return s_->cfg; }
 const Sizes& Group::sizes() const { return s_->sizes; }
 bool Group::poisoned() const { return s_->poisoned; }
+DispatchRecord Group::last_dispatch() const { return s_->last; }
 
 StageTrace Group::stage_trace() const {
   if (s_->trace == nullptr)
@@ -616,8 +617,7 @@ void Group::dispatch(const DispatchInput& in, const DispatchOutput& out, cudaStr
   check_dispatch_output(*s_, out, op);
   detail::launch_dispatch(dispatch_params(*s_, &in, &out), true, true, stream);
   after_launch(op);
-  s_->dispatched = true;
-  s_->weights_dispatched = in.weights != nullptr;
+  s_->last = DispatchRecord{in.num_tokens, in.weights != nullptr};
 }
 
 void Group::dispatch_async(const DispatchInput& in, cudaStream_t stream) {
@@ -629,7 +629,7 @@ void Group::dispatch_async(const DispatchInput& in, cudaStream_t stream) {
   detail::launch_dispatch(dispatch_params(*s_, &in, nullptr), true, false, stream);
   after_launch(op);
   s_->async_dispatch_pending = true;
-  s_->weights_dispatched = in.weights != nullptr;
+  s_->pending = DispatchRecord{in.num_tokens, in.weights != nullptr};
 }
 
 void Group::dispatch_wait(const DispatchOutput& out, cudaStream_t stream) {
@@ -641,13 +641,13 @@ void Group::dispatch_wait(const DispatchOutput& out, cudaStream_t stream) {
   detail::launch_dispatch(dispatch_params(*s_, nullptr, &out), false, true, stream);
   after_launch(op);
   s_->async_dispatch_pending = false;
-  s_->dispatched = true;
+  s_->last = s_->pending;
 }
 
 detail::CombineParams Group::prepare_combine(const CombineInput* in, const CombineOutput* out) {
   const char* op = in && out ? "combine" : (in ? "combine_async" : "combine_wait");
   check_usable(*s_, op);
-  require(s_->dispatched, s_->rank, op, "no dispatch has completed on this group yet");
+  require(s_->last.num_tokens >= 0, s_->rank, op, "no dispatch has completed on this group yet");
   require(!s_->async_dispatch_pending, s_->rank, op,
           "a dispatch_async is waiting for its dispatch_wait");
   if (out && !in) {
@@ -659,7 +659,7 @@ detail::CombineParams Group::prepare_combine(const CombineInput* in, const Combi
   detail::CombineParams p{};
   p.g = s_->view;
   p.topk = s_->scratch.topk;
-  p.expert_side = s_->weights_dispatched ? 1 : 0;
+  p.expert_side = s_->last.weights ? 1 : 0;
   p.recv_base = s_->scratch.recv_base;
   p.recv_count = s_->scratch.recv_count;
   p.self_row = s_->scratch.self_row;
@@ -675,10 +675,10 @@ detail::CombineParams Group::prepare_combine(const CombineInput* in, const Combi
     p.src_info = in->src_info;
   }
   if (out) {
-    require(!(s_->weights_dispatched && out->weights != nullptr), s_->rank, op,
+    require(!(s_->last.weights && out->weights != nullptr), s_->rank, op,
             "the last dispatch carried router weights, so combine reduces with those on the "
             "expert side: pass weights = nullptr");
-    const bool reduced = out->weights != nullptr || s_->weights_dispatched;
+    const bool reduced = out->weights != nullptr || s_->last.weights;
     require(reduced || !s_->cfg.shared_expert, s_->rank, op,
             "with shared_expert, combine needs router weights (given to dispatch or here): "
             "the shared expert's row is added into each token's reduced row");

@@ -1,5 +1,8 @@
 #include <gtest/gtest.h>
 
+#include <optional>
+#include <string>
+
 #include "epcomm/config.h"
 #include "epcomm/error.h"
 
@@ -245,6 +248,26 @@ TEST(Config, DispatchPathResolvesAndIsChecked) {
   EXPECT_NO_THROW(check_configs_match(cs, 2));
   cs[1].dispatch_path = DispatchPath::kThroughput;
   EXPECT_EQ(expect_mismatch(cs, 2, "dispatch_path"), ErrorCode::kConfigMismatch);
+}
+
+// Every format and path is found by its name and only by it; the names list each once.
+TEST(Config, NamesRoundTrip) {
+  for (int32_t f = 0; f < kNumTokenFormats; ++f) {
+    const char* name = token_format_name(TokenFormat(f));
+    ASSERT_EQ(token_format_from_name(name), std::optional<TokenFormat>(TokenFormat(f))) << name;
+    EXPECT_NE(token_format_names().find(std::string("'") + name + "'"), std::string::npos);
+  }
+  for (int32_t p = 0; p < kNumDispatchPaths; ++p) {
+    const char* name = dispatch_path_name(DispatchPath(p));
+    ASSERT_EQ(dispatch_path_from_name(name), std::optional<DispatchPath>(DispatchPath(p))) << name;
+    EXPECT_NE(dispatch_path_names().find(std::string("'") + name + "'"), std::string::npos);
+  }
+  EXPECT_EQ(token_format_names(), "'bf16', 'fp8-blockwise', 'nvfp4', 'mxfp8', 'mxfp4'");
+  EXPECT_EQ(dispatch_path_names(), "'auto', 'throughput', 'low-latency'");
+  for (const char* bad : {"", "BF16", "fp8", "bf16 ", "unknown"}) {
+    EXPECT_FALSE(token_format_from_name(bad).has_value()) << bad;
+    EXPECT_FALSE(dispatch_path_from_name(bad).has_value()) << bad;
+  }
 }
 
 // The modes of SPEC §7: the shared expert takes a top-k slot; allreduce_world_size is at most

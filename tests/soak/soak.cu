@@ -67,6 +67,7 @@
 #include <exception>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -141,10 +142,9 @@ bool parse_args(int argc, char** argv, Args* a) {
         a->formats.assign(std::begin(kAllFormats), std::end(kAllFormats));
         continue;
       }
-      a->formats.clear();
-      for (TokenFormat f : kAllFormats)
-        if (std::strcmp(val, token_format_name(f)) == 0) a->formats.push_back(f);
-      if (a->formats.empty()) return false;
+      const std::optional<TokenFormat> f = token_format_from_name(val);
+      if (!f) return false;
+      a->formats.assign(1, *f);
     } else if (opt == "--iterations" && parse_int(val, 1, int64_t(1) << 40, &v)) {
       a->iterations = v;
     } else if (opt == "--first" && parse_int(val, 0, int64_t(1) << 40, &v)) {

@@ -449,6 +449,15 @@ std::string run_round(LocalGroup& lg, const reference::Problem& problem, const R
     });
   }
   trace("round: dispatched");
+  for (int r = 0; r < n; ++r) {
+    const DispatchRecord last = lg.groups[size_t(r)]->last_dispatch();
+    const bool weighted = lg.io[size_t(r)]->dispatch_input(o.expert_side).weights != nullptr;
+    if (last.num_tokens != p.ranks[size_t(r)].num_tokens || last.weights != weighted)
+      return "rank " + std::to_string(r) + ": last_dispatch() is {" +
+             std::to_string(last.num_tokens) + ", " + std::to_string(last.weights) +
+             "}; the dispatch had T = " + std::to_string(p.ranks[size_t(r)].num_tokens) +
+             (weighted ? " with weights" : " without weights");
+  }
   // refs: the rows combine reads, in each rank's dispatch output order (padding rows included).
   std::vector<reference::DispatchResult> refs;
   const Config& cfg = lg.groups[0]->config();

@@ -1,0 +1,808 @@
+"""DeepEP's Python `Buffer` API, run by epcomm: code written for DeepEP runs on epcomm by
+changing its import.
+
+    # from deep_ep import Buffer, EventOverlap, Config
+    from epcomm.deep_ep import Buffer, EventOverlap, Config
+
+The calls take DeepEP's argument names, dtypes and shapes and return its tuples. What epcomm
+does not do (several nodes, RDMA-only transport, UE8M0 or power-of-two FP8 scales, LogFMT
+combine, the wait-time statistics) raises epcomm.InvalidArgument naming the argument; nothing
+is silently different. docs/deep_ep.md maps every call.
+
+How it runs on epcomm:
+  normal mode   dispatch sends each token once to each rank in is_token_in_rank (an epcomm group
+                whose "experts" are the ranks), so the received rows are DeepEP's: one per
+                (token, rank), by source rank then token. topk_idx, topk_weights and FP8 scales
+                travel beside them, bit for bit, in a second small dispatch. combine sums each
+                token's rows over the ranks in fp32 (rank ascending) and rounds once to bf16.
+  low latency   an epcomm group over the real experts (FP8 blockwise or bf16); its expert-major
+                rows are copied into DeepEP's padded [local experts, ranks * max tokens, H]
+                layout, and combine copies them back and reduces with the router weights.
+Every call is stream-ordered and checked; outputs are new tensors the caller owns.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from . import _epcomm as _C
+from . import Error, Group, InvalidArgument, MAX_RANKS, MAX_TOP_K, torch_bootstrap
+
+__all__ = ["Buffer", "Config", "EventOverlap", "topk_idx_t"]
+
+topk_idx_t = torch.int64  # DeepEP's index dtype
+
+
+def _bad(call: str, msg: str):
+    raise InvalidArgument(f"epcomm.deep_ep {call}: {msg}")
+
+
+def _check(call: str, name: str, t, dtype=None, ndim=None, rows=None, cols=None, contiguous=True):
+    if not isinstance(t, torch.Tensor):
+        _bad(call, f"{name} must be a torch.Tensor; got {type(t).__name__}")
+    if dtype is not None and t.dtype not in (dtype if isinstance(dtype, tuple) else (dtype,)):
+        want = " or ".join(str(d) for d in (dtype if isinstance(dtype, tuple) else (dtype,)))
+        _bad(call, f"{name} must be {want}; got {t.dtype}")
+    if ndim is not None and t.dim() != ndim:
+        _bad(call, f"{name} must be {ndim}-D; got shape {list(t.shape)}")
+    if rows is not None and t.size(0) != rows:
+        _bad(call, f"{name} must have {rows} rows; got shape {list(t.shape)}")
+    if cols is not None and t.size(1) != cols:
+        _bad(call, f"{name} must have {cols} columns; got shape {list(t.shape)}")
+    if contiguous and not t.is_contiguous():
+        _bad(call, f"{name} must be contiguous; call .contiguous()")
+
+
+class EventOverlap:
+    """A CUDA event (or None) with the tensors that must live until it completes, as DeepEP's.
+    `with event:` and current_stream_wait() make the current stream wait for it."""
+
+    def __init__(self, event: Optional[torch.cuda.Event] = None, extra_tensors=None):
+        self.event = event
+        self.extra_tensors = extra_tensors
+
+    def current_stream_wait(self) -> None:
+        if self.event is None:
+            raise Error("epcomm.deep_ep EventOverlap.current_stream_wait: no event (the call "
+                        "was not made with async_finish=True)")
+        torch.cuda.current_stream().wait_event(self.event)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.event is not None:
+            self.current_stream_wait()
+
+
+class Config:
+    """DeepEP's per-call tuning. epcomm uses num_sms (the SMs its kernels take); the chunk
+    sizes are DeepEP's ring-buffer tuning, kept for the size hints and otherwise unused."""
+
+    def __init__(self, num_sms: int = 20, num_max_nvl_chunked_send_tokens: int = 6,
+                 num_max_nvl_chunked_recv_tokens: int = 256,
+                 num_max_rdma_chunked_send_tokens: int = 6,
+                 num_max_rdma_chunked_recv_tokens: int = 256):
+        if int(num_sms) < 1:
+            _bad("Config", f"num_sms = {num_sms} must be positive")
+        self.num_sms = int(num_sms)
+        self.num_max_nvl_chunked_send_tokens = int(num_max_nvl_chunked_send_tokens)
+        self.num_max_nvl_chunked_recv_tokens = int(num_max_nvl_chunked_recv_tokens)
+        self.num_max_rdma_chunked_send_tokens = int(num_max_rdma_chunked_send_tokens)
+        self.num_max_rdma_chunked_recv_tokens = int(num_max_rdma_chunked_recv_tokens)
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        # DeepEP's ring: one channel per two SMs, each holding this many tokens per peer.
+        per_token = int(hidden_bytes) + 64
+        return (self.num_sms // 2 or 1) * int(num_ranks) * self.num_max_nvl_chunked_recv_tokens \
+            * per_token
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        return 0  # one node: no RDMA buffer
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """t's bytes as int32 words per row (a view): [rows, bytes / 4]."""
+    return t.view(torch.int32) if t.element_size() == 4 else t.contiguous().view(torch.int32)
+
+
+class _Routing:
+    """What a normal-mode dispatch fixes: which ranks each token went to, and the receive side's
+    row count. The handle DeepEP returns (opaque here: its fields are epcomm's)."""
+
+    def __init__(self, buffer, rank_ids, is_token_in_rank, num_experts, num_rows, worst):
+        self.buffer = buffer
+        self.rank_ids = rank_ids          # int32 [T, R]: r or -1 (the epcomm groups' top-k)
+        self.is_token_in_rank = is_token_in_rank
+        self.num_tokens = int(rank_ids.size(0))
+        self.num_experts = num_experts
+        self.num_rows = num_rows          # rows of recv_x (num_worst_tokens where given)
+        self.worst = worst                # the recv row cap (num_worst_tokens) or 0
+        self.recv_src_idx = None          # int32 [num_rows]: each row's source token
+
+
+class _LowLatencyHandle(tuple):
+    """DeepEP's 5-tuple (src_info [E_l, S] int32, layout_range [E_l, R] int64, max tokens,
+    hidden, num_experts), carrying the epcomm group it came from."""
+
+    def __new__(cls, items, group, key, topk_shape):
+        h = super().__new__(cls, items)
+        h.group, h.key, h.topk_shape = group, key, topk_shape
+        return h
+
+
+class Buffer:
+    """DeepEP's Buffer over a torch.distributed group of at most 8 ranks (one node).
+
+    Beyond DeepEP's arguments (keyword only):
+      max_tokens_per_rank  the most tokens a normal-mode dispatch takes on any rank (DeepEP has
+                           no such bound; epcomm sizes its buffers by it). Default 4096.
+      share_gpus           let ranks share a GPU (tests on fewer GPUs than ranks); default: on
+                           exactly when two ranks of the group are on one GPU.
+      timeout_seconds      the bound on every wait for a peer (epcomm's, default 5 s).
+    num_nvl_bytes and num_rdma_bytes are accepted and not used: epcomm sizes its buffers from
+    the shapes of the first call of each kind."""
+
+    num_sms: int = 20
+
+    def __init__(self, group, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
+                 low_latency_mode: bool = False, num_qps_per_rank: int = 24,
+                 allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
+                 explicitly_destroy: bool = False, enable_shrink: bool = False, comm=None, *,
+                 max_tokens_per_rank: int = 4096, share_gpus: Optional[bool] = None,
+                 timeout_seconds: float = 5.0):
+        call = "Buffer"
+        if comm is not None:
+            _bad(call, "comm (an mpi4py communicator) is not supported: pass group, a "
+                       "torch.distributed process group")
+        if group is None:
+            _bad(call, "group must be a torch.distributed process group")
+        if not allow_nvlink_for_low_latency_mode:
+            _bad(call, "allow_nvlink_for_low_latency_mode=False asks for RDMA inside the node; "
+                       "epcomm moves every byte over NVLink")
+        if allow_mnnvl:
+            _bad(call, "allow_mnnvl=True (multi-node NVLink) is not supported: epcomm connects "
+                       "the GPUs of one node")
+        if enable_shrink:
+            _bad(call, "enable_shrink=True (masking failed ranks) is not supported")
+        if not dist.is_initialized():
+            _bad(call, "torch.distributed is not initialised")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.group_size = dist.get_world_size(group)
+        if self.group_size > MAX_RANKS:
+            _bad(call, f"the group has {self.group_size} ranks; epcomm connects the GPUs of one "
+                       f"node (at most {MAX_RANKS})")
+        if int(max_tokens_per_rank) < 1:
+            _bad(call, f"max_tokens_per_rank = {max_tokens_per_rank} must be positive")
+        self.num_nvl_bytes = int(num_nvl_bytes)
+        self.num_rdma_bytes = int(num_rdma_bytes)
+        self.low_latency_mode = bool(low_latency_mode)
+        self.num_qps_per_rank = int(num_qps_per_rank)
+        self.explicitly_destroy = bool(explicitly_destroy)
+        self.enable_shrink = False
+        self.max_tokens_per_rank = int(max_tokens_per_rank)
+        self.timeout_seconds = float(timeout_seconds)
+        # The GPU is taken at the first call that needs it (the current device then).
+        self.device = torch.cuda.current_device() if torch.cuda.is_available() else None
+        self._bootstrap = torch_bootstrap(group)
+        self.share_gpus = share_gpus
+        self._groups = {}       # key -> Group
+        self._routing = {}      # key -> the routing (or low-latency handle) last dispatched there
+        self._scratch = {}      # key -> tensors a group keeps (combine inputs)
+        self._ll_parity = 0
+        self._stream = None
+        self._destroyed = False
+
+    # ---- DeepEP's static helpers --------------------------------------------------------
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """SMs epcomm's kernels take, for groups set up after this call (DeepEP asks for an
+        even number; epcomm takes any positive one)."""
+        if int(new_num_sms) < 1:
+            _bad("set_num_sms", f"new_num_sms = {new_num_sms} must be positive")
+        Buffer.num_sms = int(new_num_sms)
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream())
+        return EventOverlap(ev)
+
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        return True
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        return Config(Buffer.num_sms)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        return Config(Buffer.num_sms)
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int,
+                                       num_ranks: int, num_experts: int) -> int:
+        """Bytes of the low-latency mode's padded outputs for one call (epcomm takes no RDMA
+        buffer; num_rdma_bytes is not used)."""
+        slots = num_experts // max(num_ranks, 1) * num_ranks * num_max_dispatch_tokens_per_rank
+        return slots * hidden * 2
+
+    def get_comm_stream(self) -> torch.cuda.Stream:
+        return self._comm_stream
+
+    def get_local_buffer_tensor(self, dtype, size=None, offset: int = 0,
+                                use_rdma_buffer: bool = False):
+        _bad("get_local_buffer_tensor", "epcomm exposes no raw communication buffer: pass "
+                                        "tensors to dispatch and combine")
+
+    def destroy(self) -> None:
+        """Tears every epcomm group down (collective), for explicitly_destroy=True."""
+        if not self.explicitly_destroy:
+            _bad("destroy", "the Buffer was made with explicitly_destroy=False")
+        for g in self._groups.values():
+            g.close()
+        self._groups.clear()
+        self._routing.clear()
+        self._scratch.clear()
+        self._destroyed = True
+
+    # ---- internals ------------------------------------------------------------------------
+    def _live(self, call: str) -> None:
+        if self._destroyed:
+            _bad(call, "this Buffer was destroyed")
+
+    @property
+    def _comm_stream(self) -> torch.cuda.Stream:
+        if self._stream is None:
+            if self.device is None:
+                raise Error("epcomm.deep_ep: no CUDA device is visible")
+            self._stream = torch.cuda.Stream(device=self.device)
+        return self._stream
+
+    def _on_device(self, call: str, **tensors) -> None:
+        """After the other checks: every tensor given is on this Buffer's GPU."""
+        for name, t in tensors.items():
+            if t is None:
+                continue
+            if self.device is None:
+                _bad(call, f"{name} is on {t.device}; no CUDA device is visible")
+            if not t.is_cuda or t.device.index != self.device:
+                _bad(call, f"{name} is on {t.device}; this Buffer runs on cuda:{self.device}")
+
+    def _group(self, key: tuple, **config) -> Group:
+        g = self._groups.get(key)
+        if g is None:
+            if self.device is None:
+                raise Error("epcomm.deep_ep: no CUDA device is visible")
+            if self.share_gpus is None:  # collective, like every group's set-up
+                ids = [None] * self.group_size
+                me = str(torch.cuda.get_device_properties(self.device).uuid) + "@" + _hostname()
+                dist.all_gather_object(ids, me, group=self.group)
+                self.share_gpus = len(set(ids)) < len(ids)
+            g = Group.create(self._bootstrap, self.device, share_gpus=bool(self.share_gpus),
+                             timeout_seconds=self.timeout_seconds, **config)
+            self._groups[key] = g
+        return g
+
+    def _streams(self, call, previous_event, async_finish, allocate_on_comm_stream):
+        """DeepEP's stream discipline: the work runs on the comm stream after previous_event
+        (else after the current stream); without async_finish the current stream then waits."""
+        if allocate_on_comm_stream and (previous_event is None or not async_finish):
+            _bad(call, "allocate_on_comm_stream=True needs previous_event and async_finish=True")
+        compute = torch.cuda.current_stream()
+        comm = self._comm_stream
+        ev = getattr(previous_event, "event", None) if previous_event is not None else None
+        if ev is not None:
+            comm.wait_event(ev)
+        else:
+            comm.wait_stream(compute)
+        return compute, comm
+
+    def _finish(self, compute, comm, async_finish, tensors) -> EventOverlap:
+        if not async_finish:
+            compute.wait_stream(comm)
+            return EventOverlap(None)
+        live = [t for t in tensors if isinstance(t, torch.Tensor)]
+        for t in live:
+            t.record_stream(comm)
+        ev = torch.cuda.Event()
+        ev.record(comm)
+        return EventOverlap(ev, tuple(live))
+
+    def _dispatch_on(self, key: tuple, payload: torch.Tensor, routing: _Routing, num_sms: int,
+                     stream: int):
+        """Dispatches payload ([T, W] bf16 words) by routing on the group of that width."""
+        R = self.group_size
+        g = self._group(key, hidden=int(payload.size(1)), top_k=R, n_experts=R,
+                        max_tokens_per_rank=self.max_tokens_per_rank, num_sms=num_sms,
+                        max_recv_rows=routing.worst)
+        g._impl.dispatch(payload, routing.rank_ids, None, stream)
+        self._routing[key] = routing
+        return g
+
+    def _routed_group(self, key, width, routing, num_sms, stream):
+        """The group of that width with routing as its last dispatch (dispatching a payload of
+        no interest first where another dispatch came since)."""
+        if self._routing.get(key) is routing:
+            return self._groups[key]
+        T = routing.num_tokens
+        payload = torch.empty((T, width), dtype=torch.bfloat16, device=self.device)
+        return self._dispatch_on(key, payload, routing, num_sms, stream)
+
+    # ---- layout ---------------------------------------------------------------------------
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
+                            previous_event: Optional[EventOverlap] = None,
+                            async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """(num_tokens_per_rank [R] int32, None, num_tokens_per_expert [E] int32,
+        is_token_in_rank [T, R] bool, event)."""
+        call = "get_dispatch_layout"
+        self._live(call)
+        _check(call, "topk_idx", topk_idx, topk_idx_t, 2)
+        R = self.group_size
+        if num_experts < 1 or num_experts % R:
+            _bad(call, f"num_experts = {num_experts} must be a positive multiple of the "
+                       f"{R} ranks")
+        if allocate_on_comm_stream and (previous_event is None or not async_finish):
+            _bad(call, "allocate_on_comm_stream=True needs previous_event and async_finish=True")
+        self._on_device(call, topk_idx=topk_idx)
+        compute, comm = self._streams(call, previous_event, async_finish, allocate_on_comm_stream)
+        with torch.cuda.stream(comm if allocate_on_comm_stream else compute):
+            T = topk_idx.size(0)
+            per_expert = torch.zeros(num_experts + 1, dtype=torch.int32, device=self.device)
+            in_rank = torch.zeros((T, R + 1), dtype=torch.bool, device=self.device)
+        with torch.cuda.stream(comm):
+            valid = (topk_idx >= 0) & (topk_idx < num_experts)
+            e = torch.where(valid, topk_idx, num_experts)
+            per_expert.index_add_(0, e.flatten(), torch.ones_like(e.flatten(), dtype=torch.int32))
+            r = torch.where(valid, topk_idx // (num_experts // R), R)
+            in_rank.scatter_(1, r, True)
+            is_token_in_rank = in_rank[:, :R].contiguous()
+            per_rank = is_token_in_rank.sum(0, dtype=torch.int32)
+            per_expert = per_expert[:num_experts]
+        event = self._finish(compute, comm, async_finish,
+                             (topk_idx, per_rank, per_expert, is_token_in_rank))
+        return per_rank, None, per_expert, is_token_in_rank, event
+
+    # ---- normal mode ----------------------------------------------------------------------
+    def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]],
+                 handle: Optional[_Routing] = None,
+                 num_tokens_per_rank: Optional[torch.Tensor] = None,
+                 num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
+                 is_token_in_rank: Optional[torch.Tensor] = None,
+                 num_tokens_per_expert: Optional[torch.Tensor] = None,
+                 topk_idx: Optional[torch.Tensor] = None,
+                 topk_weights: Optional[torch.Tensor] = None, expert_alignment: int = 1,
+                 num_worst_tokens: int = 0, config: Optional[Config] = None,
+                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False):
+        """(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle,
+        event); with a cached handle (recv_x, None, None, None, None, event)."""
+        call = "dispatch"
+        self._live(call)
+        R = self.group_size
+        if isinstance(x, tuple):
+            if len(x) != 2:
+                _bad(call, "x as a tuple must be (fp8 codes [T, H], scales [T, H / 128])")
+            codes, scales = x
+            _check(call, "x[0]", codes, None, 2)
+            if codes.element_size() != 1:
+                _bad(call, f"x[0] must be a 1-byte (FP8) tensor; got {codes.dtype}")
+            _check(call, "x[1]", scales, (torch.float32, torch.int32), 2, rows=codes.size(0),
+                   contiguous=False)
+        else:
+            codes, scales = x, None
+            _check(call, "x", codes, torch.bfloat16, 2)
+        T = codes.size(0)
+        row_bytes = codes.size(1) * codes.element_size()
+        if row_bytes % 16:
+            _bad(call, f"x rows are {row_bytes} bytes; they must be a multiple of 16")
+        if num_tokens_per_rdma_rank is not None:
+            _bad(call, "num_tokens_per_rdma_rank must be None: epcomm connects one node")
+        if expert_alignment < 1:
+            _bad(call, f"expert_alignment = {expert_alignment} must be positive")
+        if T > self.max_tokens_per_rank:
+            _bad(call, f"x has {T} tokens; this Buffer takes at most max_tokens_per_rank = "
+                       f"{self.max_tokens_per_rank} (a keyword argument of Buffer)")
+        num_sms = (config.num_sms if config is not None else Buffer.num_sms)
+        cached = handle is not None
+        if cached:
+            if not isinstance(handle, _Routing) or handle.buffer is not self:
+                _bad(call, "handle must come from this Buffer's dispatch")
+            if topk_idx is not None or topk_weights is not None:
+                _bad(call, "a cached dispatch (handle given) takes no topk_idx / topk_weights")
+            if num_worst_tokens and num_worst_tokens != handle.worst:
+                _bad(call, "num_worst_tokens must be the handle's (or 0)")
+            if T != handle.num_tokens:
+                _bad(call, f"x has {T} tokens; the handle's dispatch had {handle.num_tokens}")
+            routing = handle
+            K = 0
+        else:
+            _check(call, "is_token_in_rank", is_token_in_rank, torch.bool, 2, rows=T, cols=R)
+            _check(call, "num_tokens_per_expert", num_tokens_per_expert, torch.int32, 1)
+            if num_tokens_per_rank is not None:
+                _check(call, "num_tokens_per_rank", num_tokens_per_rank, torch.int32, 1, rows=R)
+            E = num_tokens_per_expert.size(0)
+            if E < 1 or E % R:
+                _bad(call, f"num_tokens_per_expert has {E} experts; a positive multiple of the "
+                           f"{R} ranks is needed")
+            if (topk_idx is None) != (topk_weights is None):
+                _bad(call, "give topk_idx and topk_weights together, or neither")
+            K = 0
+            if topk_idx is not None:
+                _check(call, "topk_idx", topk_idx, topk_idx_t, 2, rows=T)
+                K = topk_idx.size(1)
+                _check(call, "topk_weights", topk_weights, torch.float32, 2, rows=T, cols=K)
+            if num_worst_tokens < 0:
+                _bad(call, f"num_worst_tokens = {num_worst_tokens} must be >= 0")
+            if num_worst_tokens and K == 0:
+                _bad(call, "num_worst_tokens needs topk_idx (its padding rows get index -1)")
+            self._on_device(call, is_token_in_rank=is_token_in_rank,
+                            num_tokens_per_expert=num_tokens_per_expert,
+                            num_tokens_per_rank=num_tokens_per_rank, topk_idx=topk_idx,
+                            topk_weights=topk_weights)
+            rank_ids = torch.where(is_token_in_rank,
+                                   torch.arange(R, dtype=torch.int32, device=codes.device),
+                                   torch.full((), -1, dtype=torch.int32, device=codes.device))
+            routing = _Routing(self, rank_ids, is_token_in_rank, E, 0, int(num_worst_tokens))
+        self._on_device(call, x=codes, scales=scales)
+        S = 0 if scales is None else scales.size(1)
+        meta_words = S + 2 * K  # int32 words: scales, then topk_idx, then weights
+        compute, comm = self._streams(call, previous_event, async_finish, allocate_on_comm_stream)
+        alloc = comm if allocate_on_comm_stream else compute
+        with torch.cuda.stream(comm):
+            stream = comm.cuda_stream
+            payload = codes if scales is None and codes.dtype == torch.bfloat16 else \
+                codes.view(torch.uint8).view(torch.bfloat16)
+            data_key = ("data", payload.size(1), num_sms, routing.worst)
+            g = self._dispatch_on(data_key, payload, routing, num_sms, stream)
+            d = g._dispatch_result("torch", None, stream)
+            meta = None
+            if meta_words:
+                width = -(-meta_words // 4) * 4  # words, so the bf16 row is a multiple of 8
+                m = torch.zeros((T, width), dtype=torch.int32, device=codes.device)
+                if S:
+                    m[:, :S] = scales.view(torch.int32)
+                if K:
+                    m[:, S:S + K] = topk_idx.to(torch.int32)
+                    m[:, S + K:S + 2 * K] = topk_weights.view(torch.int32)
+                meta_key = ("meta", 2 * width, num_sms, routing.worst)
+                gm = self._dispatch_on(meta_key, m.view(torch.bfloat16), routing, num_sms, stream)
+                meta = gm._dispatch_result("torch", None, stream).tokens.view(torch.int32)
+            rows_avail = d.tokens.size(0)
+            if cached:
+                N = routing.num_rows
+                counts = None
+            elif routing.worst:
+                N = routing.worst
+                if N > rows_avail:
+                    _bad(call, f"num_worst_tokens = {N} exceeds the {rows_avail} rows a rank can "
+                               "receive")
+            n_local = routing.num_experts // R
+            recv_dev = d.row_offsets[1:2]
+            if K:
+                ids = meta[:, S:S + K] - self.rank * n_local
+                ok = (ids >= 0) & (ids < n_local)
+                row_live = torch.arange(ids.size(0), device=ids.device).unsqueeze(1) < recv_dev
+                ok &= row_live
+                ids = torch.where(ok, ids, -1)
+                per_expert = torch.zeros(n_local + 1, dtype=torch.int32, device=ids.device)
+                per_expert.index_add_(0, torch.where(ok, ids, n_local).flatten(),
+                                      torch.ones(ids.numel(), dtype=torch.int32,
+                                                 device=ids.device))
+            if not cached and not routing.worst:
+                host = torch.cat([recv_dev.to(torch.int32),
+                                  per_expert[:n_local] if K else recv_dev[:0].to(torch.int32)])
+                host = host.cpu().tolist()  # the one host synchronisation (as DeepEP's)
+                N = host[0]
+                counts = host[1:]
+                routing.num_rows = N
+            elif not cached:
+                routing.num_rows = N
+                counts = None
+            with torch.cuda.stream(alloc):
+                recv_x = torch.empty((N, codes.size(1)), dtype=codes.dtype, device=codes.device)
+                recv_scales = None if scales is None else torch.empty(
+                    (N, S), dtype=scales.dtype, device=codes.device)
+            recv_x.view(torch.uint8).copy_(d.tokens[:N].view(torch.uint8).view(
+                N, row_bytes))
+            if S:
+                recv_scales.view(torch.int32).copy_(meta[:N, :S])
+            recv_topk_idx = recv_topk_weights = None
+            if K:
+                recv_topk_idx = ids[:N].to(topk_idx_t)
+                w = meta[:N, S + K:S + 2 * K].view(torch.float32)
+                recv_topk_weights = torch.where(ok[:N], w, 0.0)
+            if not cached:
+                routing.recv_src_idx = d.src_info[:N, 0].clone()
+        out_x = recv_x if scales is None else (recv_x, recv_scales)
+        event = self._finish(compute, comm, async_finish,
+                             (codes, scales, recv_x, recv_scales, recv_topk_idx,
+                              recv_topk_weights, topk_idx, topk_weights, routing.rank_ids))
+        if cached:
+            return out_x, None, None, None, None, event
+        if counts is None:
+            per_expert_list = []
+        else:
+            a = int(expert_alignment)
+            per_expert_list = [(c + a - 1) // a * a for c in counts] if K else []
+        return out_x, recv_topk_idx, recv_topk_weights, per_expert_list, routing, event
+
+    def combine(self, x: torch.Tensor, handle: _Routing,
+                topk_weights: Optional[torch.Tensor] = None,
+                bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor], None] = None,
+                config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
+                async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """(combined_x [T, H], combined_topk_weights [T, K] float32 or None, event): each
+        token's rows summed over the ranks that received it (fp32, rank ascending, one bf16
+        rounding), plus bias; the weights summed the same way."""
+        call = "combine"
+        self._live(call)
+        if not isinstance(handle, _Routing) or handle.buffer is not self:
+            _bad(call, "handle must come from this Buffer's dispatch")
+        N, T, R = handle.num_rows, handle.num_tokens, self.group_size
+        _check(call, "x", x, torch.bfloat16, 2, rows=N)
+        H = x.size(1)
+        if H % 8:
+            _bad(call, f"x has {H} columns; a multiple of 8 is needed")
+        biases = () if bias is None else (bias if isinstance(bias, tuple) else (bias,))
+        for i, b in enumerate(biases):
+            _check(call, f"bias[{i}]", b, torch.bfloat16, 2, rows=T, cols=H)
+        if topk_weights is not None:
+            _check(call, "topk_weights", topk_weights, torch.float32, 2, rows=N)
+        num_sms = (config.num_sms if config is not None else Buffer.num_sms)
+        self._on_device(call, x=x, topk_weights=topk_weights,
+                        **{f"bias[{i}]": b for i, b in enumerate(biases)})
+        compute, comm = self._streams(call, previous_event, async_finish, allocate_on_comm_stream)
+        alloc = comm if allocate_on_comm_stream else compute
+        with torch.cuda.stream(alloc):
+            out = torch.empty((T, H), dtype=torch.bfloat16, device=x.device)
+        with torch.cuda.stream(comm):
+            stream = comm.cuda_stream
+            ones = torch.ones((T, R), dtype=torch.float32, device=x.device)
+            half_key = ("data", H // 2, num_sms, handle.worst)
+            if self._routing.get(half_key) is handle and self._routing.get(
+                    ("data", H, num_sms, handle.worst)) is not handle and H % 16 == 0:
+                # After an FP8 dispatch: the codes group (H / 2 words) reduces each half.
+                g = self._groups[half_key]
+                for lo in (0, H // 2):
+                    part = x[:, lo:lo + H // 2].contiguous()
+                    o = torch.empty((T, H // 2), dtype=torch.bfloat16, device=x.device)
+                    g._impl.combine(part, ones, stream, o, None, None, N)
+                    out[:, lo:lo + H // 2] = o
+            else:
+                g = self._routed_group(("data", H, num_sms, handle.worst), H, handle, num_sms,
+                                       stream)
+                g._impl.combine(x, ones, stream, out, None, None, N)
+            if biases:
+                acc = out.float()
+                for b in biases:
+                    acc += b.float()
+                out.copy_(acc)
+            combined_w = None
+            if topk_weights is not None:
+                K = topk_weights.size(1)
+                width = -(-K // 4) * 4
+                meta_key = next((k for k, v in self._routing.items()
+                                 if v is handle and k[0] == "meta" and k[1] >= 2 * width
+                                 and k[2] == num_sms), None)
+                if meta_key is None:
+                    meta_key = ("meta", 2 * width, num_sms, handle.worst)
+                gm = self._routed_group(meta_key, 2 * width, handle, num_sms, stream)
+                mw = torch.zeros((N, meta_key[1] // 2), dtype=torch.int32, device=x.device)
+                mw[:, :K] = topk_weights.view(torch.int32)
+                un = torch.empty((T, R, meta_key[1]), dtype=torch.bfloat16, device=x.device)
+                gm._impl.combine(mw.view(torch.bfloat16), None, stream, un, None, None, N)
+                w = un.view(torch.int32)[:, :, :K].view(torch.float32)
+                w = torch.where(handle.rank_ids.unsqueeze(2) >= 0, w, 0.0)
+                combined_w = w.sum(1)
+        event = self._finish(compute, comm, async_finish, (x, out, topk_weights, combined_w))
+        return out, combined_w, event
+
+    # ---- low-latency mode -----------------------------------------------------------------
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
+                                 num_experts: int) -> None:
+        """Nothing to clean: epcomm's arrival flags carry sequence numbers."""
+        self._live("clean_low_latency_buffer")
+
+    def _ll_check(self, call):
+        self._live(call)
+        if not self.low_latency_mode:
+            _bad(call, "the Buffer was made with low_latency_mode=False")
+
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                             num_max_dispatch_tokens_per_rank: int, num_experts: int,
+                             cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
+                             dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None,
+                             use_fp8: bool = True, round_scale: bool = False,
+                             use_ue8m0: bool = False, async_finish: bool = False,
+                             return_recv_hook: bool = False):
+        """(recv_x, recv_count, handle, event, hook): recv_x [E_l, R * max, H] (FP8: (codes,
+        scales [E_l, R * max, H / 128] float32 column-major per expert)), recv_count int32
+        [E_l]; only the first recv_count[e] rows of expert e are written."""
+        call = "low_latency_dispatch"
+        self._ll_check(call)
+        if round_scale:
+            _bad(call, "round_scale=True (power-of-two FP8 scales) is not supported: epcomm's "
+                       "scales are amax / 448")
+        if use_ue8m0:
+            _bad(call, "use_ue8m0=True (UE8M0 scales) is not supported")
+        if dispatch_wait_recv_cost_stats is not None:
+            _bad(call, "dispatch_wait_recv_cost_stats is not supported (epcomm has no per-rank "
+                       "wait timers)")
+        if async_finish and return_recv_hook:
+            _bad(call, "async_finish and return_recv_hook cannot both be set")
+        _check(call, "x", x, torch.bfloat16, 2)
+        T, H = x.shape
+        _check(call, "topk_idx", topk_idx, topk_idx_t, 2, rows=T)
+        K, R, max_t = topk_idx.size(1), self.group_size, int(num_max_dispatch_tokens_per_rank)
+        if K > MAX_TOP_K:
+            _bad(call, f"topk_idx has {K} columns; epcomm takes at most {MAX_TOP_K}")
+        if T > max_t:
+            _bad(call, f"x has {T} tokens; num_max_dispatch_tokens_per_rank is {max_t}")
+        if num_experts < 1 or num_experts % R:
+            _bad(call, f"num_experts = {num_experts} must be a positive multiple of the {R} ranks")
+        if use_fp8 and H % 128:
+            _bad(call, f"hidden = {H} must be a multiple of 128 with use_fp8")
+        E_l = num_experts // R
+        if cumulative_local_expert_recv_stats is not None:
+            _check(call, "cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
+                   torch.int32, 1, rows=E_l)
+        self._on_device(call, x=x, topk_idx=topk_idx,
+                        cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats)
+        fmt = "fp8-blockwise" if use_fp8 else "bf16"
+        self._ll_parity ^= 1  # two groups in turn, so two dispatches may await their combines
+        key = ("ll", H, num_experts, K, max_t, fmt, Buffer.num_sms, self._ll_parity)
+        g = self._group(key, hidden=H, top_k=K, n_experts=num_experts,
+                        max_tokens_per_rank=max_t, format=fmt, num_sms=Buffer.num_sms)
+        S = R * max_t
+        ids = topk_idx.to(torch.int32)
+        dev = x.device
+        compute = torch.cuda.current_stream()
+        if return_recv_hook:
+            comm = compute
+        else:
+            compute, comm = self._streams(call, None, async_finish, False)
+        with torch.cuda.stream(compute):
+            codes = torch.empty((E_l, S, H), dtype=torch.float8_e4m3fn if use_fp8 else
+                                torch.bfloat16, device=dev)
+            scales = torch.empty((E_l, H // 128, S), dtype=torch.float32, device=dev) \
+                if use_fp8 else None
+            count = torch.empty(E_l, dtype=torch.int32, device=dev)
+            src_info = torch.empty((E_l, S), dtype=torch.int32, device=dev)
+            layout_range = torch.empty((E_l, R), dtype=torch.int64, device=dev)
+        handle = _LowLatencyHandle((src_info, layout_range, max_t, H, num_experts), g, key,
+                                   tuple(topk_idx.shape))
+        self._routing[key] = handle
+
+        def receive(stream):
+            d = g._dispatch_result("torch", None, stream)
+            _C.pad_expert_rows(d.tokens.view(torch.uint8), d.scales if use_fp8 else None,
+                               d.row_offsets, d.src_info, R, codes.view(torch.uint8),
+                               scales, count, src_info, layout_range, stream)
+            if cumulative_local_expert_recv_stats is not None:
+                cumulative_local_expert_recv_stats.add_(count)
+
+        with torch.cuda.stream(comm):
+            stream = comm.cuda_stream
+            if return_recv_hook:
+                g._impl.dispatch_async(x, ids, None, stream)
+            else:
+                g._impl.dispatch(x, ids, None, stream)
+                receive(stream)
+        recv_x = codes if not use_fp8 else (codes, scales.transpose(1, 2))
+        hook = None
+        if return_recv_hook:
+            def receive_hook():
+                s = torch.cuda.current_stream()
+                g._impl.dispatch_wait(s.cuda_stream)
+                receive(s.cuda_stream)
+
+            hook = receive_hook
+            event = EventOverlap(None)
+        else:
+            event = self._finish(compute, comm, async_finish,
+                                 (x, ids, codes, scales, count, src_info, layout_range))
+        return recv_x, count, handle, event, hook
+
+    def get_next_low_latency_combine_buffer(self, handle: _LowLatencyHandle) -> torch.Tensor:
+        """A [E_l, R * max, H] bf16 tensor to write the expert outputs into, for
+        low_latency_combine(..., zero_copy=True)."""
+        call = "get_next_low_latency_combine_buffer"
+        self._ll_check(call)
+        if not isinstance(handle, _LowLatencyHandle):
+            _bad(call, "handle must come from low_latency_dispatch")
+        return self._ll_scratch(handle)["padded"]
+
+    def _ll_scratch(self, handle) -> dict:
+        sc = self._scratch.get(handle.key)
+        if sc is None:
+            _, _, max_t, H, E = handle
+            R = self.group_size
+            sc = {
+                "padded": torch.empty((E // R, R * max_t, H), dtype=torch.bfloat16,
+                                      device=self.device),
+                "rows": torch.empty((handle.group.sizes.max_recv_rows, H), dtype=torch.bfloat16,
+                                    device=self.device),
+            }
+            self._scratch[handle.key] = sc
+        return sc
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                            topk_weights: torch.Tensor, handle: _LowLatencyHandle,
+                            use_logfmt: bool = False, zero_copy: bool = False,
+                            async_finish: bool = False, return_recv_hook: bool = False,
+                            out: Optional[torch.Tensor] = None,
+                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None):
+        """(combined_x [T, H] bf16, event, hook): sum over k of topk_weights * the expert
+        output of slot k (fp32, slot ascending, one bf16 rounding; -1 slots skipped)."""
+        call = "low_latency_combine"
+        self._ll_check(call)
+        if use_logfmt:
+            _bad(call, "use_logfmt=True (LogFMT-compressed combine) is not supported")
+        if combine_wait_recv_cost_stats is not None:
+            _bad(call, "combine_wait_recv_cost_stats is not supported (epcomm has no per-rank "
+                       "wait timers)")
+        if async_finish and return_recv_hook:
+            _bad(call, "async_finish and return_recv_hook cannot both be set")
+        if not isinstance(handle, _LowLatencyHandle) or self._groups.get(handle.key) \
+                is not handle.group:
+            _bad(call, "handle must come from this Buffer's low_latency_dispatch")
+        if self._routing.get(handle.key) is not handle:
+            _bad(call, "the handle's dispatch was followed by two more low_latency_dispatch "
+                       "calls: only the last two dispatches can be combined (as in DeepEP)")
+        _, _, max_t, H, E = handle
+        R = self.group_size
+        _check(call, "x", x, torch.bfloat16, 3)
+        if tuple(x.shape) != (E // R, R * max_t, H):
+            _bad(call, f"x must have shape {[E // R, R * max_t, H]}; got {list(x.shape)}")
+        _check(call, "topk_idx", topk_idx, topk_idx_t, 2)
+        if tuple(topk_idx.shape) != handle.topk_shape:
+            _bad(call, f"topk_idx has shape {list(topk_idx.shape)}; the dispatch's was "
+                       f"{list(handle.topk_shape)}")
+        T, K = handle.topk_shape
+        _check(call, "topk_weights", topk_weights, torch.float32, 2, rows=T, cols=K)
+        if out is not None:
+            _check(call, "out", out, torch.bfloat16, 2, rows=T, cols=H)
+        self._on_device(call, x=x, topk_idx=topk_idx, topk_weights=topk_weights, out=out)
+        sc = self._ll_scratch(handle)
+        if zero_copy and x.data_ptr() != sc["padded"].data_ptr():
+            _bad(call, "zero_copy=True needs x to be get_next_low_latency_combine_buffer(handle)")
+        g = handle.group
+        compute = torch.cuda.current_stream()
+        if return_recv_hook:
+            comm = compute
+        else:
+            compute, comm = self._streams(call, None, async_finish, False)
+        with torch.cuda.stream(compute):
+            combined = out if out is not None else torch.empty((T, H), dtype=torch.bfloat16,
+                                                               device=x.device)
+        with torch.cuda.stream(comm):
+            stream = comm.cuda_stream
+            d = g._dispatch_result("torch", None, stream)
+            _C.unpad_expert_rows(x, d.row_offsets, d.src_info, sc["rows"], stream)
+            if return_recv_hook:
+                g._impl.combine_async(sc["rows"], stream)
+            else:
+                g._impl.combine(sc["rows"], topk_weights, stream, combined)
+        hook = None
+        if return_recv_hook:
+            def receive_hook():
+                s = torch.cuda.current_stream()
+                g._impl.combine_wait(topk_weights, s.cuda_stream, combined)
+
+            hook = receive_hook
+            event = EventOverlap(None)
+        else:
+            event = self._finish(compute, comm, async_finish, (x, topk_weights, combined))
+        return combined, event, hook
+
+
+def _hostname() -> str:
+    import socket
+
+    return socket.gethostname()

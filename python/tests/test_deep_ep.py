@@ -1,0 +1,164 @@
+"""epcomm.deep_ep, DeepEP's Buffer API: the argument checks (every rejected argument, no GPU
+needed) and, on a GPU, deep_ep_worker.py under torchrun with 1, 2 and 4 processes sharing the
+GPUs there are. Skipped, with the reason, without PyTorch (and the GPU part without a GPU)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="epcomm.deep_ep needs PyTorch")
+import torch.distributed as dist  # noqa: E402
+
+import epcomm  # noqa: E402
+from epcomm import deep_ep  # noqa: E402
+from epcomm.deep_ep import Buffer, Config, EventOverlap  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope="module")
+def world():
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+
+
+@pytest.fixture
+def buf(world):
+    return Buffer(world, int(1e6), 0, low_latency_mode=True, explicitly_destroy=True,
+                  max_tokens_per_rank=32)
+
+
+def raises(match, fn, *args, **kwargs):
+    with pytest.raises(epcomm.InvalidArgument, match=match) as e:
+        fn(*args, **kwargs)
+    assert isinstance(e.value, ValueError)
+    return e.value
+
+
+def test_import_surface():
+    assert deep_ep.topk_idx_t is torch.int64
+    for name in ("Buffer", "Config", "EventOverlap", "topk_idx_t"):
+        assert hasattr(deep_ep, name)
+    cfg = Buffer.get_dispatch_config(8)
+    assert isinstance(cfg, Config) and cfg.num_sms == Buffer.num_sms
+    assert Config(24, 6, 256).get_rdma_buffer_size_hint(7168 * 2, 8) == 0
+    assert Config(24, 6, 256).get_nvl_buffer_size_hint(7168 * 2, 8) > 0
+    assert Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 256) > 0
+    ev = EventOverlap(None)
+    with ev:  # no event: nothing to wait for
+        pass
+    with pytest.raises(epcomm.Error, match="no event"):
+        ev.current_stream_wait()
+
+
+def test_constructor_rejects_what_it_cannot_honour(world):
+    raises("comm", Buffer, world, comm=object())
+    raises("group must be", Buffer, None)
+    raises("allow_nvlink_for_low_latency_mode", Buffer, world,
+           allow_nvlink_for_low_latency_mode=False)
+    raises("allow_mnnvl", Buffer, world, allow_mnnvl=True)
+    raises("enable_shrink", Buffer, world, enable_shrink=True)
+    raises("max_tokens_per_rank", Buffer, world, max_tokens_per_rank=0)
+    raises("new_num_sms", Buffer.set_num_sms, 0)
+    raises("num_sms", Config, 0)
+    with pytest.raises(TypeError):
+        Buffer(world, no_such_argument=1)
+
+
+def test_buffer_calls_reject_bad_arguments(buf):
+    T, H, K, E = 4, 256, 2, 8
+    x = torch.ones((T, H), dtype=torch.bfloat16)
+    idx = torch.zeros((T, K), dtype=torch.int64)
+    w = torch.ones((T, K), dtype=torch.float32)
+    raises("topk_idx must be torch.int64", buf.get_dispatch_layout, idx.int(), E)
+    raises("num_experts", buf.get_dispatch_layout, idx, 0)
+    raises("allocate_on_comm_stream", buf.get_dispatch_layout, idx, E,
+           allocate_on_comm_stream=True)
+    in_rank = torch.ones((T, 1), dtype=torch.bool)
+    per_e = torch.zeros(E, dtype=torch.int32)
+    d = dict(is_token_in_rank=in_rank, num_tokens_per_expert=per_e)
+    raises("x must be torch.bfloat16", buf.dispatch, x.float(), **d)
+    raises("x must be 2-D", buf.dispatch, x.view(-1), **d)
+    raises("x must be contiguous", buf.dispatch, x.t(), **d)
+    raises(r"x\[0\] must be a 1-byte", buf.dispatch, (x, torch.ones(T, 2)), **d)
+    raises(r"x\[1\] must have 4 rows", buf.dispatch,
+           (torch.ones((T, H), dtype=torch.uint8), torch.ones(T + 1, 2)), **d)
+    raises("max_tokens_per_rank", buf.dispatch, torch.ones((33, H), dtype=torch.bfloat16),
+           **dict(d, is_token_in_rank=torch.ones((33, 1), dtype=torch.bool)))
+    raises("num_tokens_per_rdma_rank", buf.dispatch, x, num_tokens_per_rdma_rank=per_e, **d)
+    raises("is_token_in_rank must be torch.bool", buf.dispatch, x,
+           **dict(d, is_token_in_rank=in_rank.int()))
+    raises("num_tokens_per_expert must be torch.int32", buf.dispatch, x,
+           **dict(d, num_tokens_per_expert=per_e.long()))
+    raises("together", buf.dispatch, x, topk_idx=idx, **d)
+    raises("topk_idx must be torch.int64", buf.dispatch, x, topk_idx=idx.int(), topk_weights=w,
+           **d)
+    raises("topk_weights must be torch.float32", buf.dispatch, x, topk_idx=idx,
+           topk_weights=w.double(), **d)
+    raises("num_worst_tokens needs topk_idx", buf.dispatch, x, num_worst_tokens=8, **d)
+    raises("expert_alignment", buf.dispatch, x, expert_alignment=0, **d)
+    raises("handle must come from", buf.dispatch, x, handle=object())
+    raises("handle must come from", buf.combine, x, object())
+    # Low-latency mode.
+    ll = (x, idx, 8, E)
+    raises("round_scale", buf.low_latency_dispatch, *ll, round_scale=True)
+    raises("use_ue8m0", buf.low_latency_dispatch, *ll, use_ue8m0=True)
+    raises("dispatch_wait_recv_cost_stats", buf.low_latency_dispatch, *ll,
+           dispatch_wait_recv_cost_stats=torch.zeros(1, dtype=torch.int64))
+    raises("cannot both", buf.low_latency_dispatch, *ll, async_finish=True,
+           return_recv_hook=True)
+    raises("x must be torch.bfloat16", buf.low_latency_dispatch, x.half(), idx, 8, E)
+    raises("topk_idx must be torch.int64", buf.low_latency_dispatch, x, idx.int(), 8, E)
+    raises("num_max_dispatch_tokens_per_rank", buf.low_latency_dispatch, x, idx, 2, E)
+    raises("num_experts", buf.low_latency_dispatch, x, idx, 8, 0)
+    raises("at most 16", buf.low_latency_dispatch, x, torch.zeros((T, 17), dtype=torch.int64),
+           8, E)
+    raises("multiple of 128", buf.low_latency_dispatch, x[:, :96].contiguous(), idx, 8, E)
+    raises("cumulative_local_expert_recv_stats", buf.low_latency_dispatch, *ll,
+           cumulative_local_expert_recv_stats=torch.zeros(3, dtype=torch.int32))
+    raises("use_logfmt", buf.low_latency_combine, x, idx, w, None, use_logfmt=True)
+    raises("combine_wait_recv_cost_stats", buf.low_latency_combine, x, idx, w, None,
+           combine_wait_recv_cost_stats=torch.zeros(1))
+    raises("handle must come from", buf.low_latency_combine, x, idx, w, None)
+    raises("handle must come from", buf.get_next_low_latency_combine_buffer, None)
+    raises("get_local_buffer_tensor", buf.get_local_buffer_tensor, torch.bfloat16)
+    # Valid arguments on the CPU: the last check names the tensor and the GPU it needs.
+    raises("x is on cpu", buf.low_latency_dispatch, *ll)
+
+
+def test_low_latency_needs_the_mode(world):
+    b = Buffer(world, low_latency_mode=False)
+    raises("low_latency_mode=False", b.low_latency_dispatch,
+           torch.ones((1, 128), dtype=torch.bfloat16), torch.zeros((1, 1), dtype=torch.int64),
+           8, 8)
+    raises("explicitly_destroy=False", b.destroy)
+
+
+def test_destroyed_buffer_refuses_calls(buf):
+    buf.destroy()
+    raises("destroyed", buf.get_dispatch_layout, torch.zeros((1, 1), dtype=torch.int64), 8)
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU visible")
+
+
+def torchrun(nproc, *args, timeout=500):
+    env = dict(os.environ, PYTHONUNBUFFERED="1", NCCL_NVLS_ENABLE="0",
+               TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", os.path.join(HERE, "deep_ep_worker.py"), *args]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    out = r.stdout + r.stderr
+    print(out)
+    assert r.returncode == 0, out[-4000:]
+    assert out.count("PASS [rank") == nproc, out[-4000:]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("nproc", [1, 2, 4])
+def test_deep_ep_calls_under_torchrun(nproc):
+    torchrun(nproc)
