@@ -113,11 +113,11 @@ class _Routing:
     """What a normal-mode dispatch fixes: which ranks each token went to, and the receive side's
     row count. The handle DeepEP returns (opaque here: its fields are epcomm's)."""
 
-    def __init__(self, buffer, rank_ids, is_token_in_rank, num_experts, num_rows, worst):
+    def __init__(self, buffer, rank_ids, is_token_in_rank, num_experts, num_rows, worst, T):
         self.buffer = buffer
         self.rank_ids = rank_ids          # int32 [T, R]: r or -1 (the epcomm groups' top-k)
         self.is_token_in_rank = is_token_in_rank
-        self.num_tokens = int(rank_ids.size(0))
+        self.num_tokens = int(T)
         self.num_experts = num_experts
         self.num_rows = num_rows          # rows of recv_x (num_worst_tokens where given)
         self.worst = worst                # the recv row cap (num_worst_tokens) or 0
@@ -351,11 +351,15 @@ class Buffer:
             _bad(call, "allocate_on_comm_stream=True needs previous_event and async_finish=True")
         self._on_device(call, topk_idx=topk_idx)
         compute, comm = self._streams(call, previous_event, async_finish, allocate_on_comm_stream)
+        # Everything this call enqueues runs on the comm stream, after previous_event (the
+        # allocations are on the stream the caller asked for; they launch nothing).
         with torch.cuda.stream(comm if allocate_on_comm_stream else compute):
             T = topk_idx.size(0)
-            per_expert = torch.zeros(num_experts + 1, dtype=torch.int32, device=self.device)
-            in_rank = torch.zeros((T, R + 1), dtype=torch.bool, device=self.device)
+            per_expert = torch.empty(num_experts + 1, dtype=torch.int32, device=self.device)
+            in_rank = torch.empty((T, R + 1), dtype=torch.bool, device=self.device)
         with torch.cuda.stream(comm):
+            per_expert.zero_()
+            in_rank.zero_()
             valid = (topk_idx >= 0) & (topk_idx < num_experts)
             e = torch.where(valid, topk_idx, num_experts)
             per_expert.index_add_(0, e.flatten(), torch.ones_like(e.flatten(), dtype=torch.int32))
@@ -445,10 +449,7 @@ class Buffer:
                             num_tokens_per_expert=num_tokens_per_expert,
                             num_tokens_per_rank=num_tokens_per_rank, topk_idx=topk_idx,
                             topk_weights=topk_weights)
-            rank_ids = torch.where(is_token_in_rank,
-                                   torch.arange(R, dtype=torch.int32, device=codes.device),
-                                   torch.full((), -1, dtype=torch.int32, device=codes.device))
-            routing = _Routing(self, rank_ids, is_token_in_rank, E, 0, int(num_worst_tokens))
+            routing = _Routing(self, None, is_token_in_rank, E, 0, int(num_worst_tokens), T)
         self._on_device(call, x=codes, scales=scales)
         S = 0 if scales is None else scales.size(1)
         meta_words = S + 2 * K  # int32 words: scales, then topk_idx, then weights
@@ -456,6 +457,10 @@ class Buffer:
         alloc = comm if allocate_on_comm_stream else compute
         with torch.cuda.stream(comm):
             stream = comm.cuda_stream
+            if routing.rank_ids is None:  # on the comm stream: after previous_event
+                routing.rank_ids = torch.where(
+                    is_token_in_rank, torch.arange(R, dtype=torch.int32, device=codes.device),
+                    torch.full((), -1, dtype=torch.int32, device=codes.device))
             payload = codes if scales is None and codes.dtype == torch.bfloat16 else \
                 codes.view(torch.uint8).view(torch.bfloat16)
             data_key = ("data", payload.size(1), num_sms, routing.worst)
