@@ -1,0 +1,166 @@
+"""What the DeepEP layer (epcomm.deep_ep) costs over epcomm's own calls, for the benchmark's
+`decode` and `prefill` workloads, under torchrun:
+
+    torchrun --nproc-per-node N bench/deep_ep_bench.py [--sms 24] [--iters 50]
+
+For each workload and each side (dispatch, combine) it times, with CUDA events around each call
+after a warm-up, over three rotating input sets, and prints median (min, max) in µs:
+  layer    the DeepEP calls: decode = low_latency_dispatch / low_latency_combine (FP8),
+           prefill = get_dispatch_layout + dispatch / combine (bf16, top-k and weights)
+  epcomm   epcomm.Group.dispatch / combine of the same tokens, routing and format from Python
+and their difference, the layer's cost. Each layer result is checked once against the epcomm
+result of the same inputs (decode: every combined row; prefill: every received and combined
+row). Processes sharing one GPU measure fixed costs, not links: the script says so.
+"""
+
+import argparse
+import statistics
+
+import torch
+import torch.distributed as dist
+
+import epcomm
+from epcomm.deep_ep import Buffer
+
+WORKLOADS = {  # name: (tokens per rank, hidden, top-k, experts, format)
+    "decode": (128, 7168, 8, 256, "fp8-blockwise"),
+    "prefill": (4096, 7168, 8, 256, "bf16"),
+}
+
+
+def inputs(T, H, K, E, seed, dev):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = ((torch.rand((T, H), generator=g) + 0.5) * (torch.randint(0, 2, (T, H), generator=g)
+                                                  * 2 - 1)).to(torch.bfloat16).to(dev)
+    scores = torch.randn((T, E), generator=g).abs() + 1
+    idx = scores.topk(K, dim=1).indices.to(dev)
+    w = (torch.rand((T, K), generator=g) + 0.1).to(dev)
+    return x, idx, w
+
+
+def timed(fn, iters, sets):
+    """Median, min, max µs of fn(i) (input set i) with events around each call."""
+    times = []
+    for i in range(iters):
+        dist.barrier()
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn(i % len(sets))
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000.0)
+    return statistics.median(times), min(times), max(times)
+
+
+def fmt(t):
+    return f"{t[0]:8.1f} ({t[1]:.1f}, {t[2]:.1f})"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sms", type=int, default=24)
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--workloads", default="decode,prefill")
+    args = ap.parse_args()
+    dist.init_process_group("gloo")
+    me, n = dist.get_rank(), dist.get_world_size()
+    dev_i, per_gpu = epcomm.torch_device()
+    torch.cuda.set_device(dev_i)
+    dev = torch.device("cuda", dev_i)
+    Buffer.set_num_sms(args.sms)
+    if me == 0:
+        print(f"# {n} rank(s), {torch.cuda.get_device_name(dev)}, {args.sms} SMs per kernel; "
+              f"median (min, max) µs over {args.iters} calls")
+        if per_gpu > 1:
+            print(f"# {per_gpu} ranks share each GPU: the figures are the protocol's fixed "
+                  "costs, not link time")
+    for name in args.workloads.split(","):
+        T, H, K, E, form = WORKLOADS[name]
+        sets = [inputs(T, H, K, E, 1000 * s + me, dev) for s in range(3)]
+        ids32 = [s[1].to(torch.int32) for s in sets]
+        grp = epcomm.Group.from_torch(hidden=H, top_k=K, n_experts=E, max_tokens_per_rank=T,
+                                      format=form, num_sms=args.sms, share_gpus=per_gpu > 1)
+        buf = Buffer(dist.group.WORLD, low_latency_mode=True, explicitly_destroy=True,
+                     max_tokens_per_rank=T)
+        rows = grp.sizes.max_recv_rows
+        y_native = torch.randn((rows, H), device=dev).to(torch.bfloat16)
+        res = {}
+        if name == "decode":
+            E_l = E // n
+            y_pad = torch.randn((E_l, n * T, H), device=dev).to(torch.bfloat16)
+            state = {}
+
+            def layer_d(i):
+                x, idx, _ = sets[i]
+                state["h"] = buf.low_latency_dispatch(x, idx, T, E, use_fp8=True)[2]
+
+            def layer_c(i):
+                _, idx, w = sets[i]
+                buf.low_latency_combine(y_pad, idx, w, state["h"])
+
+            def native_d(i):
+                grp.dispatch(sets[i][0], ids32[i])
+
+            def native_c(i):
+                grp.combine(y_native, sets[i][2])
+
+            for _ in range(args.warmup):
+                layer_d(0), layer_c(0), native_d(0), native_c(0)
+            # Check: the layer's combine of expert rows (y = the dispatched values) equals
+            # epcomm's combine of the same values.
+            x, idx, w = sets[1]
+            recv, count, h, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=True)
+            deq = (recv[0].float() * recv[1].repeat_interleave(128, dim=2)).to(torch.bfloat16)
+            got, _, _ = buf.low_latency_combine(deq, idx, w, h)
+            d = grp.dispatch(x, ids32[1])
+            sc = d.scales.t().repeat_interleave(128, dim=1)[: d.tokens.size(0)]
+            deq_n = (d.tokens.float() * sc).to(torch.bfloat16)
+            want = grp.combine(deq_n, w)
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), "decode check"
+            res["dispatch"] = (timed(layer_d, args.iters, sets), timed(native_d, args.iters, sets))
+            res["combine"] = (timed(layer_c, args.iters, sets), timed(native_c, args.iters, sets))
+        else:
+            state = {}
+
+            def layer_d(i):
+                x, idx, w = sets[i]
+                pr, _, pe, ir, _ = buf.get_dispatch_layout(idx, E)
+                out = buf.dispatch(x, num_tokens_per_rank=pr, is_token_in_rank=ir,
+                                   num_tokens_per_expert=pe, topk_idx=idx, topk_weights=w)
+                state["x"], state["h"] = out[0], out[4]
+
+            def layer_c(i):
+                buf.combine(state["x"], state["h"])
+
+            def native_d(i):
+                grp.dispatch(sets[i][0], ids32[i], sets[i][2])
+
+            def native_c(i):
+                grp.combine(y_native)
+
+            for _ in range(args.warmup):
+                layer_d(0), layer_c(0), native_d(0), native_c(0)
+            # Check: combine of the received rows gives each token times the ranks it went to.
+            layer_d(1)
+            got, _, _ = buf.combine(state["x"], state["h"])
+            ranks = torch.zeros((T, n), dtype=torch.bool, device=dev)
+            ranks.scatter_(1, sets[1][1] // (E // n), True)
+            want = (sets[1][0].float() * ranks.sum(1, keepdim=True)).to(torch.bfloat16)
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), "prefill check"
+            res["dispatch"] = (timed(layer_d, args.iters, sets), timed(native_d, args.iters, sets))
+            res["combine"] = (timed(layer_c, args.iters, sets), timed(native_c, args.iters, sets))
+        if me == 0:
+            for side, (lay, nat) in res.items():
+                print(f"{name:8s} {side:8s} layer {fmt(lay)}  epcomm {fmt(nat)}  "
+                      f"layer cost {lay[0] - nat[0]:7.1f}")
+        buf.destroy()
+        grp.close()
+    if me == 0:
+        print("check: every layer result equals epcomm's")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
