@@ -21,6 +21,7 @@
 // The fused kernel runs 1-2 on every block, then splits the grid: senders do 3, receivers 4.
 #include <cub/block/block_scan.cuh>
 
+#include <mutex>
 #include <utility>
 
 #include "epcomm/config.h"
@@ -1227,11 +1228,22 @@ void launch_dispatch(const DispatchParams& p, bool send, bool recv, cudaStream_t
 int prepare_dispatch_kernels(const GroupView& g) {
   const int smem = int(dispatch_smem_bytes(g));
   int per_sm = 0;
+  // The attribute belongs to the kernel, not to the group: several groups of one process share
+  // it, so it only ever grows (a smaller group set up later must not shrink what an earlier one
+  // launches with). The lock makes the read and the write one step.
+  static std::mutex attribute_lock;
+  std::lock_guard<std::mutex> hold(attribute_lock);
   with_format(g.format, [&](auto k) {
     using K = decltype(k);
-    for (auto kernel : {K::fused, K::send, K::recv})
-      check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-                 "cudaFuncSetAttribute(dispatch)");  // also loads the kernel (lazy loading)
+    for (auto kernel : {K::fused, K::send, K::recv}) {
+      cudaFuncAttributes attr{};
+      check_cuda(cudaFuncGetAttributes(&attr, kernel),
+                 "cudaFuncGetAttributes(dispatch)");  // also loads the kernel (lazy loading)
+      if (attr.maxDynamicSharedSizeBytes < smem)
+        check_cuda(
+            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+            "cudaFuncSetAttribute(dispatch)");
+    }
     check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, K::fused, kThreads, smem),
                "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
   });

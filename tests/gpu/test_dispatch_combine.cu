@@ -412,6 +412,23 @@ TEST(Setup, SecondInitWorks) {
   }
 }
 
+// Groups of one process share the kernels: one set up later with a smaller configuration (less
+// dispatch shared memory) leaves an earlier, larger one working, on both paths.
+TEST(Setup, LaterSmallerGroupLeavesEarlierOnesWorking) {
+  EPCOMM_REQUIRE_GPU();
+  const int n = suite_ranks();
+  for (DispatchPath path : kBothPaths) {
+    SCOPED_TRACE(dispatch_path_name(path));
+    const int32_t max_t = path == DispatchPath::kLowLatency ? 256 : 1024;
+    LocalGroup big(with_path(make_cfg(2048, 8, 256, max_t), path), n);
+    LocalGroup small(with_path(make_cfg(2048, 2, 2 * n, max_t), path), n);
+    const auto p = reference::make_problem(n, 2048, 8, 256, random_counts(n, max_t, 41), 41);
+    EXPECT_EQ(run_round(big, p, RoundOptions{}), "");
+    const auto q = reference::make_problem(n, 2048, 2, 2 * n, random_counts(n, max_t, 42), 42);
+    EXPECT_EQ(run_round(small, q, RoundOptions{}), "");
+  }
+}
+
 // Host-checked bad input: a clear error before anything is launched, and the next call works.
 TEST(BadInput, HostChecks) {
   EPCOMM_REQUIRE_GPU();
