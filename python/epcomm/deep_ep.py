@@ -614,10 +614,16 @@ class Buffer:
         """Nothing to clean: epcomm's arrival flags carry sequence numbers."""
         self._live("clean_low_latency_buffer")
 
-    def _ll_check(self, call):
+    def _ll_check(self, call, stats_name=None, stats=None, async_finish=False,
+                  return_recv_hook=False):
+        """What every low-latency call checks first."""
         self._live(call)
         if not self.low_latency_mode:
             _bad(call, "the Buffer was made with low_latency_mode=False")
+        if stats is not None:
+            _bad(call, f"{stats_name} is not supported (epcomm has no per-rank wait timers)")
+        if async_finish and return_recv_hook:
+            _bad(call, "async_finish and return_recv_hook cannot both be set")
 
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
                              num_max_dispatch_tokens_per_rank: int, num_experts: int,
@@ -630,17 +636,13 @@ class Buffer:
         scales [E_l, R * max, H / 128] float32 column-major per expert)), recv_count int32
         [E_l]; only the first recv_count[e] rows of expert e are written."""
         call = "low_latency_dispatch"
-        self._ll_check(call)
         if round_scale:
             _bad(call, "round_scale=True (power-of-two FP8 scales) is not supported: epcomm's "
                        "scales are amax / 448")
         if use_ue8m0:
             _bad(call, "use_ue8m0=True (UE8M0 scales) is not supported")
-        if dispatch_wait_recv_cost_stats is not None:
-            _bad(call, "dispatch_wait_recv_cost_stats is not supported (epcomm has no per-rank "
-                       "wait timers)")
-        if async_finish and return_recv_hook:
-            _bad(call, "async_finish and return_recv_hook cannot both be set")
+        self._ll_check(call, "dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats,
+                       async_finish, return_recv_hook)
         _check(call, "x", x, torch.bfloat16, 2)
         T, H = x.shape
         _check(call, "topk_idx", topk_idx, topk_idx_t, 2, rows=T)
@@ -746,14 +748,10 @@ class Buffer:
         """(combined_x [T, H] bf16, event, hook): sum over k of topk_weights * the expert
         output of slot k (fp32, slot ascending, one bf16 rounding; -1 slots skipped)."""
         call = "low_latency_combine"
-        self._ll_check(call)
         if use_logfmt:
             _bad(call, "use_logfmt=True (LogFMT-compressed combine) is not supported")
-        if combine_wait_recv_cost_stats is not None:
-            _bad(call, "combine_wait_recv_cost_stats is not supported (epcomm has no per-rank "
-                       "wait timers)")
-        if async_finish and return_recv_hook:
-            _bad(call, "async_finish and return_recv_hook cannot both be set")
+        self._ll_check(call, "combine_wait_recv_cost_stats", combine_wait_recv_cost_stats,
+                       async_finish, return_recv_hook)
         if not isinstance(handle, _LowLatencyHandle) or self._groups.get(handle.key) \
                 is not handle.group:
             _bad(call, "handle must come from this Buffer's low_latency_dispatch")

@@ -2,10 +2,7 @@
 needed) and, on a GPU, deep_ep_worker.py under torchrun with 1, 2 and 4 processes sharing the
 GPUs there are. Skipped, with the reason, without PyTorch (and the GPU part without a GPU)."""
 
-import os
-import subprocess
-import sys
-
+import launch  # python/tests/launch.py
 import pytest
 
 torch = pytest.importorskip("torch", reason="epcomm.deep_ep needs PyTorch")
@@ -14,8 +11,6 @@ import torch.distributed as dist  # noqa: E402
 import epcomm  # noqa: E402
 from epcomm import deep_ep  # noqa: E402
 from epcomm.deep_ep import Buffer, Config, EventOverlap  # noqa: E402
-
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.fixture(scope="module")
@@ -146,15 +141,7 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU visi
 
 
 def torchrun(nproc, *args, timeout=500):
-    env = dict(os.environ, PYTHONUNBUFFERED="1", NCCL_NVLS_ENABLE="0",
-               TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", os.path.join(HERE, "deep_ep_worker.py"), *args]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    out = r.stdout + r.stderr
-    print(out)
-    assert r.returncode == 0, out[-4000:]
-    assert out.count("PASS [rank") == nproc, out[-4000:]
+    launch.torchrun("deep_ep_worker.py", nproc, *args, timeout=timeout)
 
 
 @gpu

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import numpy as np
+import launch  # python/tests/launch.py
 import pytest
 
 import epcomm
@@ -19,16 +20,8 @@ if not torch.cuda.is_available():
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def torchrun(nproc, *args, timeout=400):
-    env = dict(os.environ, PYTHONUNBUFFERED="1", NCCL_NVLS_ENABLE="0",
-               TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", os.path.join(HERE, "dist_worker.py"), *args]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    out = r.stdout + r.stderr
-    print(out)
-    assert r.returncode == 0, out[-4000:]
-    assert out.count("PASS [rank") == nproc, out[-4000:]
+def torchrun(nproc, *args, timeout=500):
+    launch.torchrun("dist_worker.py", nproc, *args, timeout=timeout)
 
 
 @pytest.mark.parametrize("nproc", [1, 2, 4])
