@@ -104,24 +104,18 @@ class Config:
         return 0  # one node: no RDMA buffer
 
 
-def _words(t: torch.Tensor) -> torch.Tensor:
-    """t's bytes as int32 words per row (a view): [rows, bytes / 4]."""
-    return t.view(torch.int32) if t.element_size() == 4 else t.contiguous().view(torch.int32)
-
-
 class _Routing:
     """What a normal-mode dispatch fixes: which ranks each token went to, and the receive side's
     row count. The handle DeepEP returns (opaque here: its fields are epcomm's)."""
 
-    def __init__(self, buffer, rank_ids, is_token_in_rank, num_experts, num_rows, worst, T):
+    def __init__(self, buffer, num_tokens, num_experts, worst):
         self.buffer = buffer
-        self.rank_ids = rank_ids          # int32 [T, R]: r or -1 (the epcomm groups' top-k)
-        self.is_token_in_rank = is_token_in_rank
-        self.num_tokens = int(T)
+        self.rank_ids = None              # int32 [T, R]: r or -1 (the epcomm groups' top-k)
+        self.num_tokens = num_tokens
         self.num_experts = num_experts
-        self.num_rows = num_rows          # rows of recv_x (num_worst_tokens where given)
+        self.num_rows = 0                 # rows of recv_x (num_worst_tokens where given)
         self.worst = worst                # the recv row cap (num_worst_tokens) or 0
-        self.recv_src_idx = None          # int32 [num_rows]: each row's source token
+        self.meta_key = None              # the group the top-k and weights went through
 
 
 class _LowLatencyHandle(tuple):
@@ -303,6 +297,14 @@ class Buffer:
             comm.wait_stream(compute)
         return compute, comm
 
+    def _ll_streams(self, call, async_finish, return_recv_hook):
+        """The low-latency calls run on the current stream with a hook (the hook receives
+        there), else as every other call."""
+        if return_recv_hook:
+            s = torch.cuda.current_stream()
+            return s, s
+        return self._streams(call, None, async_finish, False)
+
     def _finish(self, compute, comm, async_finish, tensors) -> EventOverlap:
         if not async_finish:
             compute.wait_stream(comm)
@@ -449,7 +451,7 @@ class Buffer:
                             num_tokens_per_expert=num_tokens_per_expert,
                             num_tokens_per_rank=num_tokens_per_rank, topk_idx=topk_idx,
                             topk_weights=topk_weights)
-            routing = _Routing(self, None, is_token_in_rank, E, 0, int(num_worst_tokens), T)
+            routing = _Routing(self, T, E, int(num_worst_tokens))
         self._on_device(call, x=codes, scales=scales)
         S = 0 if scales is None else scales.size(1)
         meta_words = S + 2 * K  # int32 words: scales, then topk_idx, then weights
@@ -478,37 +480,34 @@ class Buffer:
                 meta_key = ("meta", 2 * width, num_sms, routing.worst)
                 gm = self._dispatch_on(meta_key, m.view(torch.bfloat16), routing, num_sms, stream)
                 meta = gm._dispatch_result("torch", None, stream).tokens.view(torch.int32)
-            rows_avail = d.tokens.size(0)
-            if cached:
-                N = routing.num_rows
-                counts = None
-            elif routing.worst:
-                N = routing.worst
-                if N > rows_avail:
-                    _bad(call, f"num_worst_tokens = {N} exceeds the {rows_avail} rows a rank can "
-                               "receive")
+                if not cached:
+                    routing.meta_key = meta_key
             n_local = routing.num_experts // R
             recv_dev = d.row_offsets[1:2]
-            if K:
+            if K:  # local ids of the rows that arrived; -1 elsewhere and past the last row
                 ids = meta[:, S:S + K] - self.rank * n_local
                 ok = (ids >= 0) & (ids < n_local)
-                row_live = torch.arange(ids.size(0), device=ids.device).unsqueeze(1) < recv_dev
-                ok &= row_live
+                ok &= torch.arange(ids.size(0), device=ids.device).unsqueeze(1) < recv_dev
                 ids = torch.where(ok, ids, -1)
-                per_expert = torch.zeros(n_local + 1, dtype=torch.int32, device=ids.device)
-                per_expert.index_add_(0, torch.where(ok, ids, n_local).flatten(),
-                                      torch.ones(ids.numel(), dtype=torch.int32,
-                                                 device=ids.device))
-            if not cached and not routing.worst:
-                host = torch.cat([recv_dev.to(torch.int32),
-                                  per_expert[:n_local] if K else recv_dev[:0].to(torch.int32)])
+            counts = None  # per local expert, where the host learns them
+            if cached:
+                N = routing.num_rows
+            elif routing.worst:
+                N = routing.worst
+                if N > d.tokens.size(0):
+                    _bad(call, f"num_worst_tokens = {N} exceeds the {d.tokens.size(0)} rows a "
+                               "rank can receive")
+            else:
+                host = recv_dev.to(torch.int32)
+                if K:
+                    per_expert = torch.zeros(n_local + 1, dtype=torch.int32, device=ids.device)
+                    per_expert.index_add_(0, torch.where(ok, ids, n_local).flatten(),
+                                          torch.ones(ids.numel(), dtype=torch.int32,
+                                                     device=ids.device))
+                    host = torch.cat([host, per_expert[:n_local]])
                 host = host.cpu().tolist()  # the one host synchronisation (as DeepEP's)
-                N = host[0]
-                counts = host[1:]
-                routing.num_rows = N
-            elif not cached:
-                routing.num_rows = N
-                counts = None
+                N, counts = host[0], host[1:]
+            routing.num_rows = N
             with torch.cuda.stream(alloc):
                 recv_x = torch.empty((N, codes.size(1)), dtype=codes.dtype, device=codes.device)
                 recv_scales = None if scales is None else torch.empty(
@@ -522,19 +521,14 @@ class Buffer:
                 recv_topk_idx = ids[:N].to(topk_idx_t)
                 w = meta[:N, S + K:S + 2 * K].view(torch.float32)
                 recv_topk_weights = torch.where(ok[:N], w, 0.0)
-            if not cached:
-                routing.recv_src_idx = d.src_info[:N, 0].clone()
         out_x = recv_x if scales is None else (recv_x, recv_scales)
         event = self._finish(compute, comm, async_finish,
                              (codes, scales, recv_x, recv_scales, recv_topk_idx,
                               recv_topk_weights, topk_idx, topk_weights, routing.rank_ids))
         if cached:
             return out_x, None, None, None, None, event
-        if counts is None:
-            per_expert_list = []
-        else:
-            a = int(expert_alignment)
-            per_expert_list = [(c + a - 1) // a * a for c in counts] if K else []
+        a = int(expert_alignment)
+        per_expert_list = [(c + a - 1) // a * a for c in counts or []]
         return out_x, recv_topk_idx, recv_topk_weights, per_expert_list, routing, event
 
     def combine(self, x: torch.Tensor, handle: _Routing,
@@ -592,10 +586,8 @@ class Buffer:
             if topk_weights is not None:
                 K = topk_weights.size(1)
                 width = -(-K // 4) * 4
-                meta_key = next((k for k, v in self._routing.items()
-                                 if v is handle and k[0] == "meta" and k[1] >= 2 * width
-                                 and k[2] == num_sms), None)
-                if meta_key is None:
+                meta_key = handle.meta_key  # the dispatch's top-k group, where it fits
+                if meta_key is None or meta_key[1] < 2 * width or meta_key[2] != num_sms:
                     meta_key = ("meta", 2 * width, num_sms, handle.worst)
                 gm = self._routed_group(meta_key, 2 * width, handle, num_sms, stream)
                 mw = torch.zeros((N, meta_key[1] // 2), dtype=torch.int32, device=x.device)
@@ -669,11 +661,7 @@ class Buffer:
         S = R * max_t
         ids = topk_idx.to(torch.int32)
         dev = x.device
-        compute = torch.cuda.current_stream()
-        if return_recv_hook:
-            comm = compute
-        else:
-            compute, comm = self._streams(call, None, async_finish, False)
+        compute, comm = self._ll_streams(call, async_finish, return_recv_hook)
         with torch.cuda.stream(compute):
             codes = torch.empty((E_l, S, H), dtype=torch.float8_e4m3fn if use_fp8 else
                                 torch.bfloat16, device=dev)
@@ -776,11 +764,7 @@ class Buffer:
         if zero_copy and x.data_ptr() != sc["padded"].data_ptr():
             _bad(call, "zero_copy=True needs x to be get_next_low_latency_combine_buffer(handle)")
         g = handle.group
-        compute = torch.cuda.current_stream()
-        if return_recv_hook:
-            comm = compute
-        else:
-            compute, comm = self._streams(call, None, async_finish, False)
+        compute, comm = self._ll_streams(call, async_finish, return_recv_hook)
         with torch.cuda.stream(compute):
             combined = out if out is not None else torch.empty((T, H), dtype=torch.bfloat16,
                                                                device=x.device)

@@ -746,10 +746,7 @@ epcomm::DispatchRows dispatch_rows(const Ctx& c, const Array& row_offsets, const
 // Bytes a row of a contiguous CUDA array whose first `lead` dimensions hold `rows` rows.
 int64_t row_bytes_of(const Ctx& c, const char* name, const Array& a, int64_t rows, size_t lead) {
   const std::string who = c.op + ": " + name;
-  if (a.device_type() != nb::device::cuda::value || a.device_id() != c.device)
-    invalid(who + " must be a CUDA tensor on cuda:" + std::to_string(c.device) + "; got " +
-            device_str(a) + " memory");
-  if (!c_contiguous(a)) invalid(who + " must be contiguous (row-major)");
+  check_out(c, name, a, 0);  // contiguous CUDA memory on the call's device
   if (a.ndim() <= lead) invalid(who + " has shape " + shape_str(a) + ": it needs rows of values");
   int64_t lead_rows = 1;
   for (size_t i = 0; i < lead; ++i) lead_rows *= int64_t(a.shape(i));

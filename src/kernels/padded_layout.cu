@@ -12,7 +12,6 @@
 
 #include "epcomm/detail/device.cuh"
 #include "epcomm/detail/launch.h"
-#include "epcomm/error.h"
 #include "epcomm/padded_layout.h"
 
 namespace epcomm {
@@ -31,13 +30,17 @@ __device__ __forceinline__ int32_t group_of(const DispatchRows& r, int64_t i) {
   int32_t lo = 0, hi = r.groups - 1;
   while (lo < hi) {
     const int32_t mid = (lo + hi + 1) / 2;
-    if (int64_t(r.row_offsets[mid]) <= i) lo = mid; else hi = mid - 1;
+    if (int64_t(r.row_offsets[mid]) <= i)
+      lo = mid;
+    else
+      hi = mid - 1;
   }
   return lo;
 }
 
 __device__ __forceinline__ void copy_row(uint4* dst, const uint4* src, int64_t units, int lane) {
-  for (int64_t u = lane; u < units; u += kWarpSize) dst[u] = src[u];
+  for (int64_t u = lane; u < units; u += kWarpSize)
+    dst[u] = src[u];
 }
 
 __global__ void __launch_bounds__(kThreads) pad_kernel(PadExpertRows a) {
@@ -45,7 +48,8 @@ __global__ void __launch_bounds__(kThreads) pad_kernel(PadExpertRows a) {
   const int64_t thread = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   for (int64_t g = thread; g < r.groups; g += int64_t(gridDim.x) * kThreads) {
     int64_t n = int64_t(r.row_offsets[g + 1]) - r.row_offsets[g];
-    while (n > 0 && r.src_info[r.row_offsets[g] + n - 1].rank < 0) --n;
+    while (n > 0 && r.src_info[r.row_offsets[g] + n - 1].rank < 0)
+      --n;
     a.counts[g] = int32_t(min(n, a.capacity));
   }
   const int lane = int(threadIdx.x) % kWarpSize;
@@ -69,9 +73,9 @@ __global__ void __launch_bounds__(kThreads) pad_kernel(PadExpertRows a) {
       if (a.src_token != nullptr) a.src_token[slot] = s.token;
       if (a.layout_range != nullptr && s.rank < a.n_ranks) {
         const bool first = j == 0 || r.src_info[i - 1].rank != s.rank;
-        atomicAdd(reinterpret_cast<unsigned long long*>(a.layout_range) +
-                      int64_t(g) * a.n_ranks + s.rank,
-                  (first ? (static_cast<unsigned long long>(j) << 32) : 0ull) + 1ull);
+        atomicAdd(
+            reinterpret_cast<unsigned long long*>(a.layout_range) + int64_t(g) * a.n_ranks + s.rank,
+            (first ? (static_cast<unsigned long long>(j) << 32) : 0ull) + 1ull);
       }
     }
   }
@@ -88,7 +92,8 @@ __global__ void __launch_bounds__(kThreads) unpad_kernel(UnpadExpertRows a) {
     const int32_t g = group_of(r, i);
     const int64_t j = i - int64_t(r.row_offsets[g]);
     if (r.src_info[i].rank < 0 || j >= a.capacity) {
-      for (int64_t u = lane; u < units; u += kWarpSize) dst[u] = make_uint4(0u, 0u, 0u, 0u);
+      for (int64_t u = lane; u < units; u += kWarpSize)
+        dst[u] = make_uint4(0u, 0u, 0u, 0u);
       continue;
     }
     copy_row(dst, static_cast<const uint4*>(a.padded) + (int64_t(g) * a.capacity + j) * units,
@@ -96,42 +101,26 @@ __global__ void __launch_bounds__(kThreads) unpad_kernel(UnpadExpertRows a) {
   }
 }
 
-[[noreturn]] void bad(const char* op, const std::string& what) {
-  throw Error(ErrorCode::kInvalidArgument, std::string("epcomm ") + op + ": " + what);
-}
-
-void check_ptr(const char* op, const char* name, const void* p, uintptr_t align) {
-  if (p == nullptr) bad(op, std::string(name) + " is null");
-  if (reinterpret_cast<uintptr_t>(p) % align != 0)
-    bad(op, std::string(name) + " is not " + std::to_string(align) + "-byte aligned");
-}
-
 void check_rows(const char* op, const DispatchRows& r, int64_t row_bytes, int64_t capacity) {
-  check_ptr(op, "row_offsets", r.row_offsets, 4);
-  check_ptr(op, "src_info", r.src_info, alignof(SrcInfo));
-  if (r.groups < 1) bad(op, "groups = " + std::to_string(r.groups) + " must be at least 1");
+  check_pointer(op, "row_offsets", r.row_offsets, 4);
+  check_pointer(op, "src_info", r.src_info, alignof(SrcInfo));
+  if (r.groups < 1) invalid(op, "groups = " + std::to_string(r.groups) + " must be at least 1");
   if (r.max_rows < 0 || r.max_rows >= (int64_t(1) << 31))
-    bad(op, "max_rows = " + std::to_string(r.max_rows) + " is outside [0, 2^31)");
+    invalid(op, "max_rows = " + std::to_string(r.max_rows) + " is outside [0, 2^31)");
   if (row_bytes <= 0 || row_bytes % 16 != 0)
-    bad(op, "row_bytes = " + std::to_string(row_bytes) + " is not a positive multiple of 16");
+    invalid(op, "row_bytes = " + std::to_string(row_bytes) + " is not a positive multiple of 16");
   if (capacity < 0 || capacity >= (int64_t(1) << 31))
-    bad(op, "capacity = " + std::to_string(capacity) + " is outside [0, 2^31)");
+    invalid(op, "capacity = " + std::to_string(capacity) + " is outside [0, 2^31)");
 }
 
-// At most one resident wave of blocks, and no more than the rows need.
-template <class Kernel, class Args>
-void launch_rows(const char* op, Kernel kernel, int64_t rows, int64_t min_threads, Args args,
+// At most one resident wave of blocks, and no more than the rows (and min_threads) need.
+template <auto K, class Args>
+void launch_rows(const char* op, int64_t rows, int64_t min_threads, Args args,
                  cudaStream_t stream) {
-  int device = 0, sms = 0, per_sm = 0;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
-             "cudaDeviceGetAttribute");
-  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0),
-             "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-  const int64_t wave = int64_t(sms) * std::max(per_sm, 1);
-  const int64_t need = std::max((rows + kWarps - 1) / kWarps, (min_threads + kThreads - 1) / kThreads);
-  const int64_t blocks = std::max<int64_t>(1, std::min(need, wave));
-  kernel<<<unsigned(blocks), kThreads, 0, stream>>>(args);
+  const int64_t need =
+      std::max((rows + kWarps - 1) / kWarps, (min_threads + kThreads - 1) / kThreads);
+  const int64_t blocks = std::max<int64_t>(1, std::min(need, resident_wave<K, kThreads, 0>()));
+  K<<<unsigned(blocks), kThreads, 0, stream>>>(args);
   check_cuda(cudaGetLastError(), op);
 }
 
@@ -142,31 +131,32 @@ void pad_expert_rows(const PadExpertRows& a, cudaStream_t stream) {
   using namespace detail;
   const char* op = "pad_expert_rows";
   check_rows(op, a.rows, a.row_bytes, a.capacity);
-  check_ptr(op, "codes", a.codes, 16);
-  check_ptr(op, "padded_codes", a.padded_codes, 16);
-  check_ptr(op, "counts", a.counts, 4);
+  check_pointer(op, "codes", a.codes, 16);
+  check_pointer(op, "padded_codes", a.padded_codes, 16);
+  check_pointer(op, "counts", a.counts, 4);
   if (a.scales != nullptr) {
-    check_ptr(op, "padded_scales", a.padded_scales, 4);
-    if (a.scale_cols < 1) bad(op, "scale_cols = " + std::to_string(a.scale_cols) + " with scales");
+    check_pointer(op, "padded_scales", a.padded_scales, 4);
+    if (a.scale_cols < 1)
+      invalid(op, "scale_cols = " + std::to_string(a.scale_cols) + " with scales");
   }
-  if (a.src_token != nullptr) check_ptr(op, "src_token", a.src_token, 4);
+  if (a.src_token != nullptr) check_pointer(op, "src_token", a.src_token, 4);
   if (a.layout_range != nullptr) {
-    check_ptr(op, "layout_range", a.layout_range, 8);
-    if (a.n_ranks < 1) bad(op, "n_ranks = " + std::to_string(a.n_ranks) + " with layout_range");
-    check_cuda(cudaMemsetAsync(a.layout_range, 0, size_t(a.rows.groups) * size_t(a.n_ranks) * 8,
-                               stream),
-               "cudaMemsetAsync");
+    check_pointer(op, "layout_range", a.layout_range, 8);
+    if (a.n_ranks < 1) invalid(op, "n_ranks = " + std::to_string(a.n_ranks) + " with layout_range");
+    check_cuda(
+        cudaMemsetAsync(a.layout_range, 0, size_t(a.rows.groups) * size_t(a.n_ranks) * 8, stream),
+        "cudaMemsetAsync");
   }
-  launch_rows(op, pad_kernel, a.rows.max_rows, a.rows.groups, a, stream);
+  launch_rows<pad_kernel>(op, a.rows.max_rows, a.rows.groups, a, stream);
 }
 
 void unpad_expert_rows(const UnpadExpertRows& a, cudaStream_t stream) {
   using namespace detail;
   const char* op = "unpad_expert_rows";
   check_rows(op, a.rows, a.row_bytes, a.capacity);
-  check_ptr(op, "padded", a.padded, 16);
-  check_ptr(op, "out", a.out, 16);
-  launch_rows(op, unpad_kernel, a.rows.max_rows, 0, a, stream);
+  check_pointer(op, "padded", a.padded, 16);
+  check_pointer(op, "out", a.out, 16);
+  launch_rows<unpad_kernel>(op, a.rows.max_rows, 0, a, stream);
 }
 
 }  // namespace epcomm

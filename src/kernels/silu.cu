@@ -40,7 +40,7 @@ namespace {
 
 constexpr int kSiluThreads = 256;
 constexpr int kSiluWarps = kSiluThreads / kWarpSize;
-constexpr int kUnroll = 2;      // steps whose loads a lane has in flight together
+constexpr int kUnroll = 2;  // steps whose loads a lane has in flight together
 
 // What every variant reads.
 struct SiluRows {
@@ -373,16 +373,6 @@ constexpr size_t nvfp4_smem_bytes(int32_t groups) {
 
 // ---- host side ------------------------------------------------------------------------------
 
-[[noreturn]] void invalid(const char* op, const std::string& what) {
-  throw Error(ErrorCode::kInvalidArgument, std::string(op) + ": " + what);
-}
-
-void check_pointer(const char* op, const char* name, const void* p, size_t align) {
-  if (p == nullptr) invalid(op, std::string(name) + " is null");
-  if (reinterpret_cast<uintptr_t>(p) % align != 0)
-    invalid(op, std::string(name) + " is not " + std::to_string(align) + "-byte aligned");
-}
-
 // The checks every variant shares; `group` is the format's values per scale (8 for bf16).
 SiluRows checked_rows(const char* op, const SiluInput& in, int32_t group) {
   check_pointer(op, "x", in.x, 16);
@@ -405,19 +395,6 @@ SiluRows checked_rows(const char* op, const SiluInput& in, int32_t group) {
 // The most dynamic shared memory a SiLU kernel takes (NVFP4 with kSiluMaxGroups groups).
 constexpr size_t kMaxSmemBytes = nvfp4_smem_bytes(kSiluMaxGroups);
 
-// Resident blocks of kernel K per SM, asked once: it depends on the kernel's resources and the
-// architecture, not on the call (kMaxSmemBytes makes it a lower bound for every call).
-template <auto K>
-int blocks_per_sm() {
-  static const int per_sm = [] {
-    int n = 0;
-    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, K, kSiluThreads, kMaxSmemBytes),
-               "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-    return std::max(n, 1);
-  }();
-  return per_sm;
-}
-
 // Launches K with at most one resident wave of blocks, and no more than `work_warps` warps of
 // work need.
 template <auto K, class Out>
@@ -425,11 +402,8 @@ void launch(const char* op, int64_t work_warps, size_t smem, cudaStream_t stream
             Out out) {
   static_assert(std::is_same<decltype(K), void (*)(SiluRows, Out)>::value,
                 "the arguments must be the kernel's: cudaLaunchKernel does not check them");
-  int device = 0, sms = 0;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
-             "cudaDeviceGetAttribute");
-  const int64_t wave = int64_t(sms) * blocks_per_sm<K>();
+  // kMaxSmemBytes: the wave is a lower bound for every call's shared memory.
+  const int64_t wave = resident_wave<K, kSiluThreads, kMaxSmemBytes>();
   const int64_t blocks =
       std::max<int64_t>(1, std::min((work_warps + kSiluWarps - 1) / kSiluWarps, wave));
   void* args[] = {&in, &out};

@@ -4,6 +4,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <string>
 
 #include "epcomm/error.h"
@@ -13,11 +14,40 @@ namespace detail {
 
 inline void check_cuda(cudaError_t e, const char* what) {
   if (e != cudaSuccess)
-    throw Error(ErrorCode::kCuda,
-                std::string(what) + " failed: " + cudaGetErrorName(e) + ": " + cudaGetErrorString(e));
+    throw Error(ErrorCode::kCuda, std::string(what) + " failed: " + cudaGetErrorName(e) + ": " +
+                                      cudaGetErrorString(e));
+}
+
+// Argument checks of the launch-only entry points (SiLU, padded layout): Error(kInvalidArgument)
+// "<op>: <what>".
+[[noreturn]] inline void invalid(const char* op, const std::string& what) {
+  throw Error(ErrorCode::kInvalidArgument, std::string(op) + ": " + what);
+}
+inline void check_pointer(const char* op, const char* name, const void* p, size_t align) {
+  if (p == nullptr) invalid(op, std::string(name) + " is null");
+  if (reinterpret_cast<uintptr_t>(p) % align != 0)
+    invalid(op, std::string(name) + " is not " + std::to_string(align) + "-byte aligned");
 }
 
 #if defined(__CUDACC__)
+// Blocks of kernel K (Threads threads, at most Smem bytes of dynamic shared memory) the current
+// device holds at once: one resident wave, for grid-stride kernels that need no more. The
+// per-SM count depends on the kernel and the architecture, not on the call: asked once.
+template <auto K, int Threads, size_t Smem>
+int64_t resident_wave() {
+  static const int per_sm = [] {
+    int n = 0;
+    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, K, Threads, Smem),
+               "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+    return n > 1 ? n : 1;
+  }();
+  int device = 0, sms = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
+             "cudaDeviceGetAttribute");
+  return int64_t(sms) * per_sm;
+}
+
 template <class Kernel, class... Args>
 void launch_cooperative(Kernel kernel, int blocks, int threads, size_t smem, cudaStream_t stream,
                         const Args&... args) {
