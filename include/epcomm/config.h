@@ -64,6 +64,16 @@ struct Config {
   // kLowLatencyMaxTokens.
   DispatchPath dispatch_path = DispatchPath::kAuto;
 
+  // Nodes. Ranks of one node reach each other's memory with loads and stores (NVLink); traffic
+  // between ranks of different nodes goes through NVSHMEM (a build with the NVSHMEM component,
+  // -DEPCOMM_WITH_NVSHMEM=ON). 0: the hardware decides: ranks whose processes run on one host
+  // form a node (they must be consecutive ranks, the same number on every host). n > 0 declares
+  // the group to be n_ranks / n nodes of n consecutive ranks whatever the hardware, so that
+  // every transfer between those "nodes" goes through NVSHMEM: for tests and benchmarks of the
+  // cross-node path on one machine (e.g. 4 processes on one GPU as 2 nodes x 2 ranks). Must
+  // divide n_ranks. Ranks of one node must be able to map each other's memory.
+  int32_t ranks_per_node = 0;
+
   // Modes (SPEC §7).
   // Fused shared expert: group 0 of every rank's dispatch output holds this rank's own tokens
   // (rows [0, T), token order, in the dispatch format; expert_ids[0] = kSharedExpertId), the

@@ -182,6 +182,12 @@ struct MessageLayout {
   EPCOMM_HD int64_t scales_offset() const { return header_bytes() + codes_bytes(); }
   EPCOMM_HD int64_t payload_bytes() const { return codes_bytes() + scales_bytes(); }
   EPCOMM_HD int64_t bytes() const { return header_bytes() + payload_bytes(); }
+  // Byte ranges of the low-latency path's part p (values [p * kPartValues, ...), see below)
+  // inside a message: its codes and its scales (empty for bf16).
+  EPCOMM_HD int64_t part_codes_offset(int32_t p) const;
+  EPCOMM_HD int64_t part_codes_bytes(int32_t p) const;
+  EPCOMM_HD int64_t part_scales_offset(int32_t p) const;
+  EPCOMM_HD int64_t part_scales_bytes(int32_t p) const;
 };
 
 // The dispatch receive buffer of one rank: a stream of messages per source rank; message i of
@@ -213,6 +219,23 @@ EPCOMM_HD constexpr int32_t num_chunks(int32_t tokens) {
 constexpr int32_t kPartValues = 1024;
 EPCOMM_HD constexpr int32_t num_parts(int32_t hidden) {
   return (hidden + kPartValues - 1) / kPartValues;
+}
+EPCOMM_HD int64_t MessageLayout::part_codes_offset(int32_t p) const {
+  return payload_offset() + format_row_bytes(format, p * kPartValues);
+}
+EPCOMM_HD int64_t MessageLayout::part_codes_bytes(int32_t p) const {
+  const int32_t end = (p + 1) * kPartValues < hidden ? (p + 1) * kPartValues : hidden;
+  return format_row_bytes(format, end) - format_row_bytes(format, p * kPartValues);
+}
+EPCOMM_HD int64_t MessageLayout::part_scales_offset(int32_t p) const {
+  return scales_offset() +
+         int64_t(format_scales_per_row(format, p * kPartValues)) * format_scale_bytes(format);
+}
+EPCOMM_HD int64_t MessageLayout::part_scales_bytes(int32_t p) const {
+  const int32_t end = (p + 1) * kPartValues < hidden ? (p + 1) * kPartValues : hidden;
+  return int64_t(format_scales_per_row(format, end) -
+                 format_scales_per_row(format, p * kPartValues)) *
+         format_scale_bytes(format);
 }
 
 // What a source tells each destination before its tokens: how many messages it sends, how many
@@ -312,6 +335,50 @@ struct WindowLayout {
   EPCOMM_HD int64_t zeroed_bytes() const { return meta_region_end(); }
 
   static constexpr int32_t kMaxPeers = 8;
+};
+
+// Nodes of a group (Config::ranks_per_node): rank r is local rank r % ranks_per_node of node
+// r / ranks_per_node. Ranks of one node reach each other's windows by loads and stores; traffic
+// to a rank of another node goes through NVSHMEM (puts into the peer's window, then a signal).
+struct NodeMap {
+  int32_t n_ranks;
+  int32_t ranks_per_node;  // divides n_ranks; n_ranks: one node
+
+  EPCOMM_HD int32_t node_of(int32_t r) const { return r / ranks_per_node; }
+  EPCOMM_HD bool remote(int32_t me, int32_t peer) const { return node_of(me) != node_of(peer); }
+  EPCOMM_HD int32_t n_remote() const { return n_ranks - ranks_per_node; }
+  // Index of a rank of another node among the ranks of other nodes, in rank order.
+  EPCOMM_HD int32_t remote_index(int32_t me, int32_t peer) const {
+    return peer < node_of(me) * ranks_per_node ? peer : peer - ranks_per_node;
+  }
+};
+
+// Where a rank stages what it sends to ranks of other nodes (allocated after its window, in the
+// same NVSHMEM allocation; none when the group is one node). The put's source must be memory
+// NVSHMEM can read on every transport, so rows are written here, then put.
+//   per remote rank i: the meta record for it, then its message stream (the same layout as the
+//   slice of its receive buffer that holds this rank's messages, so a chunk is one put);
+//   then combine rows (bf16, CombineRecvLayout::row_bytes each): the token side stages output
+//   row r at row r, the expert side the pre-summed row of message m of remote source i at row
+//   i * max_tokens + m.
+struct OutboxLayout {
+  WindowLayout window;
+  int32_t n_remote;
+  int64_t combine_rows;  // max(routed output rows, n_remote * max_tokens)
+
+  EPCOMM_HD int64_t peer_bytes() const {
+    return align_up(window.meta().bytes() + window.dispatch_recv().bytes(1), 256);
+  }
+  EPCOMM_HD int64_t meta_offset(int32_t i) const { return i * peer_bytes(); }
+  EPCOMM_HD int64_t stream_offset(int32_t i) const {
+    return i * peer_bytes() + window.meta().bytes();
+  }
+  EPCOMM_HD int64_t combine_offset(int64_t row) const {
+    return n_remote * peer_bytes() + row * window.combine_recv().row_bytes();
+  }
+  EPCOMM_HD int64_t bytes() const {
+    return n_remote == 0 ? 0 : align_up(combine_offset(combine_rows), 256);
+  }
 };
 
 // Rows of the dispatch output, group by group: group g holds rows [row_offsets[g],

@@ -215,6 +215,21 @@ __device__ void scan_units(const DispatchParams& p) {
 
 // ---- 2. meta records --------------------------------------------------------------------------
 
+// Where chunk c's messages to destination d start in d's stream from this rank, from the
+// ranking scratch; chunk num_chunks(T) gives the stream's end (the messages sent to d).
+__device__ __forceinline__ int32_t stream_chunk_start(const DispatchParams& p, int32_t c,
+                                                      int32_t d) {
+  const ExpertMap em = p.g.experts();
+  const int32_t nk = em.num_keys();
+  if (c >= num_chunks(p.num_tokens)) {
+    const int32_t n_units = (p.num_tokens + kUnitTokens - 1) / kUnitTokens;
+    return p.scratch.unit_prefix[int64_t(n_units) * nk + em.rank_key(d)];
+  }
+  const int32_t unit = c * kChunkTokens / kUnitTokens;
+  return p.scratch.unit_prefix[int64_t(unit) * nk + em.rank_key(d)] +
+         p.scratch.chunk_pos[int64_t(c) * p.g.n_ranks + d];
+}
+
 // Destination d's meta record of this call, written by one whole warp: count(j) tokens for
 // local group j, stream_count messages, n_chunks chunks starting at chunk_start(c) (c <=
 // n_chunks), then the release of its seq word.
@@ -223,7 +238,9 @@ __device__ void write_meta(const GroupView& g, unsigned long long seq, int32_t d
                            int32_t stream_count, int32_t n_chunks, ChunkStart chunk_start) {
   const int lane = threadIdx.x % kWarpSize;
   const MetaLayout ml = g.layout().meta();
-  char* meta = window_at(g, d, g.layout().meta_offset(g.rank));
+  const bool far = remote(g, d);  // staged in the outbox, then put
+  char* meta = far ? outbox_at(g, g.outbox_layout().meta_offset(g.nodes().remote_index(g.rank, d)))
+                   : window_at(g, d, g.layout().meta_offset(g.rank));
   int32_t* counts = reinterpret_cast<int32_t*>(meta + ml.counts_offset());
   for (int32_t j = lane; j < g.n_local(); j += kWarpSize)
     counts[j] = count(j);
@@ -235,7 +252,11 @@ __device__ void write_meta(const GroupView& g, unsigned long long seq, int32_t d
   for (int32_t c = lane; c <= n_chunks; c += kWarpSize)
     starts[c] = c == n_chunks ? stream_count : chunk_start(c);
   __syncwarp();
-  if (lane == 0) {
+  if (far) {  // the record after its seq word, then seq as the put's signal
+    const int64_t at = g.layout().meta_offset(g.rank);
+    warp_put(g, d, at + ml.stream_count_offset(), meta + ml.stream_count_offset(),
+             ml.bytes() - ml.stream_count_offset(), at + ml.seq_offset(), seq);
+  } else if (lane == 0) {
     fence_acq_rel_sys();
     st_release_sys(reinterpret_cast<unsigned long long*>(meta + ml.seq_offset()), seq);
   }
@@ -252,11 +273,7 @@ __device__ void send_meta(const DispatchParams& p, unsigned long long seq, bool 
     write_meta(
         g, seq, d, [&](int32_t j) { return bad ? 0 : totals[d * n_local + j]; },
         bad ? 0 : totals[em.rank_key(d)], bad ? 0 : num_chunks(p.num_tokens),
-        [&](int32_t c) {
-          const int32_t unit = c * kChunkTokens / kUnitTokens;
-          return p.scratch.unit_prefix[int64_t(unit) * nk + em.rank_key(d)] +
-                 p.scratch.chunk_pos[int64_t(c) * g.n_ranks + d];
-        });
+        [&](int32_t c) { return stream_chunk_start(p, c, d); });
   }
 }
 
@@ -344,9 +361,14 @@ struct ChunkSignals {
   // arrival -> the last warp's read of it -> that warp's system fence -> the flags (relaxed
   // stores after the fence: a release pattern), so each destination that acquires a flag sees
   // every warp's stores of the chunk.
-  __device__ void arrive(const GroupView& g, int32_t chunk, int32_t it,
+  // A destination of another node gets the chunk's messages from the outbox in one put, with
+  // the flag as its signal, from the whole last warp.
+  __device__ void arrive(const DispatchParams& p, int32_t chunk, int32_t it,
                          unsigned long long seq) const {
+    const GroupView& g = p.g;
+    const WindowLayout wl = g.layout();
     __syncwarp();
+    int32_t last = 0;
     if (threadIdx.x % kWarpSize == 0) {
       volatile int32_t* slot = arrivals + it % kSignalRing;
       const int32_t round = it / kSignalRing;
@@ -354,12 +376,27 @@ struct ChunkSignals {
       }
       __threadfence_block();
       if (atomicAdd(const_cast<int32_t*>(slot), 1) == (round + 1) * kWarps - 1) {
+        last = 1;
         __threadfence_system();
-        const WindowLayout wl = g.layout();
         for (int32_t d = 0; d < g.n_ranks; ++d)
-          st_relaxed_sys(reinterpret_cast<unsigned long long*>(
-                             window_at(g, d, wl.chunk_flag_offset(g.rank, chunk))),
-                         seq);
+          if (!remote(g, d))
+            st_relaxed_sys(reinterpret_cast<unsigned long long*>(
+                               window_at(g, d, wl.chunk_flag_offset(g.rank, chunk))),
+                           seq);
+      }
+    }
+    __syncwarp();
+    if (any_remote(g) && __shfl_sync(0xffffffffu, last, 0)) {
+      const NodeMap nm = g.nodes();
+      const OutboxLayout ob = g.outbox_layout();
+      const int64_t mb = wl.msg().bytes();
+      for (int32_t d = 0; d < g.n_ranks; ++d) {
+        if (!remote(g, d)) continue;
+        const int32_t begin = stream_chunk_start(p, chunk, d);
+        const int32_t end = stream_chunk_start(p, chunk + 1, d);
+        warp_put(g, d, wl.dispatch_recv_offset() + wl.dispatch_recv().offset(g.rank, begin),
+                 outbox_at(g, ob.stream_offset(nm.remote_index(g.rank, d)) + begin * mb),
+                 (end - begin) * mb, wl.chunk_flag_offset(g.rank, chunk), seq);
       }
     }
     __syncwarp();
@@ -422,7 +459,12 @@ __device__ Dests send_token(const DispatchParams& p, int32_t t, const LaneRoute&
   for (uint32_t m = dest_mask; m; m &= m - 1) {
     const int32_t rank = __ffs(m) - 1;
     const int32_t s = __shfl_sync(0xffffffffu, r.slot, rank);
-    char* msg = window_at(g, rank, wl.dispatch_recv_offset() + rl.offset(g.rank, s));
+    // A rank of another node: staged in the outbox at the same place of its stream.
+    char* msg =
+        remote(g, rank)
+            ? outbox_at(g, g.outbox_layout().stream_offset(g.nodes().remote_index(g.rank, rank)) +
+                               int64_t(s) * ml.bytes())
+            : window_at(g, rank, wl.dispatch_recv_offset() + rl.offset(g.rank, s));
     const uint32_t mine = __ballot_sync(0xffffffffu, dest == rank);
     if (headers) {
       MessageHeader* h = reinterpret_cast<MessageHeader*>(msg);
@@ -467,7 +509,7 @@ __device__ void send_messages(const DispatchParams& p, int32_t num_tokens, int32
     const int32_t t = chunk * kChunkTokens + threadIdx.x / kWarpSize;
     if (t < num_tokens)
       send_token<F>(p, t, route_from_scratch(p, t), 0, p.g.hidden / kLaneValues, true);
-    signals.arrive(p.g, chunk, it, seq);
+    signals.arrive(p, chunk, it, seq);
   }
 }
 
@@ -540,6 +582,24 @@ __device__ bool rank_local(const DispatchParams& p, unsigned long long seq, char
   __syncthreads();
   lr = LocalRanks{bitmap, warp_prefix, totals, nk};
   return bad;
+}
+
+// Whole warp: part `part` of message `slot` of this rank's stream to `d`, a rank of another
+// node, from the outbox into d's receive buffer; then its part flag.
+__device__ void put_part(const GroupView& g, int32_t d, int32_t slot, int32_t part,
+                         unsigned long long seq) {
+  const WindowLayout wl = g.layout();
+  const MessageLayout ml = wl.msg();
+  const int64_t at = wl.dispatch_recv_offset() + wl.dispatch_recv().offset(g.rank, slot);
+  const char* src =
+      outbox_at(g, g.outbox_layout().stream_offset(g.nodes().remote_index(g.rank, d)) +
+                       int64_t(slot) * ml.bytes());
+  if (part == 0) warp_put(g, d, at, src, ml.header_bytes());
+  warp_put(g, d, at + ml.part_codes_offset(part), src + ml.part_codes_offset(part),
+           ml.part_codes_bytes(part));
+  put_fence();
+  warp_put(g, d, at + ml.part_scales_offset(part), src + ml.part_scales_offset(part),
+           ml.part_scales_bytes(part), wl.part_flag_offset(g.rank, slot, part), seq);
 }
 
 template <TokenFormat F>
@@ -618,11 +678,19 @@ __device__ __noinline__ bool ll_send(const DispatchParams& p, unsigned long long
       fence_acq_rel_sys();
       for (int32_t w = 0; w < kWarps; ++w)
         for (int32_t j = 0; j < n_flags[w]; ++j)
-          st_relaxed_sys(
-              reinterpret_cast<unsigned long long*>(window_at(
-                  g, flag_rank[w][j], wl.part_flag_offset(g.rank, flag_slot[w][j], flag_part[w]))),
-              seq);
+          if (!remote(g, flag_rank[w][j]))
+            st_relaxed_sys(reinterpret_cast<unsigned long long*>(window_at(
+                               g, flag_rank[w][j],
+                               wl.part_flag_offset(g.rank, flag_slot[w][j], flag_part[w]))),
+                           seq);
     }
+    // Ranks of other nodes: warp 0 puts each piece from the outbox (the header with part 0, the
+    // part's codes and scales), the flag as the last put's signal.
+    if (any_remote(g) && warp == 0)
+      for (int32_t w = 0; w < kWarps; ++w)
+        for (int32_t j = 0; j < n_flags[w]; ++j)
+          if (remote(g, flag_rank[w][j]))
+            put_part(g, flag_rank[w][j], flag_slot[w][j], flag_part[w], seq);
     __syncthreads();  // the flag lists are refilled next round
   }
   trace_mark(g, kTraceDispatch, kTraceSent);
@@ -817,7 +885,7 @@ __device__ void fill_padding(const DispatchParams& p, const RecvGroups& rg, int3
 __device__ inline void dispatch_done(const GroupView& g, unsigned long long seq) {
   if (last_block_done(g, &g.state->dispatch_done) && threadIdx.x == 0) {
     for (int32_t s = 0; s < g.n_ranks; ++s)
-      st_release_sys(signal_word(g, s, WindowLayout::kDispatchAck, g.rank), seq);
+      set_signal(g, s, WindowLayout::kDispatchAck, g.rank, seq);
     g.state->dispatch_seq = seq;
   }
 }

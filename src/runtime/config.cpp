@@ -156,6 +156,11 @@ void Config::validate(int n_ranks) const {
                 " with shared_expert (the shared expert takes one of the " +
                 std::to_string(kMaxTopK) + " slots)",
             top_k);
+  require(ranks_per_node >= 0 && ranks_per_node <= n_ranks &&
+              (ranks_per_node == 0 || n_ranks % ranks_per_node == 0),
+          "ranks_per_node",
+          "0 (from the hosts) or a divisor of n_ranks = " + std::to_string(n_ranks),
+          ranks_per_node);
   require(allreduce_world_size >= 0 && allreduce_world_size <= n_ranks, "allreduce_world_size",
           "0 (n_ranks) or between 1 and n_ranks = " + std::to_string(n_ranks),
           allreduce_world_size);
@@ -192,6 +197,7 @@ void check_configs_match(const Config* configs, int n_ranks) {
     field("shared_expert", a.shared_expert, b.shared_expert);
     field("skip_a2a", a.skip_a2a, b.skip_a2a);
     field("allreduce_world_size", a.allreduce_world_size, b.allreduce_world_size);
+    field("ranks_per_node", a.ranks_per_node, b.ranks_per_node);
   }
 }
 

@@ -11,39 +11,12 @@
 #include <sstream>
 #include <thread>
 
-#include "kernels/kernels.h"
 #include "epcomm/detail/nvtx.h"
+#include "kernels/kernels.h"
+#include "runtime/nvshmem_host.h"
 
 namespace epcomm {
 namespace detail {
-
-struct GroupState {
-  Config cfg;
-  Sizes sizes;
-  int rank = 0;
-  int n_ranks = 0;
-  int device = 0;
-  Bootstrap* bootstrap = nullptr;             // multi-process: the caller's, outlives the group
-  std::unique_ptr<Bootstrap> owned_bootstrap;  // one-process mode
-  std::vector<int> local_devices;             // one-process mode: every device of the group
-  char* window = nullptr;
-  std::vector<char*> ipc_windows;  // peers' windows opened through CUDA IPC
-  LocalState* state = nullptr;
-  char* scratch_mem = nullptr;
-  RankScratch scratch{};
-  DeviceErrorRecord* error_host = nullptr;
-  unsigned long long* trace = nullptr;  // Config::trace
-  GroupView view{};
-  bool poisoned = false;
-  bool joined = false;  // set-up completed on every rank (teardown then synchronises with peers)
-  DispatchRecord last;     // the last completed dispatch (combine reduces for it)
-  DispatchRecord pending;  // the dispatch_async waiting for its dispatch_wait
-  bool async_dispatch_pending = false;
-  bool async_combine_pending = false;
-
-  ~GroupState();
-  void setup(const Config& config, Bootstrap& bs, int dev);
-};
 
 namespace {
 
@@ -60,6 +33,37 @@ struct PeerInfo {
 };
 
 }  // namespace
+
+struct GroupState {
+  Config cfg;
+  Sizes sizes;
+  int rank = 0;
+  int n_ranks = 0;
+  int device = 0;
+  Bootstrap* bootstrap = nullptr;             // multi-process: the caller's, outlives the group
+  std::unique_ptr<Bootstrap> owned_bootstrap;  // one-process mode
+  std::vector<int> local_devices;             // one-process mode: every device of the group
+  char* window = nullptr;
+  bool nvshmem_window = false;     // window (and outbox) from nvshmem_malloc: the group spans nodes
+  std::vector<char*> ipc_windows;  // peers' windows opened through CUDA IPC
+  LocalState* state = nullptr;
+  char* scratch_mem = nullptr;
+  RankScratch scratch{};
+  DeviceErrorRecord* error_host = nullptr;
+  unsigned long long* trace = nullptr;  // Config::trace
+  GroupView view{};
+  bool poisoned = false;
+  bool joined = false;  // set-up completed on every rank (teardown then synchronises with peers)
+  DispatchRecord last;     // the last completed dispatch (combine reduces for it)
+  DispatchRecord pending;  // the dispatch_async waiting for its dispatch_wait
+  bool async_dispatch_pending = false;
+  bool async_combine_pending = false;
+
+  ~GroupState();
+  void setup(const Config& config, Bootstrap& bs, int dev);
+  void map_node(const std::vector<PeerInfo>& all, const PeerInfo& me, int dev);
+  void map_nodes(Bootstrap& bs, const WindowLayout& wl);
+};
 
 std::string rank_prefix(int rank) { return "epcomm rank " + std::to_string(rank) + ": "; }
 
@@ -85,7 +89,39 @@ GroupView make_view(const Config& cfg, int n_ranks, int rank, const Sizes& sizes
   v.low_latency = cfg.resolved_path() == DispatchPath::kLowLatency;
   v.routed_rows = sizes.max_routed_rows;
   v.timeout_ns = (unsigned long long)(cfg.timeout_seconds * 1e9);
+  v.ranks_per_node = v.n_ranks;  // one node until set-up finds otherwise
   return v;
+}
+
+// Ranks per node (NodeMap) from the gathered set-up records: Config::ranks_per_node where set
+// (each declared node must then be one host), else the hosts' own: consecutive ranks, the same
+// number on every host. The same answer or the same error on every rank.
+int32_t ranks_per_node_of(const std::vector<PeerInfo>& all, const Config& cfg, int rank) {
+  const int n = int(all.size());
+  auto same_host = [&](int a, int b) {
+    return std::strncmp(all[size_t(a)].host, all[size_t(b)].host, sizeof(PeerInfo::host)) == 0;
+  };
+  int32_t rpn = cfg.ranks_per_node;
+  if (rpn == 0) {
+    rpn = 1;
+    while (rpn < n && same_host(rpn, 0))
+      ++rpn;
+    for (int r = 0; r < n; ++r)
+      check_setup(n % rpn == 0 && same_host(r, r / rpn * rpn) &&
+                      (r % rpn != 0 || r == 0 || !same_host(r, 0)),
+                  rank,
+                  "rank " + std::to_string(r) + " (host " + all[size_t(r)].host +
+                      ") breaks the placement by node: ranks of one host must be consecutive, "
+                      "the same number on every host (" +
+                      std::to_string(rpn) + " on host " + all[0].host + ")");
+  }
+  for (int r = 0; r < n; ++r)
+    check_setup(same_host(r, r / rpn * rpn), rank,
+                "ranks " + std::to_string(r / rpn * rpn) + " and " + std::to_string(r) +
+                    " are declared one node (ranks_per_node = " + std::to_string(rpn) +
+                    ") but run on hosts " + all[size_t(r / rpn * rpn)].host + " and " +
+                    all[size_t(r)].host);
+  return rpn;
 }
 
 // Blocks of the group's kernels the current device holds at once; loads the kernels.
@@ -208,44 +244,16 @@ void GroupState::setup(const Config& config, Bootstrap& bs, int dev) {
   // process -> CUDA IPC (also on the same GPU).
   // skip_a2a: the view is this rank alone, and no peer is mapped.
   view = make_view(cfg, n_ranks, rank, sizes);
-  view.window[view.rank] = window;
-  for (int r = 0; r < n_ranks && view.n_ranks > 1; ++r) {
-    const PeerInfo& p = all[r];
-    if (r == rank) continue;
-    check_setup(std::strncmp(p.host, me.host, sizeof(me.host)) == 0, rank,
-                "rank " + std::to_string(r) + " is on host " + p.host +
-                    "; this build connects the GPUs of one node only");
-    const bool same_gpu = std::memcmp(p.uuid, me.uuid, 16) == 0;
-    int peer_dev = -1;
-    if (cudaDeviceGetByPCIBusId(&peer_dev, p.pci_bus_id) != cudaSuccess) {
-      (void)cudaGetLastError();
-      peer_dev = -1;
-    }
-    if (peer_dev >= 0 && !same_gpu) {
-      int can = 0;
-      check_cuda(cudaDeviceCanAccessPeer(&can, dev, peer_dev), "cudaDeviceCanAccessPeer");
-      check_setup(can != 0, rank,
-                  "P2P is not possible between GPU " + std::string(me.pci_bus_id) + " (rank " +
-                      std::to_string(rank) + ") and GPU " + p.pci_bus_id + " (rank " +
-                      std::to_string(r) + ")");
-    }
-    if (p.pid == me.pid) {
-      if (!same_gpu) {
-        const cudaError_t e = cudaDeviceEnablePeerAccess(p.device, 0);
-        if (e == cudaErrorPeerAccessAlreadyEnabled) {
-          (void)cudaGetLastError();
-        } else {
-          check_cuda(e, "cudaDeviceEnablePeerAccess");
-        }
-      }
-      view.window[r] = static_cast<char*>(p.window);
-    } else {
-      void* ptr = nullptr;
-      check_cuda(cudaIpcOpenMemHandle(&ptr, p.handle, cudaIpcMemLazyEnablePeerAccess),
-                 "cudaIpcOpenMemHandle");
-      ipc_windows.push_back(static_cast<char*>(ptr));
-      view.window[r] = static_cast<char*>(ptr);
-    }
+  if (view.n_ranks > 1) view.ranks_per_node = ranks_per_node_of(all, cfg, rank);
+  if (view.multi_node()) {
+    for (int r = 0; r < n_ranks; ++r)
+      check_setup(r == rank || all[size_t(r)].pid != me.pid, rank,
+                  "rank " + std::to_string(r) +
+                      " runs in this process, but a group that spans nodes needs one process per "
+                      "rank (NVSHMEM: one PE per process)");
+    map_nodes(bs, wl);
+  } else {
+    map_node(all, me, dev);
   }
 
   // Local state, ranking scratch and the host-mapped error record.
@@ -299,6 +307,67 @@ void GroupState::setup(const Config& config, Bootstrap& bs, int dev) {
   joined = true;
 }
 
+// One node: every peer's window mapped here (own pointer, peer access or CUDA IPC).
+void GroupState::map_node(const std::vector<PeerInfo>& all, const PeerInfo& me, int dev) {
+  view.window[view.rank] = window;
+  for (int r = 0; r < n_ranks && view.n_ranks > 1; ++r) {
+    const PeerInfo& p = all[size_t(r)];
+    if (r == rank) continue;
+    const bool same_gpu = std::memcmp(p.uuid, me.uuid, 16) == 0;
+    int peer_dev = -1;
+    if (cudaDeviceGetByPCIBusId(&peer_dev, p.pci_bus_id) != cudaSuccess) {
+      (void)cudaGetLastError();
+      peer_dev = -1;
+    }
+    if (peer_dev >= 0 && !same_gpu) {
+      int can = 0;
+      check_cuda(cudaDeviceCanAccessPeer(&can, dev, peer_dev), "cudaDeviceCanAccessPeer");
+      check_setup(can != 0, rank,
+                  "P2P is not possible between GPU " + std::string(me.pci_bus_id) + " (rank " +
+                      std::to_string(rank) + ") and GPU " + p.pci_bus_id + " (rank " +
+                      std::to_string(r) + ")");
+    }
+    if (p.pid == me.pid) {
+      if (!same_gpu) {
+        const cudaError_t e = cudaDeviceEnablePeerAccess(p.device, 0);
+        if (e == cudaErrorPeerAccessAlreadyEnabled) {
+          (void)cudaGetLastError();
+        } else {
+          check_cuda(e, "cudaDeviceEnablePeerAccess");
+        }
+      }
+      view.window[r] = static_cast<char*>(p.window);
+    } else {
+      void* ptr = nullptr;
+      check_cuda(cudaIpcOpenMemHandle(&ptr, p.handle, cudaIpcMemLazyEnablePeerAccess),
+                 "cudaIpcOpenMemHandle");
+      ipc_windows.push_back(static_cast<char*>(ptr));
+      view.window[r] = static_cast<char*>(ptr);
+    }
+  }
+}
+
+// A group that spans nodes: the window and the outbox in NVSHMEM's symmetric heap (the
+// cudaMalloc'd window is freed unused); ranks of this node mapped through nvshmem_ptr, ranks of
+// other nodes left null (the kernels put to them).
+void GroupState::map_nodes(Bootstrap& bs, const WindowLayout& wl) {
+  if (window != nullptr) check_cuda(cudaFree(window), "cudaFree(window)");
+  window = nullptr;
+  const int64_t bytes = wl.bytes() + view.outbox_layout().bytes();
+  nvshmem_start(bs, std::max<size_t>(size_t(1) << 30, 2 * size_t(bytes) + (size_t(256) << 20)));
+  window = nvshmem_alloc(size_t(bytes), rank);
+  nvshmem_window = true;
+  view.outbox = window + wl.bytes();
+  const NodeMap nm = view.nodes();
+  for (int r = 0; r < n_ranks; ++r) {
+    if (nm.remote(rank, r)) continue;
+    view.window[r] = r == rank ? window : nvshmem_peer(window, r);
+    check_setup(view.window[r] != nullptr, rank,
+                "rank " + std::to_string(r) +
+                    " is of this node but NVSHMEM cannot map its memory here (nvshmem_ptr)");
+  }
+}
+
 GroupState::~GroupState() {
   // Let every kernel that may touch our window finish, then free. In one-process mode the peers
   // are our own devices; otherwise the bootstrap barrier tells us the peers are done.
@@ -318,7 +387,9 @@ GroupState::~GroupState() {
   }
   (void)cudaSetDevice(device);
   for (char* p : ipc_windows) (void)cudaIpcCloseMemHandle(p);
-  if (window) (void)cudaFree(window);
+  if (window && nvshmem_window)
+    nvshmem_release(window, size_t(view.layout().bytes() + view.outbox_layout().bytes()));
+  if (window && !nvshmem_window) (void)cudaFree(window);
   if (state) (void)cudaFree(state);
   if (scratch_mem) (void)cudaFree(scratch_mem);
   if (error_host) (void)cudaFreeHost(error_host);

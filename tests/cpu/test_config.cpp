@@ -99,6 +99,30 @@ TEST(Config, RejectsEachBadField) {
   expect_bad(c, 8, "nvfp4_global_scale");
   c.nvfp4_global_scale = 1.0f / 0.0f;
   expect_bad(c, 8, "nvfp4_global_scale");
+  c = good();
+  c.ranks_per_node = 3;  // does not divide 8
+  expect_bad(c, 8, "ranks_per_node");
+  c.ranks_per_node = -1;
+  expect_bad(c, 8, "ranks_per_node");
+  c.ranks_per_node = 16;
+  expect_bad(c, 8, "ranks_per_node");
+  for (int rpn : {0, 1, 2, 4, 8}) {
+    c.ranks_per_node = rpn;
+    EXPECT_NO_THROW(c.validate(8)) << rpn;
+  }
+}
+
+TEST(Config, MismatchedRanksPerNodeIsNamed) {
+  Config a = good(), b = good();
+  b.ranks_per_node = 4;
+  const Config both[2] = {a, b};
+  try {
+    check_configs_match(both, 2);
+    FAIL() << "no mismatch reported";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kConfigMismatch);
+    EXPECT_NE(std::string(e.what()).find("ranks_per_node"), std::string::npos) << e.what();
+  }
 }
 
 TEST(Config, AcceptsEveryFormatAtItsHiddenSizes) {

@@ -253,3 +253,74 @@ TEST(Layout, RouteMapSharedSplitTilesTheTokens) {
     }
   }
 }
+
+// Nodes: rank r of node r / ranks_per_node; ranks of other nodes numbered densely, in rank
+// order, from every rank's point of view.
+TEST(Layout, NodeMapNumbersTheRanksOfOtherNodes) {
+  for (int32_t rpn : {1, 2, 4}) {
+    const NodeMap nm{8, rpn};
+    EXPECT_EQ(nm.n_remote(), 8 - rpn);
+    for (int32_t me = 0; me < 8; ++me) {
+      std::set<int32_t> seen;
+      int32_t last = -1;
+      for (int32_t peer = 0; peer < 8; ++peer) {
+        EXPECT_EQ(nm.remote(me, peer), me / rpn != peer / rpn);
+        if (!nm.remote(me, peer)) continue;
+        const int32_t i = nm.remote_index(me, peer);
+        EXPECT_GT(i, last) << "rank order";
+        last = i;
+        seen.insert(i);
+      }
+      EXPECT_EQ(int32_t(seen.size()), nm.n_remote());
+      if (!seen.empty()) {
+        EXPECT_EQ(*seen.begin(), 0);
+        EXPECT_EQ(*seen.rbegin(), nm.n_remote() - 1);
+      }
+    }
+  }
+  EXPECT_FALSE((NodeMap{4, 4}).remote(0, 3));
+}
+
+// The outbox: each remote rank's meta record and stream slice, then the combine rows, disjoint
+// and inside bytes(); a stream slice holds max_tokens messages, as the receive buffer's slice of
+// one source does.
+TEST(Layout, OutboxRegionsDoNotOverlap) {
+  for (TokenFormat f : {TokenFormat::kBF16, TokenFormat::kFp8Blockwise, TokenFormat::kNvfp4}) {
+    const WindowLayout wl{8, 7168, 8, 256, 100, f, 1};
+    const OutboxLayout ob{wl, 6, 5000};
+    const int64_t msgs = wl.dispatch_recv().offset(1, 0) - wl.dispatch_recv().offset(0, 0);
+    for (int32_t i = 0; i < 6; ++i) {
+      EXPECT_EQ(ob.stream_offset(i), ob.meta_offset(i) + wl.meta().bytes());
+      EXPECT_LE(ob.stream_offset(i) + msgs, ob.meta_offset(i + 1));
+      EXPECT_EQ(ob.stream_offset(i) % 16, 0);
+    }
+    EXPECT_LE(ob.meta_offset(6), ob.combine_offset(0));
+    EXPECT_LE(ob.combine_offset(5000), ob.bytes());
+    EXPECT_EQ(ob.combine_offset(1) - ob.combine_offset(0), wl.combine_recv().row_bytes());
+  }
+  EXPECT_EQ((OutboxLayout{WindowLayout{4, 2048, 4, 32, 64, TokenFormat::kBF16, 0}, 0, 0}).bytes(),
+            0);
+}
+
+// The low-latency path's parts, as byte ranges of a message: codes and scales of consecutive
+// parts tile the payload's codes and scales exactly.
+TEST(Layout, PartRangesTileThePayload) {
+  for (TokenFormat f : {TokenFormat::kBF16, TokenFormat::kFp8Blockwise, TokenFormat::kNvfp4,
+                        TokenFormat::kMxfp8, TokenFormat::kMxfp4}) {
+    for (int32_t H : {2048, 2560, 7168}) {
+      if (H % format_hidden_multiple(f) != 0) continue;
+      const MessageLayout ml{H, 8, f};
+      int64_t codes = ml.payload_offset(), scales = ml.scales_offset();
+      for (int32_t p = 0; p < num_parts(H); ++p) {
+        EXPECT_EQ(ml.part_codes_offset(p), codes) << token_format_name(f) << " H " << H;
+        EXPECT_EQ(ml.part_scales_offset(p), scales) << token_format_name(f) << " H " << H;
+        codes += ml.part_codes_bytes(p);
+        scales += ml.part_scales_bytes(p);
+      }
+      EXPECT_EQ(codes, ml.payload_offset() + format_row_bytes(f, H));
+      EXPECT_EQ(scales - ml.scales_offset(),
+                int64_t(format_scales_per_row(f, H)) * format_scale_bytes(f));
+      EXPECT_LE(scales, ml.bytes());
+    }
+  }
+}

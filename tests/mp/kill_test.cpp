@@ -16,6 +16,7 @@
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <sstream>
@@ -130,11 +131,13 @@ bool names_rank(const std::string& msg, int rank) {
   std::_Exit(1);
 }
 
-int run(FileBootstrap& bs, int device) {
+int run(FileBootstrap& bs, int device, int ranks_per_node) {
   const int n = bs.size(), rank = bs.rank();
   Watchdog dog(rank);
   dog.arm("set-up", 120);
-  auto g = Group::create(placed(make_cfg(2048, 4, 8 * n, 128, 24, kTimeout), n), bs, device);
+  Config cfg = placed(make_cfg(2048, 4, 8 * n, 128, 24, kTimeout), n);
+  cfg.ranks_per_node = ranks_per_node;  // < n: the dead rank is reached through NVSHMEM
+  auto g = Group::create(cfg, bs, device);
   auto io = std::make_unique<RankIO>(*g);
   const uint64_t seed = 2024;
   const auto p = reference::make_problem(n, 2048, 4, 8 * n, random_counts(n, 128, seed), seed);
@@ -228,7 +231,15 @@ int run(FileBootstrap& bs, int device) {
 
 }  // namespace
 
-int main() {
+// --ranks-per-node N: the group declared n / N nodes (Config::ranks_per_node).
+int main(int argc, char** argv) {
+  int ranks_per_node = 0;
+  if (argc == 3 && std::strcmp(argv[1], "--ranks-per-node") == 0) {
+    ranks_per_node = std::atoi(argv[2]);
+  } else if (argc != 1) {
+    std::fprintf(stderr, "usage: %s [--ranks-per-node N]\n", argv[0]);
+    return 2;
+  }
   std::unique_ptr<FileBootstrap> bs;
   try {
     bs = FileBootstrap::from_env(30);
@@ -248,7 +259,7 @@ int main() {
   }
   const char* lr = std::getenv("EPCOMM_LOCAL_RANK");
   try {
-    return run(*bs, device_of_rank(lr ? std::atoi(lr) : rank));
+    return run(*bs, device_of_rank(lr ? std::atoi(lr) : rank), ranks_per_node);
   } catch (const std::exception& e) {
     verdict_fail(rank, std::string("set-up: ") + e.what());
   }

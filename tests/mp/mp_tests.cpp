@@ -4,7 +4,9 @@
 // placed(). Every rank checks its own results against the CPU reference; the verdicts are
 // gathered so every rank prints the same summary. Exit 0: all passed; 77: skipped (no GPU);
 // 1: a failure.
-//   --bootstrap-only   only the bootstrap (CPU): all-gathers, and a rank that skips one
+//   --bootstrap-only      only the bootstrap (CPU): all-gathers, and a rank that skips one
+//   --ranks-per-node N    every group declared n / N nodes of N ranks (Config::ranks_per_node):
+//                         with N < n, traffic between the nodes goes through NVSHMEM
 #include <cctype>
 #include <chrono>
 #include <cstdio>
@@ -135,9 +137,12 @@ std::string expect_missing_rank(Bootstrap& bs, const MakeBootstrap& make, double
 }
 
 // One dispatch + combine round on this rank, checked against the reference (the problem taken
-// in the group's modes; the un-reduced combine only without the shared expert).
+// in the group's modes; the un-reduced combine only without the shared expert), in the group's
+// format: exactly against reference::dispatch (bf16) or reference::dispatch_quantized. With
+// expert_side, the router weights travel with the dispatch and the combine is the expert-side
+// reduction (checked bit for bit against reference::combine_expert_side).
 std::string round(Group& g, RankIO& io, const reference::Problem& problem, bool async,
-                  uint64_t expert_seed) {
+                  uint64_t expert_seed, bool expert_side = false) {
   const int rank = g.rank();
   reference::Problem p = problem;
   p.shared_expert = g.config().shared_expert;
@@ -146,14 +151,23 @@ std::string round(Group& g, RankIO& io, const reference::Problem& problem, bool 
   io.upload(p.ranks[size_t(rank)]);
   io.poison();
   if (async) {
-    g.dispatch_async(io.dispatch_input(), io.stream);
+    g.dispatch_async(io.dispatch_input(expert_side), io.stream);
     g.dispatch_wait(io.dispatch_output(), io.stream);
   } else {
-    g.dispatch(io.dispatch_input(), io.dispatch_output(), io.stream);
+    g.dispatch(io.dispatch_input(expert_side), io.dispatch_output(), io.stream);
   }
   g.synchronize(io.stream);
-  const auto refs = reference_dispatch_all(p);
-  std::string e = io.check_dispatch(refs[size_t(rank)]);
+  std::vector<reference::DispatchResult> refs;
+  std::string e;
+  if (g.config().format == TokenFormat::kBF16) {
+    refs = reference_dispatch_all(p);
+    e = io.check_dispatch(refs[size_t(rank)]);
+  } else {
+    const auto qrefs = reference_dispatch_quantized_all(p, g.config(), g.sizes());
+    e = io.check_dispatch_quantized(qrefs[size_t(rank)]);
+    for (const auto& q : qrefs)
+      refs.push_back(combine_layout(q));
+  }
   if (!e.empty()) return e;
   std::vector<std::vector<uint16_t>> y;
   for (int r = 0; r < p.n_ranks; ++r)
@@ -161,19 +175,30 @@ std::string round(Group& g, RankIO& io, const reference::Problem& problem, bool 
   io.expert_seed = expert_seed;
   io.make_expert_out(refs[size_t(rank)].rows());
   for (bool weighted : {true, false}) {
-    if (!weighted && p.shared_expert) continue;
+    if (!weighted && (p.shared_expert || expert_side)) continue;
     io.combine_out.fill(0xff, io.stream);
+    const CombineOutput out = io.combine_output(weighted && !expert_side);
     if (async) {
       g.combine_async(io.combine_input(), io.stream);
-      g.combine_wait(io.combine_output(weighted), io.stream);
+      g.combine_wait(out, io.stream);
     } else {
-      g.combine(io.combine_input(), io.combine_output(weighted), io.stream);
+      g.combine(io.combine_input(), out, io.stream);
     }
     g.synchronize(io.stream);
-    e = io.check_combine(reference::combine(p, refs, y, rank, weighted), weighted);
+    e = expert_side ? io.check_combine_expert_side(reference::combine_expert_side(p, refs, y, rank))
+                    : io.check_combine(reference::combine(p, refs, y, rank, weighted), weighted);
     if (!e.empty()) return e;
   }
   return "";
+}
+
+// Config::ranks_per_node of every group (--ranks-per-node; 0: the hosts decide): with fewer than
+// the ranks, every transfer between the declared nodes goes through NVSHMEM.
+int g_ranks_per_node = 0;
+Config node_placed(Config cfg, int n) {
+  cfg = placed(cfg, n);
+  cfg.ranks_per_node = g_ranks_per_node;
+  return cfg;
 }
 
 int run_gpu_tests(Bootstrap& bs, const MakeBootstrap& make) {
@@ -206,8 +231,8 @@ int run_gpu_tests(Bootstrap& bs, const MakeBootstrap& make) {
                     Shape{2880, 4, 16 * n, 300, DispatchPath::kThroughput},
                     Shape{2048, 1, e_small, 64, DispatchPath::kLowLatency},
                     Shape{2048, 8, 8 * n, 96, DispatchPath::kThroughput}}) {
-      auto g =
-          Group::create(placed(with_path(make_cfg(s.H, s.K, s.E, s.T), s.path), n), bs, device);
+      auto g = Group::create(node_placed(with_path(make_cfg(s.H, s.K, s.E, s.T), s.path), n), bs,
+                             device);
       RankIO io(*g);
       for (int it = 0; it < 6; ++it) {
         const uint64_t seed = 100 + uint64_t(it) + uint64_t(s.H);
@@ -226,7 +251,7 @@ int run_gpu_tests(Bootstrap& bs, const MakeBootstrap& make) {
       Config c = make_cfg(2048, 4, 8 * n, 64);
       c.shared_expert = mode != 1;
       c.skip_a2a = mode != 0;
-      auto g = Group::create(placed(c, n), bs, device);
+      auto g = Group::create(node_placed(c, n), bs, device);
       RankIO io(*g);
       for (int it = 0; it < 4; ++it) {
         const uint64_t seed = 500 + uint64_t(it) + 10 * uint64_t(mode);
@@ -244,8 +269,31 @@ int run_gpu_tests(Bootstrap& bs, const MakeBootstrap& make) {
     return "";
   });
 
+  run.check("every token format, both paths, token- and expert-side combine", [&]() -> std::string {
+    for (TokenFormat f : {TokenFormat::kFp8Blockwise, TokenFormat::kNvfp4, TokenFormat::kMxfp8,
+                          TokenFormat::kMxfp4, TokenFormat::kBF16}) {
+      for (DispatchPath path : {DispatchPath::kLowLatency, DispatchPath::kThroughput}) {
+        Config c = with_path(make_cfg(2048, 4, 8 * n, 96), path);
+        c.format = f;
+        c.nvfp4_global_scale = 0.75f;
+        auto g = Group::create(node_placed(c, n), bs, device);
+        RankIO io(*g);
+        for (int it = 0; it < 4; ++it) {
+          const uint64_t seed = 700 + uint64_t(it) + 10 * uint64_t(f) + 100 * uint64_t(path);
+          const auto p = reference::make_problem(n, 2048, 4, 8 * n, random_counts(n, 96, seed),
+                                                 seed, 0.0, it % 2 ? 0.15 : 0.0);
+          const std::string e = round(*g, io, p, it % 2 == 1, seed, it >= 2);
+          if (!e.empty())
+            return std::string(token_format_name(f)) + " " + dispatch_path_name(path) +
+                   " iteration " + std::to_string(it) + ": " + e;
+        }
+      }
+    }
+    return "";
+  });
+
   run.check("configuration mismatch names the field", [&]() -> std::string {
-    Config c = placed(make_cfg(2048, rank == n - 1 ? 4 : 8, 8 * n, 64), n);
+    Config c = node_placed(make_cfg(2048, rank == n - 1 ? 4 : 8, 8 * n, 64), n);
     try {
       auto g = Group::create(c, bs, device);
       return "no error";
@@ -262,7 +310,7 @@ int run_gpu_tests(Bootstrap& bs, const MakeBootstrap& make) {
     const int missing = n - 1;
     bool poisoned = false;
     {
-      auto g = Group::create(placed(make_cfg(2048, 4, 8 * n, 64, 24, 1.0), n), bs, device);
+      auto g = Group::create(node_placed(make_cfg(2048, 4, 8 * n, 64, 24, 1.0), n), bs, device);
       RankIO io(*g);
       const auto p = reference::make_problem(n, 2048, 4, 8 * n, random_counts(n, 64, 7), 7);
       io.upload(p.ranks[size_t(rank)]);
@@ -284,7 +332,7 @@ int run_gpu_tests(Bootstrap& bs, const MakeBootstrap& make) {
     // missing rank's healthy group made one. A barrier here for each one skipped keeps every
     // rank's bootstrap at the same all-gather.
     if (poisoned) bs.barrier();
-    auto g = Group::create(placed(make_cfg(2048, 4, 8 * n, 64), n), bs, device);
+    auto g = Group::create(node_placed(make_cfg(2048, 4, 8 * n, 64), n), bs, device);
     RankIO io(*g);
     const auto p = reference::make_problem(n, 2048, 4, 8 * n, random_counts(n, 64, 8), 8);
     return round(*g, io, p, false, 8);
@@ -294,14 +342,14 @@ int run_gpu_tests(Bootstrap& bs, const MakeBootstrap& make) {
             [&]() -> std::string {
     // The others' window allocation and kernel loading come before the all-gather.
     const double margin = 5.0;
-    const Config cfg = placed(make_cfg(2048, 4, 8 * n, 64), n);
+    const Config cfg = node_placed(make_cfg(2048, 4, 8 * n, 64), n);
     return expect_missing_rank(bs, make, margin, [&](Bootstrap& sub) {
       auto g = Group::create(cfg, sub, device);
     });
   });
 
   run.check("after a set-up that failed, a new group works", [&]() -> std::string {
-    auto g = Group::create(placed(make_cfg(2048, 4, 8 * n, 64), n), bs, device);
+    auto g = Group::create(node_placed(make_cfg(2048, 4, 8 * n, 64), n), bs, device);
     RankIO io(*g);
     const auto p = reference::make_problem(n, 2048, 4, 8 * n, random_counts(n, 64, 9), 9);
     return round(*g, io, p, true, 9);
@@ -355,7 +403,17 @@ int run_bootstrap_tests(Bootstrap& bs, const MakeBootstrap& make) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const bool bootstrap_only = argc > 1 && std::strcmp(argv[1], "--bootstrap-only") == 0;
+  bool bootstrap_only = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--bootstrap-only") == 0) {
+      bootstrap_only = true;
+    } else if (std::strcmp(argv[i], "--ranks-per-node") == 0 && i + 1 < argc) {
+      g_ranks_per_node = std::atoi(argv[++i]);
+    } else {
+      std::fprintf(stderr, "usage: %s [--bootstrap-only] [--ranks-per-node N]\n", argv[0]);
+      return 2;
+    }
+  }
   int rc = 1;
 #if EPCOMM_TEST_WITH_MPI
   MPI_Init(&argc, &argv);

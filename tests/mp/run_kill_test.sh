@@ -3,7 +3,7 @@
 # on 4 ranks under epcomm_launch --keep-going and passes only if the launcher reports rank 2
 # killed by SIGKILL and each of the 3 survivors printed its "detected" verdict and exited with 3.
 # Any time limit that fires is a failure: something waited without a bound.
-#   usage: run_kill_test.sh EPCOMM_LAUNCH EPCOMM_KILL_TEST
+#   usage: run_kill_test.sh EPCOMM_LAUNCH EPCOMM_KILL_TEST [ARGS...]   (ARGS: to every rank)
 # Exit status: 0 passed, 1 failed, 77 skipped (no GPU).
 set -u -o pipefail
 
@@ -24,7 +24,7 @@ fail() {
 
 # The launcher kills every rank at its own limit (-t 90); this outer one only catches a launcher
 # that hangs itself (on SIGTERM it kills the ranks too). Both give status 124.
-timeout 105 "$launch" -n "$n" -t 90 --keep-going -- "$prog" 2>&1 | tee "$log"
+timeout 105 "$launch" -n "$n" -t 90 --keep-going -- "$prog" "${@:3}" 2>&1 | tee "$log"
 rc=${PIPESTATUS[0]}
 
 if [ "$rc" -eq 124 ] || grep -q "^epcomm_launch: time limit" "$log"; then

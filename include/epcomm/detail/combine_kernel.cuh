@@ -154,7 +154,9 @@ __device__ inline void combine_send_expert_side(const CombineParams& p, const in
     count[s] = c < 0 ? 0 : (c > g.max_tokens ? g.max_tokens : c);
     most = count[s] > most ? count[s] : most;
   }
-  const WorkSplit ws = WorkSplit::make(int64_t(most) * g.n_ranks, H);
+  // A row for a rank of another node is put whole, once summed: one item per row there.
+  const WorkSplit ws = any_remote(g) ? WorkSplit{1, int64_t(most) * g.n_ranks}
+                                     : WorkSplit::make(int64_t(most) * g.n_ranks, H);
   for (int64_t item = WorkSplit::first_item(); item < ws.items; item += WorkSplit::stride()) {
     const int64_t slot_item = item / ws.split;
     const int32_t part = int32_t(item % ws.split);
@@ -179,13 +181,22 @@ __device__ inline void combine_send_expert_side(const CombineParams& p, const in
       if (row >= row_limit) row = -1;
       w = e.weight;
     }
-    char* dst = window_at(g, s, wl.combine_recv_offset() + cl.offset(token, slot));
+    const int64_t at = wl.combine_recv_offset() + cl.offset(token, slot);
+    const bool far = remote(g, s);  // staged, then put
+    char* dst =
+        far ? outbox_at(g, g.outbox_layout().combine_offset(
+                               int64_t(g.nodes().remote_index(g.rank, s)) * g.max_tokens + m))
+            : window_at(g, s, at);
     const int32_t stride = ws.split * kWarpSize * 8;
     if (ws.split == 1 && row >= 0) prefetch_l2(in + row * H * 2, uint32_t(H) * 2);  // whole rows
     if (stride >= H)  // one 256-column step per item
       sum_message_rows<1, 8>(in, H, row, w, n, part, stride, dst);
     else
       sum_message_rows<4, 2>(in, H, row, w, n, part, stride, dst);
+    if (far) {
+      __syncwarp();
+      warp_put(g, s, at, dst, int64_t(H) * 2);
+    }
   }
 }
 
@@ -245,10 +256,18 @@ __device__ inline void combine_send(const CombineParams& p, unsigned long long s
         info.slot < 0 || info.slot >= g.top_k)
       continue;  // padding rows, and never a write outside a peer's buffer
     if (kDirectSelf && owner == g.rank) continue;  // read in place by the receive
-    char* dst = window_at(g, owner, wl.combine_recv_offset() + cl.offset(info.token, info.slot)) +
-                int64_t(v0) * 16;
-    copy_vectors(in + (r * g.hidden + int64_t(v0) * 8) * 2, min(kPiece, n_vec - v0), 1, LoadNc{},
+    const int64_t at =
+        wl.combine_recv_offset() + cl.offset(info.token, info.slot) + int64_t(v0) * 16;
+    const bool far = remote(g, owner);  // staged at the row's place in the outbox, then put
+    char* dst = far ? outbox_at(g, g.outbox_layout().combine_offset(r)) + int64_t(v0) * 16
+                    : window_at(g, owner, at);
+    const int32_t n = min(kPiece, n_vec - v0);
+    copy_vectors(in + (r * g.hidden + int64_t(v0) * 8) * 2, n, 1, LoadNc{},
                  [&](int32_t) { return dst; });
+    if (far) {
+      __syncwarp();
+      warp_put(g, owner, at, dst, int64_t(n) * 16);
+    }
   }
   block_signal_all(g, WindowLayout::kCombineArrived);
   trace_mark(g, kTraceCombine, kTraceSent);
@@ -367,7 +386,7 @@ __device__ void combine_recv(const CombineParams& p, unsigned long long seq, Epi
 
   if (last_block_done(g, &g.state->combine_done) && threadIdx.x == 0) {
     for (int32_t s = 0; s < g.n_ranks; ++s)
-      st_release_sys(signal_word(g, s, WindowLayout::kCombineAck, g.rank), seq);
+      set_signal(g, s, WindowLayout::kCombineAck, g.rank, seq);
     g.state->combine_seq = seq;
   }
   trace_mark(g, kTraceCombine, kTraceDone);

@@ -85,7 +85,13 @@ struct GroupView {
   int32_t low_latency;    // DispatchPath::kLowLatency (Config::resolved_path)
   int64_t routed_rows;    // rows a dispatch may deliver here (Sizes::max_routed_rows: the cap)
   unsigned long long timeout_ns;
-  char* window[WindowLayout::kMaxPeers];  // every rank's symmetric window, as seen from here
+  // Every rank's symmetric window, as seen from here; null for ranks of other nodes, which are
+  // reached through NVSHMEM at the same offsets of this rank's own window (its symmetric
+  // address).
+  char* window[WindowLayout::kMaxPeers];
+  int32_t ranks_per_node;  // NodeMap: n_ranks when the group is one node
+  int32_t pad_nodes_;
+  char* outbox;  // OutboxLayout: what goes to other nodes is staged here (null: one node)
   LocalState* state;
   DeviceErrorRecord* error;  // host-mapped
   unsigned long long* trace;  // Config::trace: [trace_words(num_blocks)] stamps (trace.h), else null
@@ -99,6 +105,13 @@ struct GroupView {
     return DispatchOutputLayout::make(format, hidden, max_routed_rows(), n_local());
   }
   EPCOMM_HD ExpertMap experts() const { return ExpertMap{n_experts, n_ranks}; }
+  EPCOMM_HD NodeMap nodes() const { return NodeMap{n_ranks, ranks_per_node}; }
+  EPCOMM_HD bool multi_node() const { return ranks_per_node < n_ranks; }
+  EPCOMM_HD OutboxLayout outbox_layout() const {
+    const int32_t n_remote = nodes().n_remote();
+    const int64_t staged = int64_t(n_remote) * max_tokens;
+    return OutboxLayout{layout(), n_remote, output().rows > staged ? output().rows : staged};
+  }
   EPCOMM_HD int32_t n_local() const { return n_experts / n_ranks; }
 };
 

@@ -1,0 +1,33 @@
+// NVSHMEM on the host: started once per process over epcomm's own Bootstrap (its unique id
+// carried by one all-gather), the symmetric windows of groups that span nodes, and their peers'
+// pointers. Built only with the NVSHMEM component (EPCOMM_NVSHMEM); without it every entry
+// point throws Error(kSetup) saying so.
+#pragma once
+
+#include <cstddef>
+
+#include "epcomm/bootstrap.h"
+
+namespace epcomm {
+namespace detail {
+
+// Whether this build has the NVSHMEM component.
+bool nvshmem_built();
+// Starts NVSHMEM over the bootstrap's ranks (PE = bootstrap rank) on the current device, unless
+// this process started it already, in which case the bootstrap must have the same rank and size.
+// Collective over the bootstrap. `heap_bytes`: the symmetric heap to ask for where the
+// environment does not set NVSHMEM_SYMMETRIC_SIZE.
+void nvshmem_start(Bootstrap& bs, size_t heap_bytes);
+// A zeroed symmetric allocation of `bytes` on every PE (collective: every PE calls it, in the
+// same order, with the same size; the caller's barrier then tells that all are zeroed); throws
+// Error(kSetup) if the heap is too small. A released one of the same size is taken first.
+char* nvshmem_alloc(size_t bytes, int rank);
+// Gives one back for a later nvshmem_alloc of the same size (never nvshmem_free: that is
+// collective, and after a timeout a peer may never call it).
+void nvshmem_release(char* p, size_t bytes);
+// PE `pe`'s copy of the symmetric object at `p`, mapped here; null where loads and stores
+// cannot reach it.
+char* nvshmem_peer(char* p, int pe);
+
+}  // namespace detail
+}  // namespace epcomm
