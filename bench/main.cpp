@@ -41,6 +41,9 @@ int main(int argc, char** argv) {
                                 opt.nccl ? nccl_version_string() : std::string());
     if (team->ranks_per_gpu() > 1)
       info.mode += ", " + std::to_string(team->ranks_per_gpu()) + " ranks per GPU (shared)";
+    if (opt.ranks_per_node && *opt.ranks_per_node < team->n_ranks())
+      info.mode += ", declared nodes of " + std::to_string(*opt.ranks_per_node) +
+                   " ranks (NVSHMEM between them)";
     info.iters = opt.iters;
     info.warmup = opt.warmup;
     info.input_sets = kInputSets;

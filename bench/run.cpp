@@ -86,6 +86,7 @@ class WorkloadRun {
     cfg_.trace = opt.trace > 0;
     cfg_.dispatch_path = opt.path;
     cfg_.share_gpus = team_.ranks_per_gpu() > 1;
+    cfg_.ranks_per_node = opt.ranks_per_node.value_or(0);
   }
 
   WorkloadResult run() {

@@ -34,6 +34,9 @@ std::unique_ptr<Team> Team::create(int ranks) {
   if (multi_process_env()) {
     team->bootstrap_ = epcomm::FileBootstrap::from_env();
     team->n_ranks_ = team->bootstrap_->size();
+    // Processes sharing the GPUs (more processes than GPUs on a host, as the launcher places
+    // them: local rank % GPUs).
+    team->ranks_per_gpu_ = (team->n_ranks_ + device_count - 1) / device_count;
     const int rank = team->bootstrap_->rank();
     const int device = local_device(rank, device_count);
     team->local_.push_back(LocalRank{rank, device, make_stream(device)});

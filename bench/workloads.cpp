@@ -28,6 +28,9 @@ send/recv baseline, timed and checked against the CPU reference.
   --ranks N               one process, N ranks, rank r on GPU r % GPUs; more ranks than GPUs
                           share them (Config::share_gpus; no NCCL baseline: it needs a GPU per
                           rank). Timings then measure the protocol's fixed costs, not links
+  --ranks-per-node N      Config::ranks_per_node: the group as nodes of N consecutive ranks
+                          whatever the hardware; traffic between them goes through NVSHMEM
+                          (a build with -DEPCOMM_WITH_NVSHMEM=ON, one process per rank)
   --iters N               timed iterations (default 100)
   --warmup N              warm-up iterations (default 10)
   --json FILE             write every figure, with the machine and commit, to FILE
@@ -105,6 +108,8 @@ Options parse_options(int argc, char** argv) {
                                     epcomm::token_format_names() + ")");
     } else if (flag == "--ranks") {
       opt.ranks = parse_int(flag, next(), 1);
+    } else if (flag == "--ranks-per-node") {
+      opt.ranks_per_node = parse_int(flag, next(), 1);
     } else if (flag == "--sms") {
       opt.num_sms = parse_int(flag, next(), 1);
     } else if (flag == "--iters") {

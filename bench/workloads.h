@@ -32,6 +32,9 @@ struct Options {
   // Config::share_gpus, no NCCL baseline). Default: one rank per visible GPU.
   std::optional<int32_t> ranks;
   std::optional<std::string> format;  // dispatch format override (a token_format_name)
+  // Config::ranks_per_node (0 or unset: from the hosts); fewer than the ranks: the group spans
+  // (declared) nodes, and traffic between them goes through NVSHMEM (needs that build).
+  std::optional<int32_t> ranks_per_node;
   int iters = 100;
   int warmup = 10;
   std::string json_path;

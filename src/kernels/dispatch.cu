@@ -659,6 +659,12 @@ __device__ __noinline__ bool ll_send(const DispatchParams& p, unsigned long long
       const uint32_t ranks = __reduce_or_sync(0xffffffffu, r.id >= 0 ? 1u << em.rank_of(r.id) : 0u);
       if (lane < g.n_ranks && ((ranks >> lane) & 1u)) r.slot = lr.pos(t, em.rank_key(lane));
       const Dests d = send_token<F>(p, t, r, part * kPartUnits, (part + 1) * kPartUnits, part == 0);
+      // Ranks of other nodes: this warp puts the piece it staged, with its flag as the signal.
+      if (any_remote(g)) {
+        __syncwarp();
+        for (int32_t j = 0; j < d.n; ++j)
+          if (remote(g, d.rank[j])) put_part(g, d.rank[j], d.slot[j], part, seq);
+      }
       if (lane == 0) {
         n_flags[warp] = d.n;
         flag_part[warp] = part;
@@ -684,13 +690,6 @@ __device__ __noinline__ bool ll_send(const DispatchParams& p, unsigned long long
                                wl.part_flag_offset(g.rank, flag_slot[w][j], flag_part[w]))),
                            seq);
     }
-    // Ranks of other nodes: warp 0 puts each piece from the outbox (the header with part 0, the
-    // part's codes and scales), the flag as the last put's signal.
-    if (any_remote(g) && warp == 0)
-      for (int32_t w = 0; w < kWarps; ++w)
-        for (int32_t j = 0; j < n_flags[w]; ++j)
-          if (remote(g, flag_rank[w][j]))
-            put_part(g, flag_rank[w][j], flag_slot[w][j], flag_part[w], seq);
     __syncthreads();  // the flag lists are refilled next round
   }
   trace_mark(g, kTraceDispatch, kTraceSent);
