@@ -361,8 +361,6 @@ struct ChunkSignals {
   // arrival -> the last warp's read of it -> that warp's system fence -> the flags (relaxed
   // stores after the fence: a release pattern), so each destination that acquires a flag sees
   // every warp's stores of the chunk.
-  // A destination of another node gets the chunk's messages from the outbox in one put, with
-  // the flag as its signal, from the whole last warp.
   __device__ void arrive(const DispatchParams& p, int32_t chunk, int32_t it,
                          unsigned long long seq) const {
     const GroupView& g = p.g;
@@ -386,19 +384,11 @@ struct ChunkSignals {
       }
     }
     __syncwarp();
-    if (any_remote(g) && __shfl_sync(0xffffffffu, last, 0)) {
-      const NodeMap nm = g.nodes();
-      const OutboxLayout ob = g.outbox_layout();
-      const int64_t mb = wl.msg().bytes();
-      for (int32_t d = 0; d < g.n_ranks; ++d) {
-        if (!remote(g, d)) continue;
-        const int32_t begin = stream_chunk_start(p, chunk, d);
-        const int32_t end = stream_chunk_start(p, chunk + 1, d);
-        warp_put(g, d, wl.dispatch_recv_offset() + wl.dispatch_recv().offset(g.rank, begin),
-                 outbox_at(g, ob.stream_offset(nm.remote_index(g.rank, d)) + begin * mb),
-                 (end - begin) * mb, wl.chunk_flag_offset(g.rank, chunk), seq);
-      }
-    }
+    // Ranks of other nodes: every warp put (and completed) its messages before it arrived, so
+    // the flag goes as a signal alone.
+    if (any_remote(g) && threadIdx.x % kWarpSize == 0 && last)
+      for (int32_t d = 0; d < g.n_ranks; ++d)
+        if (remote(g, d)) remote_signal(g, d, wl.chunk_flag_offset(g.rank, chunk), seq, false);
     __syncwarp();
   }
 };
@@ -507,8 +497,21 @@ __device__ void send_messages(const DispatchParams& p, int32_t num_tokens, int32
   int32_t it = 0;
   for (int32_t chunk = sender; chunk < num_chunks(num_tokens); chunk += n_senders, ++it) {
     const int32_t t = chunk * kChunkTokens + threadIdx.x / kWarpSize;
-    if (t < num_tokens)
-      send_token<F>(p, t, route_from_scratch(p, t), 0, p.g.hidden / kLaneValues, true);
+    if (t < num_tokens) {
+      const Dests d =
+          send_token<F>(p, t, route_from_scratch(p, t), 0, p.g.hidden / kLaneValues, true);
+      if (any_remote(p.g)) {  // the messages staged for ranks of other nodes: put, completed
+        __syncwarp();
+        const MessageLayout ml = p.g.layout().msg();
+        for (int32_t j = 0; j < d.n; ++j)
+          if (remote(p.g, d.rank[j]))
+            warp_put(p.g, d.rank[j],
+                     p.g.layout().dispatch_recv_offset() +
+                         p.g.layout().dispatch_recv().offset(p.g.rank, d.slot[j]),
+                     d.payload[j] - ml.payload_offset(), ml.bytes());
+        put_quiet();
+      }
+    }
     signals.arrive(p, chunk, it, seq);
   }
 }
