@@ -13,7 +13,7 @@ namespace epcomm {
 // Hard limits of this build (SPEC §9).
 constexpr int kMaxTopK = 16;
 constexpr int kMaxExperts = 1024;
-constexpr int kMaxRanks = 8;  // GPUs of one NVLink node
+constexpr int kMaxRanks = 64;  // EP64: 8 nodes of 8 GPUs (WindowLayout::kMaxPeers)
 
 // Which dispatch kernels a group runs (SPEC: modes). Both give the same outputs, bit for bit.
 enum class DispatchPath : int32_t {

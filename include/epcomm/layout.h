@@ -156,10 +156,11 @@ struct MessageHeader {
 };
 
 // Rank d's index among the ranks of `rank_mask` (bit r set: the token goes to rank r), ascending.
-EPCOMM_HD constexpr int32_t rank_slot_of(uint32_t rank_mask, int32_t d) {
-  uint32_t below = rank_mask & ((1u << d) - 1u);
+EPCOMM_HD constexpr int32_t rank_slot_of(unsigned long long rank_mask, int32_t d) {
+  unsigned long long below = rank_mask & ((1ull << d) - 1ull);
   int32_t n = 0;
-  for (; below; below &= below - 1u) ++n;
+  for (; below; below &= below - 1ull)
+    ++n;
   return n;
 }
 
@@ -334,7 +335,7 @@ struct WindowLayout {
   // Bytes that must be zero before first use (signals and meta records).
   EPCOMM_HD int64_t zeroed_bytes() const { return meta_region_end(); }
 
-  static constexpr int32_t kMaxPeers = 8;
+  static constexpr int32_t kMaxPeers = 64;
 };
 
 // Nodes of a group (Config::ranks_per_node): rank r is local rank r % ranks_per_node of node

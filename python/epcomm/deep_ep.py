@@ -29,7 +29,10 @@ import torch
 import torch.distributed as dist
 
 from . import _epcomm as _C
-from . import Error, Group, InvalidArgument, MAX_RANKS, MAX_TOP_K, torch_bootstrap
+from . import Error, Group, InvalidArgument, MAX_TOP_K, torch_bootstrap
+
+# The ranks of one NVLink node: the most this layer takes (it runs no group across nodes).
+_NODE_RANKS = 8
 
 __all__ = ["Buffer", "Config", "EventOverlap", "topk_idx_t"]
 
@@ -167,9 +170,9 @@ class Buffer:
         self.group = group
         self.rank = dist.get_rank(group)
         self.group_size = dist.get_world_size(group)
-        if self.group_size > MAX_RANKS:
-            _bad(call, f"the group has {self.group_size} ranks; epcomm connects the GPUs of one "
-                       f"node (at most {MAX_RANKS})")
+        if self.group_size > _NODE_RANKS:
+            _bad(call, f"the group has {self.group_size} ranks; this layer connects the GPUs of "
+                       f"one node (at most {_NODE_RANKS})")
         if int(max_tokens_per_rank) < 1:
             _bad(call, f"max_tokens_per_rank = {max_tokens_per_rank} must be positive")
         self.num_nvl_bytes = int(num_nvl_bytes)

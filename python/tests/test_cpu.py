@@ -15,7 +15,7 @@ BASE = dict(hidden=512, top_k=4, n_experts=16, max_tokens_per_rank=64)
 
 def test_import_and_constants():
     assert epcomm.FORMATS == ["bf16", "fp8-blockwise", "nvfp4", "mxfp8", "mxfp4"]
-    assert epcomm.MAX_TOP_K == 16 and epcomm.MAX_EXPERTS == 1024 and epcomm.MAX_RANKS == 8
+    assert epcomm.MAX_TOP_K == 16 and epcomm.MAX_EXPERTS == 1024 and epcomm.MAX_RANKS == 64
     assert epcomm.SHARED_EXPERT_ID == -1
     assert issubclass(epcomm.InvalidArgument, epcomm.Error)
     assert issubclass(epcomm.InvalidArgument, ValueError)
@@ -58,7 +58,7 @@ def test_config_unknown_and_mistyped_fields():
         (dict(top_k=16, shared_expert=True), 2, "top_k = 16 is invalid: at most 15 with shared_expert"),
         (dict(allreduce_world_size=3), 2, "allreduce_world_size = 3 is invalid"),
         (dict(num_sms=0), 2, "num_sms = 0 is invalid: between 1 and 1024"),
-        (dict(), 9, "n_ranks = 9 is invalid: between 1 and 8"),
+        (dict(), 65, "n_ranks = 65 is invalid: between 1 and 64"),
         (dict(format="nvfp4", nvfp4_global_scale=-1.0), 2, "nvfp4_global_scale"),
     ],
 )

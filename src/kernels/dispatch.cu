@@ -69,13 +69,13 @@ __device__ __forceinline__ float view_weight(const DispatchParams& p, int32_t t,
 // 60 KB of straight-line code, and fetching it after an L2 flush took 14 us per 512-token unit (x4
 // H200, stage trace). `record`: this block reports bad ids and keeps the validated copy for combine
 // (the low-latency path's blocks all rank the same tokens; block 0 records).
-__device__ uint32_t enter_ids(const DispatchParams& p, int32_t t, unsigned long long seq,
+__device__ RankMask enter_ids(const DispatchParams& p, int32_t t, unsigned long long seq,
                               uint32_t* bm, int32_t (&ids)[kMaxTopK], bool record, bool& bad) {
   const GroupView& g = p.g;
   const ExpertMap em = g.experts();
   const int32_t K = g.top_k;
   const uint32_t bit = 1u << (threadIdx.x % kWarpSize);
-  uint32_t rank_mask = 0;
+  RankMask rank_mask = 0;
 #pragma unroll 1
   for (int k = 0; k < K; ++k) {
     int32_t id = k < g.route.top_k ? ids[k] : -1;
@@ -95,9 +95,10 @@ __device__ uint32_t enter_ids(const DispatchParams& p, int32_t t, unsigned long 
                      kWaitNone);
       bad = true;
     }
-    rank_mask |= 1u << em.rank_of(id);
+    rank_mask |= rank_bit(em.rank_of(id));
   }
-  for (uint32_t m = rank_mask; m; m &= m - 1) atomicOr(&bm[em.rank_key(__ffs(m) - 1)], bit);
+  for (RankMask m = rank_mask; m; m &= m - 1)
+    atomicOr(&bm[em.rank_key(__ffsll(m) - 1)], bit);
   if (bad && record) atomicMax(&g.state->bad_input, seq);
   return rank_mask;
 }
@@ -152,7 +153,7 @@ __device__ void rank_units(const DispatchParams& p, unsigned long long seq, uint
     const int32_t t = u * kUnitTokens + warp * kWarpSize + lane;
     const bool valid = t < p.num_tokens;
     int32_t ids[kMaxTopK];
-    uint32_t rank_mask = 0;
+    RankMask rank_mask = 0;
     bool bad = false;
     if (valid) {
       load_ids(p, t, ids);
@@ -171,7 +172,7 @@ __device__ void rank_units(const DispatchParams& p, unsigned long long seq, uint
       }
       for (int32_t r = 0; r < g.n_ranks; ++r) {
         p.scratch.dest_pos[int64_t(t) * g.n_ranks + r] =
-            (rank_mask >> r) & 1u ? lr.pos(tu, em.rank_key(r)) : -1;
+            (rank_mask >> r) & 1ull ? lr.pos(tu, em.rank_key(r)) : -1;
       }
     }
     // Each chunk's first position in each destination stream, relative to the unit: the tokens
@@ -193,7 +194,8 @@ __device__ void rank_units(const DispatchParams& p, unsigned long long seq, uint
 #pragma unroll 1
       for (int k = 0; k < K; ++k)
         if (ids[k] >= 0) bm[ids[k]] = 0;
-      for (uint32_t m = rank_mask; m; m &= m - 1) bm[em.rank_key(__ffs(m) - 1)] = 0;
+      for (RankMask m = rank_mask; m; m &= m - 1)
+        bm[em.rank_key(__ffsll(m) - 1)] = 0;
     }
     __syncwarp();
   }
@@ -394,11 +396,22 @@ struct ChunkSignals {
 };
 
 // Where one token goes, one value per lane: lane k < K holds top-k slot k (its expert id, -1 if
-// masked; its position among this rank's tokens for that expert; its router weight), lane r <
-// n_ranks the token's message slot in destination r's stream (-1: not sent there).
+// masked; its position among this rank's tokens for that expert; its router weight), lane l the
+// token's message slot in the streams of destinations l (`slot`) and l + 32 (`slot_hi`) (-1: not
+// sent there).
 struct LaneRoute {
-  int32_t id = -1, pos = 0, slot = -1;
+  int32_t id = -1, pos = 0, slot = -1, slot_hi = -1;
   float weight = 0.0f;
+  // Whole warp: the destinations (bit r: rank r), and the slot in rank r's stream.
+  __device__ RankMask dests() const {
+    return RankMask(__ballot_sync(0xffffffffu, slot >= 0)) |
+           (RankMask(__ballot_sync(0xffffffffu, slot_hi >= 0)) << 32);
+  }
+  __device__ int32_t slot_of(int32_t r) const {
+    const int32_t lo = __shfl_sync(0xffffffffu, slot, r % kWarpSize);
+    const int32_t hi = __shfl_sync(0xffffffffu, slot_hi, r % kWarpSize);
+    return r < kWarpSize ? lo : hi;
+  }
 };
 
 // The throughput path's route: positions from the grid-wide ranking scratch.
@@ -416,19 +429,23 @@ __device__ LaneRoute route_from_scratch(const DispatchParams& p, int32_t t) {
       r.weight = view_weight(p, t, lane);
     }
   }
-  if (lane < g.n_ranks) {
-    r.slot = p.scratch.dest_pos[int64_t(t) * g.n_ranks + lane];
-    if (r.slot >= 0) r.slot += prefix[em.rank_key(lane)];
+  for (int32_t d = lane, i = 0; i < 2; d += kWarpSize, ++i) {
+    if (d >= g.n_ranks) break;
+    int32_t s = p.scratch.dest_pos[int64_t(t) * g.n_ranks + d];
+    if (s >= 0) s += prefix[em.rank_key(d)];
+    (i == 0 ? r.slot : r.slot_hi) = s;
   }
   return r;
 }
 
-// The destinations of one token's messages, in rank order.
+// The destinations of one token's messages, in rank order: at most one per top-k slot.
+constexpr int32_t kMaxDests =
+    kMaxTopK < WindowLayout::kMaxPeers ? kMaxTopK : WindowLayout::kMaxPeers;
 struct Dests {
   int32_t n = 0;
-  int32_t rank[WindowLayout::kMaxPeers];
-  int32_t slot[WindowLayout::kMaxPeers];
-  char* payload[WindowLayout::kMaxPeers];
+  int32_t rank[kMaxDests];
+  int32_t slot[kMaxDests];
+  char* payload[kMaxDests];
 };
 
 // Token t's message to every destination rank it goes to: the header when `headers`, and the
@@ -444,11 +461,11 @@ __device__ Dests send_token(const DispatchParams& p, int32_t t, const LaneRoute&
   const DispatchRecvLayout rl = wl.dispatch_recv();
   const int lane = threadIdx.x % kWarpSize;
   const int32_t dest = r.id >= 0 ? em.rank_of(r.id) : -1;
-  const uint32_t dest_mask = __ballot_sync(0xffffffffu, lane < g.n_ranks && r.slot >= 0);
+  const RankMask dest_mask = r.dests();
   Dests d;
-  for (uint32_t m = dest_mask; m; m &= m - 1) {
-    const int32_t rank = __ffs(m) - 1;
-    const int32_t s = __shfl_sync(0xffffffffu, r.slot, rank);
+  for (RankMask m = dest_mask; m; m &= m - 1) {
+    const int32_t rank = __ffsll(m) - 1;
+    const int32_t s = r.slot_of(rank);
     // A rank of another node: staged in the outbox at the same place of its stream.
     char* msg =
         remote(g, rank)
@@ -640,8 +657,8 @@ __device__ __noinline__ bool ll_send(const DispatchParams& p, unsigned long long
   // H100, decode-bf16, 896 pieces on 132 blocks: the last piece was flagged 10 us after the
   // first).
   __shared__ int32_t n_flags[kWarps], flag_part[kWarps];
-  __shared__ int32_t flag_rank[kWarps][WindowLayout::kMaxPeers];
-  __shared__ int32_t flag_slot[kWarps][WindowLayout::kMaxPeers];
+  __shared__ int32_t flag_rank[kWarps][kMaxDests];
+  __shared__ int32_t flag_slot[kWarps][kMaxDests];
   // Pieces are dealt from the first warp of the grid up; the receive deals its items from the
   // last warp down. (Dealing pieces round-robin over the blocks, so that every SM stores a
   // share, was slower: one H100, decode-bf16, 132 blocks, 41.2 against 38.0 us; every block
@@ -659,8 +676,12 @@ __device__ __noinline__ bool ll_send(const DispatchParams& p, unsigned long long
           r.weight = view_weight(p, t, lane);
         }
       }
-      const uint32_t ranks = __reduce_or_sync(0xffffffffu, r.id >= 0 ? 1u << em.rank_of(r.id) : 0u);
-      if (lane < g.n_ranks && ((ranks >> lane) & 1u)) r.slot = lr.pos(t, em.rank_key(lane));
+      const int32_t dr = r.id >= 0 ? em.rank_of(r.id) : -1;
+      const uint32_t lo = __reduce_or_sync(0xffffffffu, dr >= 0 && dr < kWarpSize ? 1u << dr : 0u);
+      const uint32_t hi =
+          __reduce_or_sync(0xffffffffu, dr >= kWarpSize ? 1u << (dr - kWarpSize) : 0u);
+      if ((lo >> lane) & 1u) r.slot = lr.pos(t, em.rank_key(lane));
+      if ((hi >> lane) & 1u) r.slot_hi = lr.pos(t, em.rank_key(lane + kWarpSize));
       const Dests d = send_token<F>(p, t, r, part * kPartUnits, (part + 1) * kPartUnits, part == 0);
       // Ranks of other nodes: this warp puts the piece it staged, with its flag as the signal.
       if (any_remote(g)) {
@@ -898,7 +919,7 @@ __device__ inline bool warp_wait_chunk(const GroupView& g, int32_t src, int32_t 
                                        unsigned long long seq) {
   const unsigned long long* flag = reinterpret_cast<const unsigned long long*>(
       window_at(g, g.rank, g.layout().chunk_flag_offset(src, chunk)));
-  const bool ok = warp_wait_peers(g, 1u << src, kOpDispatchRecv, kWaitData,
+  const bool ok = warp_wait_peers(g, rank_bit(src), kOpDispatchRecv, kWaitData,
                                   [&](int32_t) { return ld_acquire_sys(flag) >= seq; });
   __syncwarp();  // the other lanes read the chunk after lane src's acquire
   return ok;
@@ -913,7 +934,7 @@ __device__ inline bool warp_wait_part(const GroupView& g, int32_t src, int32_t m
       window_at(g, g.rank, wl.part_flag_offset(src, m, 0)));
   const auto* flag = reinterpret_cast<const unsigned long long*>(
       window_at(g, g.rank, wl.part_flag_offset(src, m, part)));
-  const bool ok = warp_wait_peers(g, 1u << src, kOpDispatchRecv, kWaitData, [&](int32_t) {
+  const bool ok = warp_wait_peers(g, rank_bit(src), kOpDispatchRecv, kWaitData, [&](int32_t) {
     return ld_acquire_sys(flag) >= seq && ld_acquire_sys(head) >= seq;
   });
   __syncwarp();  // the other lanes read the part after lane src's acquire
@@ -982,13 +1003,13 @@ __device__ int32_t check_sources(const DispatchParams& p, const RecvGroups& rg, 
     code = int32_t(ErrorCode::kRecvCapacity);
   if (code != 0 && rb == 0 && threadIdx.x == 0) {
     if (code == int32_t(ErrorCode::kBadPeerData)) {
-      record_error(g, ErrorCode::kBadPeerData, kOpDispatchRecv, int32_t(1u << bad_src), -1, -1,
+      record_error(g, ErrorCode::kBadPeerData, kOpDispatchRecv, rank_bit(bad_src), -1, -1,
                    bad_value, WaitWhat(bad_field));
     } else {
-      uint32_t senders = 0;  // the sources with rows for this rank
+      RankMask senders = 0;  // the sources with rows for this rank
       for (int32_t i = 0; i < n_ranks * n_local; ++i)
-        if (rg.counts[i] > 0) senders |= 1u << (i / n_local);
-      record_error(g, ErrorCode::kRecvCapacity, kOpDispatchRecv, int32_t(senders), -1, -1,
+        if (rg.counts[i] > 0) senders |= rank_bit(i / n_local);
+      record_error(g, ErrorCode::kRecvCapacity, kOpDispatchRecv, senders, -1, -1,
                    int32_t(min(routed, 0x7fffffffull)), kWaitNone);
     }
   }

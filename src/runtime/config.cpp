@@ -109,7 +109,7 @@ void require(bool ok, const std::string& field, const std::string& rule, long lo
 
 void Config::validate(int n_ranks) const {
   require(n_ranks >= 1 && n_ranks <= kMaxRanks, "n_ranks",
-          "between 1 and " + std::to_string(kMaxRanks) + " GPUs of one node", n_ranks);
+          "between 1 and " + std::to_string(kMaxRanks), n_ranks);
   require(int32_t(format) >= 0 && int32_t(format) < kNumTokenFormats, "format",
           "one of TokenFormat's values", int(format));
   const int32_t multiple = format_hidden_multiple(format);

@@ -523,10 +523,13 @@ const char* peer_field_name(int32_t field) {
   return "a value";
 }
 
-std::string ranks_of(int32_t mask) {
+// The ranks of a recorded peer mask (peer_mask: ranks 0-31, peer_mask_hi: 32-63).
+std::string ranks_of(int32_t lo, int32_t hi) {
+  const unsigned long long mask =
+      (unsigned long long)uint32_t(lo) | ((unsigned long long)uint32_t(hi) << 32);
   std::string s;
-  for (int r = 0; r < 32; ++r)
-    if ((mask >> r) & 1) s += (s.empty() ? "" : ", ") + std::to_string(r);
+  for (int r = 0; r < 64; ++r)
+    if ((mask >> r) & 1ull) s += (s.empty() ? "" : ", ") + std::to_string(r);
   return s;
 }
 
@@ -537,8 +540,9 @@ static std::string describe_timeout(const detail::GroupState& s) {
   const volatile detail::DeviceErrorRecord* e = s.error_host;
   std::ostringstream os;
   os << "epcomm rank " << e->rank << ": " << op_name(e->op) << ": timed out after "
-     << s.cfg.timeout_seconds << " s waiting for rank(s) " << ranks_of(e->peer_mask) << " "
-     << wait_name(e->wait_what) << "; the group is poisoned and must be set up again";
+     << s.cfg.timeout_seconds << " s waiting for rank(s) "
+     << ranks_of(e->peer_mask, e->peer_mask_hi) << " " << wait_name(e->wait_what)
+     << "; the group is poisoned and must be set up again";
   return os.str();
 }
 
@@ -562,14 +566,16 @@ void Group::check() {
          << " twice (again at slot " << e->slot << "); this rank sent no token";
       break;
     case ErrorCode::kRecvCapacity:
-      os << e->value << " rows were routed to this rank (from rank(s) " << ranks_of(e->peer_mask)
-         << "), more than its receive capacity of " << s_->sizes.max_routed_rows
+      os << e->value << " rows were routed to this rank (from rank(s) "
+         << ranks_of(e->peer_mask, e->peer_mask_hi) << "), more than its receive capacity of "
+         << s_->sizes.max_routed_rows
          << " rows (Config::max_recv_rows); no row was written (row_offsets are all 0, so "
             "combine returns nothing from this rank's experts) and the group stays usable";
       break;
     case ErrorCode::kBadPeerData:
-      os << "rank " << ranks_of(e->peer_mask) << " announced " << peer_field_name(e->wait_what)
-         << " = " << e->value << ", out of range; no row was written";
+      os << "rank " << ranks_of(e->peer_mask, e->peer_mask_hi) << " announced "
+         << peer_field_name(e->wait_what) << " = " << e->value
+         << ", out of range; no row was written";
       break;
     default:
       os << error_code_name(ec);

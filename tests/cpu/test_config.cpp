@@ -81,7 +81,7 @@ TEST(Config, RejectsEachBadField) {
   c = good();
   c.timeout_seconds = 0;
   expect_bad(c, 8, "timeout_seconds");
-  expect_bad(good(), 9, "n_ranks");
+  expect_bad(good(), 65, "n_ranks");
   expect_bad(good(), 0, "n_ranks");
   c = good();
   c.format = TokenFormat(7);

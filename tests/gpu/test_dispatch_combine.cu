@@ -27,9 +27,9 @@ class Sweep : public ::testing::TestWithParam<Case> {};
 
 }  // namespace
 
-// Random routing over the shapes of the issue: 1/2/3/4/8 ranks (sharing GPUs where there are fewer), hidden 2048/2880/7168, K = 1/4/8,
-// 8..256 experts, fused and async+wait forms; weighted (token side) and un-reduced combine, and
-// the expert-side reduction (weights given to dispatch).
+// Random routing over the shapes of the issue: 1/2/3/4/8/16/40/64 ranks (sharing GPUs where there
+// are fewer), hidden 1024-7168, K = 1/4/8/16, 8..256 experts, fused and async+wait forms; weighted
+// (token side) and un-reduced combine, and the expert-side reduction (weights given to dispatch).
 TEST_P(Sweep, MatchesReference) {
   const Case c = GetParam();
   EPCOMM_REQUIRE_GPU();
@@ -70,7 +70,12 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{8, 2048, 1, 64, 300, 0.0, "r8_h2048_k1_e64"},
                       Case{8, 2880, 4, 128, 256, 0.3, "r8_h2880_k4_e128_masked"},
                       Case{8, 2048, 8, 8, 64, 0.0, "r8_h2048_k8_e8"},
-                      Case{8, 1024, 16, 1024, 40, 0.0, "r8_h1024_k16_e1024"}),
+                      Case{8, 1024, 16, 1024, 40, 0.0, "r8_h1024_k16_e1024"},
+                      // Past 8 and 32 ranks (EP64's masks: a lane polls ranks l and l + 32),
+                      // up to 16 destination ranks per token.
+                      Case{16, 2048, 8, 256, 64, 0.1, "r16_h2048_k8_e256_masked"},
+                      Case{40, 2048, 8, 320, 32, 0.0, "r40_h2048_k8_e320"},
+                      Case{64, 1024, 16, 1024, 24, 0.1, "r64_h1024_k16_e1024_masked"}),
     case_name);
 
 namespace {

@@ -147,13 +147,15 @@ __device__ inline void combine_send_expert_side(const CombineParams& p, const in
   // the source after itself: at any moment the grid's warps write to every owner at once. Taking
   // one source after another would make all ranks write to rank 0 first, then all to rank 1 ...
   // (measured: the prefill send took 2070 µs that way, more than the token side's 8 rows).
-  int32_t count[WindowLayout::kMaxPeers];
-  int32_t most = 0;
-  for (int32_t s = 0; s < WindowLayout::kMaxPeers; ++s) {
-    const int32_t c = s < g.n_ranks ? p.recv_count[s] : 0;
-    count[s] = c < 0 ? 0 : (c > g.max_tokens ? g.max_tokens : c);
-    most = count[s] > most ? count[s] : most;
+  __shared__ int32_t count[WindowLayout::kMaxPeers];  // messages from source s, clamped
+  if (threadIdx.x < g.n_ranks) {
+    const int32_t c = p.recv_count[threadIdx.x];
+    count[threadIdx.x] = c < 0 ? 0 : (c > g.max_tokens ? g.max_tokens : c);
   }
+  __syncthreads();
+  int32_t most = 0;
+  for (int32_t s = 0; s < g.n_ranks; ++s)
+    most = count[s] > most ? count[s] : most;
   // A row for a rank of another node is put whole, once summed: one item per row there.
   const WorkSplit ws = any_remote(g) ? WorkSplit{1, int64_t(most) * g.n_ranks}
                                      : WorkSplit::make(int64_t(most) * g.n_ranks, H);
@@ -162,11 +164,7 @@ __device__ inline void combine_send_expert_side(const CombineParams& p, const in
     const int32_t part = int32_t(item % ws.split);
     const int32_t m = int32_t(slot_item / g.n_ranks);
     const int32_t s = int32_t((slot_item % g.n_ranks + g.rank + 1) % g.n_ranks);
-    int32_t count_s = 0;  // count[s] by an unrolled select keeps count[] in registers
-#pragma unroll
-    for (int32_t q = 0; q < WindowLayout::kMaxPeers; ++q)
-      if (q == s) count_s = count[q];
-    if (m >= count_s) continue;
+    if (m >= count[s]) continue;
     const MessageHeader* h = reinterpret_cast<const MessageHeader*>(
         window_at(g, g.rank, wl.dispatch_recv_offset() + rl.offset(s, m)));
     MessageEntry e{};
@@ -307,23 +305,30 @@ __device__ void combine_recv(const CombineParams& p, unsigned long long seq, Epi
     const int32_t first = (part * kWarpSize + lane) * 8, stride = split * kWarpSize * 8;
     if constexpr (kExpertSide) {
       // One row per rank the token went to, in rank order.
-      const uint32_t rank_mask = __reduce_or_sync(0xffffffffu, id >= 0 ? 1u << em.rank_of(id) : 0u);
-      const int32_t n = __popc(rank_mask);
+      const int32_t dr = id >= 0 ? em.rank_of(id) : -1;
+      const int32_t n =
+          __popc(__reduce_or_sync(0xffffffffu, dr >= 0 && dr < kWarpSize ? 1u << dr : 0u)) +
+          __popc(__reduce_or_sync(0xffffffffu, dr >= kWarpSize ? 1u << (dr - kWarpSize) : 0u));
       if (split == 1 && lane < n) prefetch_l2(slots + lane * cl.row_bytes(), uint32_t(H) * 2);
+      // Up to kRowsInFlight rows' loads at once, summed in rank order (n <= K <= kMaxTopK).
+      constexpr int kRowsInFlight = 8;
       for (int32_t c = first; c < H; c += stride) {
-        uint4 raw[WindowLayout::kMaxPeers];
-#pragma unroll
-        for (int j = 0; j < WindowLayout::kMaxPeers; ++j)
-          if (j < n) raw[j] = ld_plain_v4(slots + j * cl.row_bytes() + int64_t(c) * 2);
         float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        for (int32_t j0 = 0; j0 < n; j0 += kRowsInFlight) {
+          uint4 raw[kRowsInFlight];
 #pragma unroll
-        for (int j = 0; j < WindowLayout::kMaxPeers; ++j) {
-          if (j >= n) continue;
-          float y[8];
-          unpack_bf16x8(raw[j], y);
+          for (int j = 0; j < kRowsInFlight; ++j)
+            if (j0 + j < n)
+              raw[j] = ld_plain_v4(slots + (j0 + j) * cl.row_bytes() + int64_t(c) * 2);
 #pragma unroll
-          for (int i = 0; i < 8; ++i)
-            acc[i] = __fadd_rn(acc[i], y[i]);
+          for (int j = 0; j < kRowsInFlight; ++j) {
+            if (j0 + j >= n) continue;
+            float y[8];
+            unpack_bf16x8(raw[j], y);
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+              acc[i] = __fadd_rn(acc[i], y[i]);
+          }
         }
         emit8(epi, t, c, acc);
       }

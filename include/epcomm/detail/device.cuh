@@ -220,16 +220,18 @@ __device__ inline void set_signal(const GroupView& g, int32_t owner, WindowLayou
 // host-mapped memory, which takes no atomics from the GPU where the host has no native atomics
 // (PCIe; compute-sanitizer reports them as invalid): the claim is an atomic on a device-memory
 // counter, the record plain stores with its code last.
-static __device__ __noinline__ void record_error(const GroupView& g, ErrorCode code, Op op, int32_t peer_mask,
-                                    int32_t token, int32_t slot, int32_t value,
-                                    WaitWhat what) {
+static __device__ __noinline__ void record_error(const GroupView& g, ErrorCode code, Op op,
+                                                 RankMask peer_mask, int32_t token, int32_t slot,
+                                                 int32_t value, WaitWhat what) {
   DeviceErrorRecord* e = g.error;
   const unsigned int cleared = unsigned(*reinterpret_cast<volatile int32_t*>(&e->epoch));
   if (atomicCAS(&g.state->errors_claimed, cleared, cleared + 1u) != cleared) return;
   e->op = op;
   // The caller's ranks (the view of a skip_a2a group is this rank alone, as its rank 0).
   e->rank = g.route.rank;
-  e->peer_mask = g.route.skip_a2a && peer_mask != 0 ? int32_t(1u << g.route.rank) : peer_mask;
+  if (g.route.skip_a2a && peer_mask != 0) peer_mask = rank_bit(g.route.rank);
+  e->peer_mask = int32_t(uint32_t(peer_mask));
+  e->peer_mask_hi = int32_t(uint32_t(peer_mask >> 32));
   e->token = token;
   e->slot = slot;
   e->value = value;
@@ -253,19 +255,23 @@ __device__ inline bool block_aborted(const GroupView& g) {
 }
 
 // Waits until `ready(peer)` holds for every peer whose bit is set in `mask`, for at most the
-// group's timeout. Called by a whole warp: lane p polls peer p, so the peers' words are read in
-// parallel. On expiry records a timeout naming the peers still missing, sets the abort flag (so
-// every other wait of this rank gives up at once) and returns false; the result is the warp's.
+// group's timeout. Called by a whole warp: lane l polls peers l and l + 32, so the peers' words
+// are read in parallel. On expiry records a timeout naming the peers still missing, sets the
+// abort flag (so every other wait of this rank gives up at once) and returns false; the result
+// is the warp's.
 template <class Ready>
-__device__ bool warp_wait_peers(const GroupView& g, uint32_t mask, Op op, WaitWhat what,
+__device__ bool warp_wait_peers(const GroupView& g, RankMask mask, Op op, WaitWhat what,
                                 Ready ready) {
-  static_assert(WindowLayout::kMaxPeers <= kWarpSize, "a lane per peer");
+  static_assert(WindowLayout::kMaxPeers <= 2 * kWarpSize, "two peers per lane");
   const int lane = threadIdx.x % kWarpSize;
-  bool done = ((mask >> lane) & 1u) == 0;
+  bool done = ((mask >> lane) & 1ull) == 0;
+  bool done_hi = ((mask >> (lane + kWarpSize)) & 1ull) == 0;
   const unsigned long long start = globaltimer_ns();
   for (uint32_t spins = 1;; ++spins) {
     if (!done) done = ready(lane);
-    const uint32_t missing = __ballot_sync(0xffffffffu, !done);
+    if (!done_hi) done_hi = ready(lane + kWarpSize);
+    const RankMask missing = RankMask(__ballot_sync(0xffffffffu, !done)) |
+                             (RankMask(__ballot_sync(0xffffffffu, !done_hi)) << 32);
     if (missing == 0) return true;
     if ((spins & 63) == 0) {
       int give_up = 0;  // lane 0 decides for the warp
@@ -273,7 +279,7 @@ __device__ bool warp_wait_peers(const GroupView& g, uint32_t mask, Op op, WaitWh
         if (aborted(g)) {
           give_up = 1;
         } else if (globaltimer_ns() - start > g.timeout_ns) {
-          record_error(g, ErrorCode::kTimeout, op, int32_t(missing), -1, -1, 0, what);
+          record_error(g, ErrorCode::kTimeout, op, missing, -1, -1, 0, what);
           atomicExch(&g.state->abort, 1);
           give_up = 1;
         }
@@ -283,15 +289,15 @@ __device__ bool warp_wait_peers(const GroupView& g, uint32_t mask, Op op, WaitWh
   }
 }
 
-__device__ __forceinline__ uint32_t all_ranks_mask(const GroupView& g) {
-  return g.n_ranks >= 32 ? 0xffffffffu : ((1u << g.n_ranks) - 1u);
+__device__ __forceinline__ RankMask all_ranks_mask(const GroupView& g) {
+  return g.n_ranks >= 64 ? ~RankMask(0) : rank_bit(g.n_ranks) - 1;
 }
 
 // The block waits until word(peer) >= target(peer) for every peer in `mask` (acquire); returns
 // false for every thread if the wait failed.
 template <class Word, class Target>
-__device__ __noinline__ bool block_wait(const GroupView& g, uint32_t mask, Op op, WaitWhat what, Word word,
-                           Target target) {
+__device__ __noinline__ bool block_wait(const GroupView& g, RankMask mask, Op op, WaitWhat what,
+                                        Word word, Target target) {
   __shared__ int ok;
   __syncthreads();
   if (threadIdx.x < kWarpSize) {
@@ -307,8 +313,8 @@ __device__ __noinline__ bool block_wait(const GroupView& g, uint32_t mask, Op op
 // The block waits until signal s[peer] of this rank's window reaches target(peer), for every
 // peer in `mask`.
 template <class Target>
-__device__ bool block_wait_signal(const GroupView& g, uint32_t mask, WindowLayout::Signal s,
-                                  Op op, WaitWhat what, Target target) {
+__device__ bool block_wait_signal(const GroupView& g, RankMask mask, WindowLayout::Signal s, Op op,
+                                  WaitWhat what, Target target) {
   return block_wait(
       g, mask, op, what, [&](int32_t peer) { return signal_word(g, g.rank, s, peer); }, target);
 }

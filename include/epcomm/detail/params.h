@@ -25,7 +25,8 @@ struct DeviceErrorRecord {
   int32_t code;       // ErrorCode
   int32_t op;         // Op
   int32_t rank;       // the rank that recorded it
-  int32_t peer_mask;  // timeouts: bit p set = rank p did not arrive
+  int32_t peer_mask;  // timeouts: bit p set = rank p did not arrive (ranks 0-31; peer_mask_hi:
+                      // ranks 32-63)
   int32_t token;      // bad input: the token
   int32_t slot;       // bad input: the top-k slot
   int32_t value;      // bad input: the offending expert id; kRecvCapacity: the rows routed
@@ -33,7 +34,15 @@ struct DeviceErrorRecord {
   int32_t wait_what;  // timeouts: which signal was awaited (see WaitWhat); kBadPeerData: which
                       // field of the peer's record (PeerField)
   int32_t epoch;      // records the host has cleared (written by the host only)
+  int32_t peer_mask_hi;
+  int32_t pad_;
 };
+
+// A set of ranks of a group (bit r = rank r), up to WindowLayout::kMaxPeers.
+using RankMask = unsigned long long;
+EPCOMM_HD RankMask rank_bit(int32_t r) {
+  return RankMask(1) << r;
+}
 
 // kBadPeerData: the field of a source's meta record that was out of range.
 enum PeerField : int32_t {
