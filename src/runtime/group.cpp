@@ -63,6 +63,9 @@ struct GroupState {
   void setup(const Config& config, Bootstrap& bs, int dev);
   void map_node(const std::vector<PeerInfo>& all, const PeerInfo& me, int dev);
   void map_nodes(Bootstrap& bs, const WindowLayout& wl);
+  void publish_windows();
+  std::vector<char*> windows;        // every rank's window as seen here (null: another node)
+  char** window_rest_dev = nullptr;  // GroupView::window_rest
 };
 
 std::string rank_prefix(int rank) { return "epcomm rank " + std::to_string(rank) + ": "; }
@@ -255,6 +258,7 @@ void GroupState::setup(const Config& config, Bootstrap& bs, int dev) {
   } else {
     map_node(all, me, dev);
   }
+  publish_windows();
 
   // Local state, ranking scratch and the host-mapped error record.
   check_cuda(cudaMalloc(&state, sizeof(LocalState)), "cudaMalloc(state)");
@@ -309,7 +313,8 @@ void GroupState::setup(const Config& config, Bootstrap& bs, int dev) {
 
 // One node: every peer's window mapped here (own pointer, peer access or CUDA IPC).
 void GroupState::map_node(const std::vector<PeerInfo>& all, const PeerInfo& me, int dev) {
-  view.window[view.rank] = window;
+  windows.assign(size_t(view.n_ranks), nullptr);
+  windows[size_t(view.rank)] = window;
   for (int r = 0; r < n_ranks && view.n_ranks > 1; ++r) {
     const PeerInfo& p = all[size_t(r)];
     if (r == rank) continue;
@@ -336,13 +341,13 @@ void GroupState::map_node(const std::vector<PeerInfo>& all, const PeerInfo& me, 
           check_cuda(e, "cudaDeviceEnablePeerAccess");
         }
       }
-      view.window[r] = static_cast<char*>(p.window);
+      windows[size_t(r)] = static_cast<char*>(p.window);
     } else {
       void* ptr = nullptr;
       check_cuda(cudaIpcOpenMemHandle(&ptr, p.handle, cudaIpcMemLazyEnablePeerAccess),
                  "cudaIpcOpenMemHandle");
       ipc_windows.push_back(static_cast<char*>(ptr));
-      view.window[r] = static_cast<char*>(ptr);
+      windows[size_t(r)] = static_cast<char*>(ptr);
     }
   }
 }
@@ -359,13 +364,28 @@ void GroupState::map_nodes(Bootstrap& bs, const WindowLayout& wl) {
   nvshmem_window = true;
   view.outbox = window + wl.bytes();
   const NodeMap nm = view.nodes();
+  windows.assign(size_t(n_ranks), nullptr);
   for (int r = 0; r < n_ranks; ++r) {
     if (nm.remote(rank, r)) continue;
-    view.window[r] = r == rank ? window : nvshmem_peer(window, r);
-    check_setup(view.window[r] != nullptr, rank,
+    windows[size_t(r)] = r == rank ? window : nvshmem_peer(window, r);
+    check_setup(windows[size_t(r)] != nullptr, rank,
                 "rank " + std::to_string(r) +
                     " is of this node but NVSHMEM cannot map its memory here (nvshmem_ptr)");
   }
+}
+
+// The mapped windows into the view: the first GroupView::kInlineWindows inline, the rest in a
+// device array.
+void GroupState::publish_windows() {
+  constexpr int kInline = GroupView::kInlineWindows;
+  for (size_t r = 0; r < windows.size() && r < size_t(kInline); ++r)
+    view.window[r] = windows[r];
+  if (windows.size() <= size_t(kInline)) return;
+  const size_t bytes = (windows.size() - kInline) * sizeof(char*);
+  check_cuda(cudaMalloc(reinterpret_cast<void**>(&window_rest_dev), bytes), "cudaMalloc(windows)");
+  check_cuda(cudaMemcpy(window_rest_dev, windows.data() + kInline, bytes, cudaMemcpyHostToDevice),
+             "cudaMemcpy(windows)");
+  view.window_rest = window_rest_dev;
 }
 
 GroupState::~GroupState() {
@@ -390,6 +410,7 @@ GroupState::~GroupState() {
   if (window && nvshmem_window)
     nvshmem_release(window, size_t(view.layout().bytes() + view.outbox_layout().bytes()));
   if (window && !nvshmem_window) (void)cudaFree(window);
+  if (window_rest_dev) (void)cudaFree(window_rest_dev);
   if (state) (void)cudaFree(state);
   if (scratch_mem) (void)cudaFree(scratch_mem);
   if (error_host) (void)cudaFreeHost(error_host);

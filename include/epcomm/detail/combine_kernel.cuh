@@ -310,11 +310,13 @@ __device__ void combine_recv(const CombineParams& p, unsigned long long seq, Epi
           __popc(__reduce_or_sync(0xffffffffu, dr >= 0 && dr < kWarpSize ? 1u << dr : 0u)) +
           __popc(__reduce_or_sync(0xffffffffu, dr >= kWarpSize ? 1u << (dr - kWarpSize) : 0u));
       if (split == 1 && lane < n) prefetch_l2(slots + lane * cl.row_bytes(), uint32_t(H) * 2);
-      // Up to kRowsInFlight rows' loads at once, summed in rank order (n <= K <= kMaxTopK).
+      // Rows 0-7 with their loads in flight together, then (n > 8, only past 8 ranks) rows
+      // 8-15, summed in rank order (n <= K <= kMaxTopK).
       constexpr int kRowsInFlight = 8;
+      static_assert(2 * kRowsInFlight >= kMaxTopK, "two passes cover a token's rows");
       for (int32_t c = first; c < H; c += stride) {
         float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        for (int32_t j0 = 0; j0 < n; j0 += kRowsInFlight) {
+        auto sum_rows = [&](int32_t j0) {
           uint4 raw[kRowsInFlight];
 #pragma unroll
           for (int j = 0; j < kRowsInFlight; ++j)
@@ -329,7 +331,9 @@ __device__ void combine_recv(const CombineParams& p, unsigned long long seq, Epi
             for (int i = 0; i < 8; ++i)
               acc[i] = __fadd_rn(acc[i], y[i]);
           }
-        }
+        };
+        sum_rows(0);
+        if (n > kRowsInFlight) sum_rows(kRowsInFlight);
         emit8(epi, t, c, acc);
       }
       continue;

@@ -130,7 +130,7 @@ struct LoadCoherent {
 };
 
 __device__ __forceinline__ char* window_at(const GroupView& g, int32_t peer, int64_t offset) {
-  return g.window[peer] + offset;
+  return g.window_of(peer) + offset;
 }
 __device__ __forceinline__ unsigned long long* signal_word(const GroupView& g, int32_t owner,
                                                            WindowLayout::Signal s,
@@ -163,7 +163,7 @@ __device__ __forceinline__ char* outbox_at(const GroupView& g, int64_t offset) {
 }
 #if EPCOMM_NVSHMEM
 __device__ __forceinline__ uint64_t* symmetric_word(const GroupView& g, int64_t offset) {
-  return reinterpret_cast<uint64_t*>(g.window[g.rank] + offset);
+  return reinterpret_cast<uint64_t*>(g.window_of(g.rank) + offset);
 }
 #endif
 // Whole warp: puts `bytes` from `src` into peer's window at `offset`; with sig_offset >= 0,
@@ -172,7 +172,7 @@ __device__ inline void warp_put(const GroupView& g, int32_t peer, int64_t offset
                                 int64_t bytes, int64_t sig_offset = -1,
                                 unsigned long long value = 0) {
 #if EPCOMM_NVSHMEM
-  void* dst = g.window[g.rank] + offset;
+  void* dst = g.window_of(g.rank) + offset;
   if (sig_offset >= 0 && bytes > 0) {
     nvshmemx_putmem_signal_nbi_warp(dst, src, size_t(bytes), symmetric_word(g, sig_offset),
                                     uint64_t(value), NVSHMEM_SIGNAL_SET, peer);
