@@ -86,6 +86,7 @@ CONFIG_FIELDS = (
     "shared_expert",
     "skip_a2a",
     "allreduce_world_size",
+    "ranks_per_node",
 )
 
 

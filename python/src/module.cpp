@@ -850,6 +850,7 @@ NB_MODULE(_epcomm, m) {
       .def_rw("shared_expert", &epcomm::Config::shared_expert)
       .def_rw("skip_a2a", &epcomm::Config::skip_a2a)
       .def_rw("allreduce_world_size", &epcomm::Config::allreduce_world_size)
+      .def_rw("ranks_per_node", &epcomm::Config::ranks_per_node)
       .def("validate", &epcomm::Config::validate, "n_ranks"_a,
            "Raises InvalidArgument naming the first bad field for a group of n_ranks.")
       .def(

@@ -26,12 +26,12 @@ def test_config_keywords_round_trip():
     cfg = epcomm.make_config(**BASE, format="nvfp4", nvfp4_global_scale=0.5, num_sms=16,
                              timeout_seconds=2.5, share_gpus=True, max_recv_rows=100,
                              dispatch_path="low-latency", shared_expert=True, skip_a2a=True,
-                             allreduce_world_size=2, trace=True)
+                             allreduce_world_size=2, trace=True, ranks_per_node=2)
     assert (cfg.hidden, cfg.top_k, cfg.n_experts, cfg.max_tokens_per_rank) == (512, 4, 16, 64)
     assert cfg.format == "nvfp4" and cfg.dispatch_path == "low-latency"
     assert cfg.nvfp4_global_scale == 0.5 and cfg.num_sms == 16 and cfg.timeout_seconds == 2.5
     assert cfg.share_gpus and cfg.shared_expert and cfg.skip_a2a and cfg.trace
-    assert cfg.max_recv_rows == 100 and cfg.allreduce_world_size == 2
+    assert cfg.max_recv_rows == 100 and cfg.allreduce_world_size == 2 and cfg.ranks_per_node == 2
     cfg.validate(4)
 
 
@@ -57,6 +57,7 @@ def test_config_unknown_and_mistyped_fields():
          "max_tokens_per_rank = 1024 is invalid: at most 512 with dispatch_path = kLowLatency"),
         (dict(top_k=16, shared_expert=True), 2, "top_k = 16 is invalid: at most 15 with shared_expert"),
         (dict(allreduce_world_size=3), 2, "allreduce_world_size = 3 is invalid"),
+        (dict(ranks_per_node=3), 4, "ranks_per_node = 3 is invalid"),
         (dict(num_sms=0), 2, "num_sms = 0 is invalid: between 1 and 1024"),
         (dict(), 65, "n_ranks = 65 is invalid: between 1 and 64"),
         (dict(format="nvfp4", nvfp4_global_scale=-1.0), 2, "nvfp4_global_scale"),
