@@ -539,6 +539,7 @@ __device__ void send_messages(const DispatchParams& p, int32_t num_tokens, int32
     }
     signals.arrive(p, chunk, it, seq);
   }
+  if (any_remote(p.g)) put_quiet();  // the chunk flags' signals too, before the next call
 }
 
 // Ranking uses every block; then blocks [0, n_senders) send (the others go on to receive, in
@@ -731,6 +732,10 @@ __device__ __noinline__ bool ll_send(const DispatchParams& p, unsigned long long
     }
     __syncthreads();  // the flag lists are refilled next round
   }
+  // Every put and signal of this call completed before the kernel ends: a receiver may
+  // acknowledge without waiting for them (a call it rejects), and the next call reuses the
+  // outbox and the flags.
+  if (any_remote(g)) put_quiet();
   trace_mark(g, kTraceDispatch, kTraceSent);
   return true;
 }
@@ -924,6 +929,7 @@ __device__ inline void dispatch_done(const GroupView& g, unsigned long long seq)
   if (last_block_done(g, &g.state->dispatch_done) && threadIdx.x == 0) {
     for (int32_t s = 0; s < g.n_ranks; ++s)
       set_signal(g, s, WindowLayout::kDispatchAck, g.rank, seq);
+    if (any_remote(g)) put_quiet();
     g.state->dispatch_seq = seq;
   }
 }

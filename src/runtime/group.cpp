@@ -110,13 +110,18 @@ int32_t ranks_per_node_of(const std::vector<PeerInfo>& all, const Config& cfg, i
     while (rpn < n && same_host(rpn, 0))
       ++rpn;
     for (int r = 0; r < n; ++r)
-      check_setup(n % rpn == 0 && same_host(r, r / rpn * rpn) &&
-                      (r % rpn != 0 || r == 0 || !same_host(r, 0)),
-                  rank,
-                  "rank " + std::to_string(r) + " (host " + all[size_t(r)].host +
-                      ") breaks the placement by node: ranks of one host must be consecutive, "
-                      "the same number on every host (" +
-                      std::to_string(rpn) + " on host " + all[0].host + ")");
+      check_setup(
+          n % rpn == 0 && same_host(r, r / rpn * rpn) &&
+              [&] {  // a node's first rank: no earlier node on its host
+                for (int q = 0; q < r && r % rpn == 0; q += rpn)
+                  if (same_host(q, r)) return false;
+                return true;
+              }(),
+          rank,
+          "rank " + std::to_string(r) + " (host " + all[size_t(r)].host +
+              ") breaks the placement by node: ranks of one host must be consecutive, "
+              "the same number on every host (" +
+              std::to_string(rpn) + " on host " + all[0].host + ")");
   }
   for (int r = 0; r < n; ++r)
     check_setup(same_host(r, r / rpn * rpn), rank,
@@ -249,11 +254,16 @@ void GroupState::setup(const Config& config, Bootstrap& bs, int dev) {
   view = make_view(cfg, n_ranks, rank, sizes);
   if (view.n_ranks > 1) view.ranks_per_node = ranks_per_node_of(all, cfg, rank);
   if (view.multi_node()) {
+    // Judged from the gathered records alone, so every rank throws the same.
     for (int r = 0; r < n_ranks; ++r)
-      check_setup(r == rank || all[size_t(r)].pid != me.pid, rank,
-                  "rank " + std::to_string(r) +
-                      " runs in this process, but a group that spans nodes needs one process per "
-                      "rank (NVSHMEM: one PE per process)");
+      for (int q = 0; q < r; ++q)
+        check_setup(
+            all[size_t(q)].pid != all[size_t(r)].pid ||
+                std::strncmp(all[size_t(q)].host, all[size_t(r)].host, sizeof(me.host)) != 0,
+            rank,
+            "ranks " + std::to_string(q) + " and " + std::to_string(r) +
+                " run in one process, but a group that spans nodes needs one process per "
+                "rank (NVSHMEM: one PE per process)");
     map_nodes(bs, wl);
   } else {
     map_node(all, me, dev);
@@ -362,16 +372,27 @@ void GroupState::map_nodes(Bootstrap& bs, const WindowLayout& wl) {
   nvshmem_start(bs, std::max<size_t>(size_t(1) << 30, 2 * size_t(bytes) + (size_t(256) << 20)));
   window = nvshmem_alloc(size_t(bytes), rank);
   nvshmem_window = true;
+  // Every peer is in this set-up, so its earlier groups' kernels are done (their teardown
+  // synchronised its device): nothing late lands in a reused window after it is zeroed.
+  bs.barrier();
+  check_cuda(cudaMemset(window, 0, size_t(bytes)), "cudaMemset(NVSHMEM window)");
+  check_cuda(cudaDeviceSynchronize(), "cudaMemset(NVSHMEM window)");
   view.outbox = window + wl.bytes();
   const NodeMap nm = view.nodes();
   windows.assign(size_t(n_ranks), nullptr);
+  int32_t unmapped = -1;  // a rank of this node NVSHMEM cannot map here
   for (int r = 0; r < n_ranks; ++r) {
     if (nm.remote(rank, r)) continue;
     windows[size_t(r)] = r == rank ? window : nvshmem_peer(window, r);
-    check_setup(windows[size_t(r)] != nullptr, rank,
-                "rank " + std::to_string(r) +
-                    " is of this node but NVSHMEM cannot map its memory here (nvshmem_ptr)");
+    if (windows[size_t(r)] == nullptr) unmapped = r;
   }
+  // Decided together, so no rank waits for one that gave up.
+  std::vector<int32_t> all(static_cast<size_t>(n_ranks));
+  bs.all_gather(&unmapped, all.data(), sizeof(int32_t));
+  for (int r = 0; r < n_ranks; ++r)
+    check_setup(all[size_t(r)] < 0, rank,
+                "rank " + std::to_string(all[size_t(r)]) + " is of rank " + std::to_string(r) +
+                    "'s node but NVSHMEM cannot map its memory there (nvshmem_ptr)");
 }
 
 // The mapped windows into the view: the first GroupView::kInlineWindows inline, the rest in a

@@ -2,8 +2,11 @@
 // headers and sets up the device library linked into this module's kernels.
 #include "runtime/nvshmem_host.h"
 
+#include <unistd.h>
+
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <mutex>
 #include <string>
 #include <utility>
@@ -28,6 +31,7 @@ namespace {
 std::mutex g_mutex;
 bool g_started = false;
 int g_rank = -1, g_size = 0;
+unsigned long long g_world = 0;
 }  // namespace
 
 bool nvshmem_built() {
@@ -35,33 +39,37 @@ bool nvshmem_built() {
 }
 
 void nvshmem_start(Bootstrap& bs, size_t heap_bytes) {
-  // Every rank says whether it has started; all must agree, so none waits in a collective
-  // that another skips.
+  // Every rank offers what it knows, and every rank judges the same gathered offers, so that
+  // all of them go on into NVSHMEM's collectives or all of them throw (none is left waiting).
   std::lock_guard<std::mutex> lock(g_mutex);
-  nvshmemx_uniqueid_t id = NVSHMEMX_UNIQUEID_INITIALIZER;
   struct Offer {
-    int32_t started, rank, size, pad;
+    int32_t started, rank, size, id_ok;
+    unsigned long long world;  // the NVSHMEM world this process joined (rank 0's pid and time)
     nvshmemx_uniqueid_t id;
-  } mine{g_started ? 1 : 0, g_rank, g_size, 0, id};
-  if (!g_started && bs.rank() == 0 && nvshmemx_get_uniqueid(&mine.id) != 0)
-    throw Error(ErrorCode::kSetup, rank_prefix(bs.rank()) + "nvshmemx_get_uniqueid failed");
+  } mine{g_started ? 1 : 0, g_rank, g_size, 1, g_world, NVSHMEMX_UNIQUEID_INITIALIZER};
+  if (!g_started && bs.rank() == 0) {
+    mine.id_ok = nvshmemx_get_uniqueid(&mine.id) == 0;
+    mine.world = (static_cast<unsigned long long>(::getpid()) << 32) ^
+                 static_cast<unsigned long long>(std::time(nullptr));
+  }
   std::vector<Offer> all(static_cast<size_t>(bs.size()));
   bs.all_gather(&mine, all.data(), sizeof(Offer));
-  for (int r = 0; r < bs.size(); ++r)
-    if (all[size_t(r)].started != all[0].started)
-      throw Error(ErrorCode::kSetup,
-                  rank_prefix(bs.rank()) + "NVSHMEM is started on rank " +
-                      std::to_string(all[0].started ? 0 : r) + " but not on rank " +
-                      std::to_string(all[0].started ? r : 0) +
-                      ": every process of a group that spans nodes starts it with the group");
-  if (g_started) {
-    if (g_rank != bs.rank() || g_size != bs.size())
-      throw Error(ErrorCode::kSetup,
-                  rank_prefix(bs.rank()) + "NVSHMEM runs here as PE " + std::to_string(g_rank) +
-                      " of " + std::to_string(g_size) +
-                      "; a group that spans nodes must use the same ranks (PE = group rank)");
-    return;
+  auto fail = [&](const std::string& why) {
+    throw Error(ErrorCode::kSetup, rank_prefix(bs.rank()) + why);
+  };
+  if (!all[0].id_ok) fail("nvshmemx_get_uniqueid failed on rank 0");
+  for (int r = 0; r < bs.size(); ++r) {
+    const Offer& o = all[size_t(r)];
+    if (o.started != all[0].started)
+      fail("NVSHMEM is started on rank " + std::to_string(all[0].started ? 0 : r) +
+           " but not on rank " + std::to_string(all[0].started ? r : 0) +
+           ": every process of a group that spans nodes starts it with the group");
+    if (o.started && (o.rank != r || o.size != bs.size() || o.world != all[0].world))
+      fail("rank " + std::to_string(r) + " runs NVSHMEM as PE " + std::to_string(o.rank) + " of " +
+           std::to_string(o.size) + (o.world != all[0].world ? " of another NVSHMEM world" : "") +
+           "; a group that spans nodes must have the ranks NVSHMEM started with (PE = rank)");
   }
+  if (g_started) return;
   if (std::getenv("NVSHMEM_SYMMETRIC_SIZE") == nullptr)
     ::setenv("NVSHMEM_SYMMETRIC_SIZE", std::to_string(heap_bytes).c_str(), 0);
   nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
@@ -77,6 +85,7 @@ void nvshmem_start(Bootstrap& bs, size_t heap_bytes) {
   g_started = true;
   g_rank = bs.rank();
   g_size = bs.size();
+  g_world = all[0].world;
 }
 
 // Windows of groups that are gone, by size. nvshmem_malloc and nvshmem_free are collective:
@@ -94,8 +103,6 @@ char* nvshmem_alloc(size_t bytes, int rank) {
     if (g_pool[i].first != bytes) continue;
     char* p = g_pool[i].second;
     g_pool.erase(g_pool.begin() + long(i));
-    if (cudaMemset(p, 0, bytes) != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess)
-      throw Error(ErrorCode::kCuda, rank_prefix(rank) + "zeroing the NVSHMEM window failed");
     return p;
   }
   void* p = nvshmem_malloc(bytes);
@@ -104,8 +111,6 @@ char* nvshmem_alloc(size_t bytes, int rank) {
                 rank_prefix(rank) + "nvshmem_malloc of " + std::to_string(bytes) +
                     " bytes failed: the symmetric heap is too small (raise NVSHMEM_SYMMETRIC_SIZE, "
                     "read when NVSHMEM starts)");
-  if (cudaMemset(p, 0, bytes) != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess)
-    throw Error(ErrorCode::kCuda, rank_prefix(rank) + "zeroing the NVSHMEM window failed");
   return static_cast<char*>(p);
 }
 

@@ -18,9 +18,11 @@ bool nvshmem_built();
 // Collective over the bootstrap. `heap_bytes`: the symmetric heap to ask for where the
 // environment does not set NVSHMEM_SYMMETRIC_SIZE.
 void nvshmem_start(Bootstrap& bs, size_t heap_bytes);
-// A zeroed symmetric allocation of `bytes` on every PE (collective: every PE calls it, in the
-// same order, with the same size; the caller's barrier then tells that all are zeroed); throws
-// Error(kSetup) if the heap is too small. A released one of the same size is taken first.
+// A symmetric allocation of `bytes` on every PE (collective: every PE calls it, in the same
+// order, with the same size); throws Error(kSetup) if the heap is too small. A released one of
+// the same size is taken first, so it is not zeroed: the caller zeroes it after a barrier that
+// every peer reaches only after its earlier groups' kernels are done (a peer of a timed-out
+// group may still have been writing into it).
 char* nvshmem_alloc(size_t bytes, int rank);
 // Gives one back for a later nvshmem_alloc of the same size (never nvshmem_free: that is
 // collective, and after a timeout a peer may never call it).

@@ -396,6 +396,7 @@ __device__ void combine_recv(const CombineParams& p, unsigned long long seq, Epi
   if (last_block_done(g, &g.state->combine_done) && threadIdx.x == 0) {
     for (int32_t s = 0; s < g.n_ranks; ++s)
       set_signal(g, s, WindowLayout::kCombineAck, g.rank, seq);
+    if (any_remote(g)) put_quiet();
     g.state->combine_seq = seq;
   }
   trace_mark(g, kTraceCombine, kTraceDone);

@@ -333,6 +333,7 @@ __device__ inline void block_signal_all(const GroupView& g, WindowLayout::Signal
       else
         red_release_sys_add(signal_word(g, peer, s, g.rank), 1ull);
     }
+    if (any_remote(g)) put_quiet();
   }
 }
 
