@@ -34,18 +34,17 @@ std::unique_ptr<Team> Team::create(int ranks) {
   if (multi_process_env()) {
     team->bootstrap_ = epcomm::FileBootstrap::from_env();
     team->n_ranks_ = team->bootstrap_->size();
-    // Processes sharing the GPUs (more processes than GPUs on a host, as the launcher places
-    // them: local rank % GPUs).
-    team->ranks_per_gpu_ = (team->n_ranks_ + device_count - 1) / device_count;
     const int rank = team->bootstrap_->rank();
     const int device = local_device(rank, device_count);
     team->local_.push_back(LocalRank{rank, device, make_stream(device)});
   } else {
     team->n_ranks_ = ranks > 0 ? ranks : device_count;
-    team->ranks_per_gpu_ = (team->n_ranks_ + device_count - 1) / device_count;
     for (int r = 0; r < team->n_ranks_; ++r)
       team->local_.push_back(LocalRank{r, r % device_count, make_stream(r % device_count)});
   }
+  // Ranks sharing each GPU: this process's, or processes placed local rank % GPUs by the
+  // launcher.
+  team->ranks_per_gpu_ = (team->n_ranks_ + device_count - 1) / device_count;
   return team;
 }
 

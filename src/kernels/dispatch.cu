@@ -217,16 +217,12 @@ __device__ void scan_units(const DispatchParams& p) {
 
 // ---- 2. meta records --------------------------------------------------------------------------
 
-// Where chunk c's messages to destination d start in d's stream from this rank, from the
-// ranking scratch; chunk num_chunks(T) gives the stream's end (the messages sent to d).
+// Where chunk c (< num_chunks(T)) starts in destination d's stream from this rank, from the
+// ranking scratch.
 __device__ __forceinline__ int32_t stream_chunk_start(const DispatchParams& p, int32_t c,
                                                       int32_t d) {
   const ExpertMap em = p.g.experts();
   const int32_t nk = em.num_keys();
-  if (c >= num_chunks(p.num_tokens)) {
-    const int32_t n_units = (p.num_tokens + kUnitTokens - 1) / kUnitTokens;
-    return p.scratch.unit_prefix[int64_t(n_units) * nk + em.rank_key(d)];
-  }
   const int32_t unit = c * kChunkTokens / kUnitTokens;
   return p.scratch.unit_prefix[int64_t(unit) * nk + em.rank_key(d)] +
          p.scratch.chunk_pos[int64_t(c) * p.g.n_ranks + d];
@@ -363,9 +359,8 @@ struct ChunkSignals {
   // arrival -> the last warp's read of it -> that warp's system fence -> the flags (relaxed
   // stores after the fence: a release pattern), so each destination that acquires a flag sees
   // every warp's stores of the chunk.
-  __device__ void arrive(const DispatchParams& p, int32_t chunk, int32_t it,
+  __device__ void arrive(const GroupView& g, int32_t chunk, int32_t it,
                          unsigned long long seq) const {
-    const GroupView& g = p.g;
     const WindowLayout wl = g.layout();
     __syncwarp();
     int32_t last = 0;
@@ -394,6 +389,18 @@ struct ChunkSignals {
     __syncwarp();
   }
 };
+
+// Message `slot` of this rank's stream to rank d: its offset in d's window, and where this rank
+// writes it (d's window; for a rank of another node, the outbox slice that mirrors it, put
+// from there).
+__device__ __forceinline__ int64_t message_offset(const GroupView& g, int32_t slot) {
+  return g.layout().dispatch_recv_offset() + g.layout().dispatch_recv().offset(g.rank, slot);
+}
+__device__ __forceinline__ char* message_at(const GroupView& g, int32_t d, int32_t slot) {
+  if (!remote(g, d)) return window_at(g, d, message_offset(g, slot));
+  return outbox_at(g, g.outbox_layout().stream_offset(g.nodes().remote_index(g.rank, d)) +
+                          int64_t(slot) * g.layout().msg().bytes());
+}
 
 // Where one token goes, one value per lane: lane k < K holds top-k slot k (its expert id, -1 if
 // masked; its position among this rank's tokens for that expert; its router weight), lane l the
@@ -461,9 +468,7 @@ __device__ void send_token(const DispatchParams& p, int32_t t, const LaneRoute& 
                            int32_t unit_begin, int32_t unit_end, bool headers, Sent sent) {
   const GroupView& g = p.g;
   const ExpertMap em = g.experts();
-  const WindowLayout wl = g.layout();
-  const MessageLayout ml = wl.msg();
-  const DispatchRecvLayout rl = wl.dispatch_recv();
+  const MessageLayout ml = g.layout().msg();
   const int lane = threadIdx.x % kWarpSize;
   const int32_t dest = r.id >= 0 ? em.rank_of(r.id) : -1;
   const RankMask dest_mask = r.dests();
@@ -476,12 +481,7 @@ __device__ void send_token(const DispatchParams& p, int32_t t, const LaneRoute& 
     for (; left && d.n < kDestBatch; left &= left - 1) {
       const int32_t rank = __ffsll(left) - 1;
       const int32_t s = r.slot_of(rank);
-      // A rank of another node: staged in the outbox at the same place of its stream.
-      char* msg =
-          remote(g, rank)
-              ? outbox_at(g, g.outbox_layout().stream_offset(g.nodes().remote_index(g.rank, rank)) +
-                                 int64_t(s) * ml.bytes())
-              : window_at(g, rank, wl.dispatch_recv_offset() + rl.offset(g.rank, s));
+      char* msg = message_at(g, rank, s);
       const uint32_t mine = __ballot_sync(0xffffffffu, dest == rank);
       if (headers) {
         MessageHeader* h = reinterpret_cast<MessageHeader*>(msg);
@@ -530,14 +530,12 @@ __device__ void send_messages(const DispatchParams& p, int32_t num_tokens, int32
                       const MessageLayout ml = p.g.layout().msg();
                       for (int32_t j = 0; j < d.n; ++j)
                         if (remote(p.g, d.rank[j]))
-                          warp_put(p.g, d.rank[j],
-                                   p.g.layout().dispatch_recv_offset() +
-                                       p.g.layout().dispatch_recv().offset(p.g.rank, d.slot[j]),
+                          warp_put(p.g, d.rank[j], message_offset(p.g, d.slot[j]),
                                    d.payload[j] - ml.payload_offset(), ml.bytes());
                     });
       if (any_remote(p.g)) put_quiet();  // completed before this warp arrives on the chunk
     }
-    signals.arrive(p, chunk, it, seq);
+    signals.arrive(p.g, chunk, it, seq);
   }
   if (any_remote(p.g)) put_quiet();  // the chunk flags' signals too, before the next call
 }
@@ -619,10 +617,8 @@ __device__ void put_part(const GroupView& g, int32_t d, int32_t slot, int32_t pa
                          unsigned long long seq) {
   const WindowLayout wl = g.layout();
   const MessageLayout ml = wl.msg();
-  const int64_t at = wl.dispatch_recv_offset() + wl.dispatch_recv().offset(g.rank, slot);
-  const char* src =
-      outbox_at(g, g.outbox_layout().stream_offset(g.nodes().remote_index(g.rank, d)) +
-                       int64_t(slot) * ml.bytes());
+  const int64_t at = message_offset(g, slot);
+  const char* src = message_at(g, d, slot);
   if (part == 0) warp_put(g, d, at, src, ml.header_bytes());
   warp_put(g, d, at + ml.part_codes_offset(part), src + ml.part_codes_offset(part),
            ml.part_codes_bytes(part));

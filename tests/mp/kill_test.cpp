@@ -135,9 +135,9 @@ int run(FileBootstrap& bs, int device, int ranks_per_node) {
   const int n = bs.size(), rank = bs.rank();
   Watchdog dog(rank);
   dog.arm("set-up", 120);
-  Config cfg = placed(make_cfg(2048, 4, 8 * n, 128, 24, kTimeout), n);
-  cfg.ranks_per_node = ranks_per_node;  // < n: the dead rank is reached through NVSHMEM
-  auto g = Group::create(cfg, bs, device);
+  // ranks_per_node < n: the dead rank is reached through NVSHMEM.
+  auto g = Group::create(placed(make_cfg(2048, 4, 8 * n, 128, 24, kTimeout), n, ranks_per_node), bs,
+                         device);
   auto io = std::make_unique<RankIO>(*g);
   const uint64_t seed = 2024;
   const auto p = reference::make_problem(n, 2048, 4, 8 * n, random_counts(n, 128, seed), seed);

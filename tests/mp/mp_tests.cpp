@@ -196,9 +196,7 @@ std::string round(Group& g, RankIO& io, const reference::Problem& problem, bool 
 // the ranks, every transfer between the declared nodes goes through NVSHMEM.
 int g_ranks_per_node = 0;
 Config node_placed(Config cfg, int n) {
-  cfg = placed(cfg, n);
-  cfg.ranks_per_node = g_ranks_per_node;
-  return cfg;
+  return placed(cfg, n, g_ranks_per_node);
 }
 
 int run_gpu_tests(Bootstrap& bs, const MakeBootstrap& make) {

@@ -39,7 +39,8 @@ std::set<std::string>& shared_tests() {
 }
 }  // namespace
 
-Config placed(Config cfg, int n_ranks) {
+Config placed(Config cfg, int n_ranks, int ranks_per_node) {
+  if (ranks_per_node > 0) cfg.ranks_per_node = ranks_per_node;
   const int per_gpu = ranks_per_gpu(n_ranks);
   if (per_gpu <= 1) return cfg;
   cfg.share_gpus = true;

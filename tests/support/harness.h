@@ -44,7 +44,8 @@ int suite_ranks();
 // `cfg` for an n-rank group placed as device_of_rank() says: where ranks share a GPU,
 // share_gpus is set and num_sms lowered (if needed) to max_resident_blocks / ranks_per_gpu, so
 // every rank's blocks are resident together. Notes the running test as one that shares GPUs.
-Config placed(Config cfg, int n_ranks);
+// ranks_per_node > 0: sets Config::ranks_per_node (declared nodes of that many ranks).
+Config placed(Config cfg, int n_ranks, int ranks_per_node = 0);
 // Tests of this process that ran with ranks sharing a GPU (placed() with ranks_per_gpu > 1).
 int shared_gpu_tests();
 

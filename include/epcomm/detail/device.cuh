@@ -144,19 +144,15 @@ __device__ __forceinline__ unsigned long long* signal_word(const GroupView& g, i
 // (OutboxLayout) and put into the peer's window at the same offset, which in NVSHMEM's terms is
 // the symmetric address of this rank's own window at that offset. A signal (a u64 word of the
 // window) goes after its data: put-with-signal, or puts, a fence or quiet, then the signal.
-__device__ __forceinline__ bool remote(const GroupView& g, int32_t peer) {
-#if EPCOMM_NVSHMEM
-  return g.multi_node() && g.nodes().remote(g.rank, peer);
-#else
-  return false;
-#endif
-}
 __device__ __forceinline__ bool any_remote(const GroupView& g) {
 #if EPCOMM_NVSHMEM
   return g.multi_node();
 #else
   return false;
 #endif
+}
+__device__ __forceinline__ bool remote(const GroupView& g, int32_t peer) {
+  return any_remote(g) && g.nodes().remote(g.rank, peer);
 }
 __device__ __forceinline__ char* outbox_at(const GroupView& g, int64_t offset) {
   return g.outbox + offset;
