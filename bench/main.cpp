@@ -33,7 +33,7 @@ int main(int argc, char** argv) {
       progress.phase("NCCL set-up");
       comms = std::make_unique<NcclComms>(*team);
     }
-    Gate gate(!team->multi_process());
+    Gate gate(opt.gate && !team->multi_process());
     L2Flush flush(*team, opt.flush);
 
     RunInfo info = describe_run(opt.command_line, team->multi_process(), team->n_ranks(),

@@ -39,6 +39,9 @@ send/recv baseline, timed and checked against the CPU reference.
   --no-flush              do not flush L2 before each timed call: warm caches (inputs, the
                           kernels' code), to see what the cold misses cost; not the standard
                           method, never quote such figures as the benchmark's
+  --no-gate               launch timed calls as they are issued, without holding the streams
+                          at a gate first: for profilers (ncu serialises launches, so a gate
+                          would wait out its 10 s limit); the timings include launch gaps
   --reduce expert|token   where epcomm's weighted combine sums a token's expert rows: on the
                           expert side (weights given to dispatch; one row per (token, rank)
                           back; default) or on the token side (one row per (token, k) back)
@@ -122,6 +125,8 @@ Options parse_options(int argc, char** argv) {
       opt.nccl = false;
     } else if (flag == "--no-flush") {
       opt.flush = false;
+    } else if (flag == "--no-gate") {
+      opt.gate = false;
     } else if (flag == "--no-check") {
       opt.check = false;
     } else if (flag == "--reduce") {

@@ -41,6 +41,7 @@ struct Options {
   bool nccl = true;
   bool check = true;
   bool flush = true;  // flush L2 before every timed call (--no-flush: warm caches, a diagnosis)
+  bool gate = true;   // hold every stream at a gate before a timed batch (--no-gate: profilers)
   // epcomm's weighted combine: the router weights go to dispatch and each rank pre-sums its
   // experts' rows (true, default), or they go to combine and the token side sums (false).
   bool expert_side = true;

@@ -8,13 +8,14 @@ namespace detail {
 int load_combine_kernels_default() {
   load_combine_kernels<StoreBf16>();
   int per_sm = 0, fewest = 1 << 30;
-  for (bool expert_side : {false, true}) {
-    auto kernel = expert_side ? combine_kernel_of<StoreBf16, true>(true, true)
-                              : combine_kernel_of<StoreBf16, false>(true, true);
-    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kCombineThreads, 0),
-               "cudaOccupancyMaxActiveBlocksPerMultiprocessor(combine)");
-    fewest = per_sm < fewest ? per_sm : fewest;
-  }
+  for (bool expert_side : {false, true})
+    for (bool whole_rows : {false, true}) {
+      auto kernel = combine_kernel_of<StoreBf16>(expert_side, whole_rows, true, true);
+      check_cuda(
+          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kCombineThreads, 0),
+          "cudaOccupancyMaxActiveBlocksPerMultiprocessor(combine)");
+      fewest = per_sm < fewest ? per_sm : fewest;
+    }
   return fewest;
 }
 

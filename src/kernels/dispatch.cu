@@ -1252,7 +1252,7 @@ static_assert(fused_senders(24, TokenFormat::kFp8Blockwise, 128) == 8, "no more 
 static_assert(fused_senders(24, TokenFormat::kBF16, 0) == 1, "no tokens: one sender");
 
 template <bool kSend, bool kRecv, TokenFormat F>
-__global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams p) {
+__global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_constant__ DispatchParams p) {
   extern __shared__ __align__(16) char smem[];
   const unsigned long long seq = p.g.state->dispatch_seq + 1;  // in flight with the abort flag
   if (block_aborted(p.g)) return;

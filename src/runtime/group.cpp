@@ -779,6 +779,10 @@ detail::CombineParams Group::prepare_combine(const CombineInput* in, const Combi
   p.g = s_->view;
   p.topk = s_->scratch.topk;
   p.expert_side = s_->last.weights ? 1 : 0;
+  p.whole_rows = detail::combine_whole_rows(s_->last.num_tokens, s_->cfg.hidden,
+                                            s_->view.num_blocks)
+                     ? 1
+                     : 0;
   p.recv_base = s_->scratch.recv_base;
   p.recv_count = s_->scratch.recv_count;
   p.self_row = s_->scratch.self_row;

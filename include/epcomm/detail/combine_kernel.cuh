@@ -29,8 +29,11 @@
 namespace epcomm {
 namespace detail {
 
-constexpr int kCombineThreads = 512;
-constexpr int kCombineWarps = kCombineThreads / kWarpSize;
+// Whole rows put in flight to L2 (bulk prefetch) before a warp sums them.
+#ifndef EPCOMM_COMBINE_PREFETCH_ROWS
+#define EPCOMM_COMBINE_PREFETCH_ROWS 1
+#endif
+constexpr bool kPrefetchRows = EPCOMM_COMBINE_PREFETCH_ROWS != 0;
 
 // The library's epilogue: round to bf16 and store out[token, column].
 struct StoreBf16 {
@@ -52,17 +55,12 @@ __device__ __forceinline__ void emit8(StoreBf16& epi, int32_t token, int32_t col
   st_v4(epi.out + int64_t(token) * epi.hidden + col, pack_bf16x8(v));
 }
 
-// Rows of H columns handed to the grid's warps as (row, part) items: a row's columns are split
-// into `split` interleaved parts of 256-column steps when there are too few rows to keep every
-// warp busy twice over (decode), so more loads are in flight; with many rows split = 1.
+// Rows of H columns handed to the grid's warps as (row, part) items (combine_split).
 struct WorkSplit {
   int32_t split;
   int64_t items;
   __device__ static WorkSplit make(int64_t rows, int32_t hidden) {
-    const int64_t warps = int64_t(gridDim.x) * kCombineWarps;
-    const int32_t steps = (hidden + kWarpSize * 8 - 1) / (kWarpSize * 8);
-    const int64_t want = rows > 0 ? (2 * warps + rows - 1) / rows : 1;
-    const int32_t split = want < steps ? int32_t(want) : steps;
+    const int32_t split = combine_split(rows, hidden, int64_t(gridDim.x) * kCombineWarps);
     return WorkSplit{split, rows * split};
   }
   __device__ static int64_t first_item() {
@@ -71,19 +69,19 @@ struct WorkSplit {
   __device__ static int64_t stride() { return int64_t(gridDim.x) * kCombineWarps; }
 };
 
-// One message's pre-summed row on the expert side: sum over its rows j < n (lane j holds row j's
-// index, -1 if none, and weight) of w * y in fp32, in row order (top-k slot ascending: bit for
-// bit the same however the loads are grouped), over this item's columns (256-column steps from
-// part * 256, every `stride`); stored to dst as bf16. kU steps per pass and kRows rows' loads in
-// flight together: few rows of many steps (prefill: kU 4, kRows 2, one round trip per pass
-// instead of one per row) or one step of up to K rows (decode: kU 1, kRows 8).
-template <int kU, int kRows>
-__device__ __forceinline__ void sum_message_rows(const char* in, int32_t H, int64_t row, float w,
-                                                 int32_t n, int32_t part, int32_t stride,
-                                                 char* dst) {
+// The weighted sum of up to kMaxTopK rows, the one reduction of every combine path: lane j < n
+// holds row j's address (null: skipped) and weight w_j; acc = sum over j of w_j * y_j in fp32, in
+// row order (bit for bit the same however the loads are grouped; with w = 1 each step is the
+// rounded add), over this item's columns (256-column steps from part * 256, every `stride`), each
+// step's 8 values handed to out(column, acc). kU steps per pass and kRows rows' loads in flight
+// together: kU * kRows 16-byte loads per lane per round trip.
+template <int kU, int kRows, class Load, class Out>
+__device__ __forceinline__ void sum_rows_by(const char* row, float w, int32_t n, int32_t H,
+                                            int32_t part, int32_t stride, Load load, Out& out) {
   const int lane = threadIdx.x % kWarpSize;
-  const int32_t step = kWarpSize * 8;
+  const int32_t step = kCombineStep;
   // Every lane runs these loops the same number of times (the shuffles sit inside).
+#pragma unroll 1
   for (int32_t base = part * step; base < H; base += kU * stride) {
     float acc[kU][8];
 #pragma unroll
@@ -91,27 +89,28 @@ __device__ __forceinline__ void sum_message_rows(const char* in, int32_t H, int6
 #pragma unroll
       for (int i = 0; i < 8; ++i)
         acc[u][i] = 0.0f;
+#pragma unroll 1
     for (int32_t j0 = 0; j0 < n; j0 += kRows) {
-      int64_t r[kRows];
+      const char* r[kRows];
       float wj[kRows];
       uint4 raw[kRows][kU];
 #pragma unroll
       for (int q = 0; q < kRows; ++q) {
-        r[q] = __shfl_sync(0xffffffffu, row, (j0 + q) % kWarpSize);
+        r[q] = reinterpret_cast<const char*>(
+            __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(row), (j0 + q) % kWarpSize));
         wj[q] = __shfl_sync(0xffffffffu, w, (j0 + q) % kWarpSize);
-        if (j0 + q >= n) r[q] = -1;
+        if (j0 + q >= n) r[q] = nullptr;
       }
 #pragma unroll
       for (int q = 0; q < kRows; ++q)
 #pragma unroll
         for (int u = 0; u < kU; ++u) {
           const int32_t c = base + u * stride + lane * 8;
-          if (r[q] >= 0 && c < H) raw[q][u] = ld_nc_v4(in + (r[q] * H + c) * 2);
+          if (r[q] != nullptr && c < H) raw[q][u] = load(r[q] + int64_t(c) * 2);
         }
-        // The sums in row order (slot ascending), as before: the result is bit for bit the same.
 #pragma unroll
       for (int q = 0; q < kRows; ++q) {
-        if (r[q] < 0) continue;
+        if (r[q] == nullptr) continue;
 #pragma unroll
         for (int u = 0; u < kU; ++u) {
           if (base + u * stride + lane * 8 >= H) continue;
@@ -126,13 +125,27 @@ __device__ __forceinline__ void sum_message_rows(const char* in, int32_t H, int6
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
       const int32_t c = base + u * stride + lane * 8;
-      if (c < H) st_v4(dst + int64_t(c) * 2, pack_bf16x8(acc[u]));
+      if (c < H) out(c, acc[u]);
     }
   }
 }
 
+// sum_rows_by as the kernel was chosen for (one instantiation per kernel: two inlined side by
+// side made the kernels spill in these loops, 128 registers being all 512 threads may have):
+// kWholeRows, items of many steps (prefill): 4 steps of 2 rows per round trip; otherwise one
+// step of up to 8 rows (decode, a row split over many warps). Either is exact for any item.
+template <bool kWholeRows, class Load, class Out>
+__device__ __forceinline__ void sum_rows(const char* row, float w, int32_t n, int32_t H,
+                                         int32_t part, int32_t stride, Load load, Out& out) {
+  if constexpr (kWholeRows)
+    sum_rows_by<4, 2>(row, w, n, H, part, stride, load, out);
+  else
+    sum_rows_by<1, 8>(row, w, n, H, part, stride, load, out);
+}
+
 // The expert side's half of the expert-side reduction: one pre-summed row per received message.
 // `bases`: p.recv_base, copied to shared memory.
+template <bool kWholeRows>
 __device__ inline void combine_send_expert_side(const CombineParams& p, const int32_t* bases) {
   const GroupView& g = p.g;
   const WindowLayout wl = g.layout();
@@ -172,11 +185,12 @@ __device__ inline void combine_send_expert_side(const CombineParams& p, const in
     const int32_t token = h->token, slot = h->rank_slot;
     const int32_t n = min(int32_t(h->n_entries), K);
     if (token < 0 || token >= g.max_tokens || slot < 0 || slot >= K) continue;  // stay inside
-    int64_t row = -1;
+    const char* row = nullptr;
     float w = 0.0f;
     if (lane < n) {
-      if (e.group() < n_local) row = int64_t(bases[s * n_local + e.group()]) + e.pos;
-      if (row >= row_limit) row = -1;
+      int64_t r = -1;
+      if (e.group() < n_local) r = int64_t(bases[s * n_local + e.group()]) + e.pos;
+      if (r >= 0 && r < row_limit) row = in + r * H * 2;
       w = e.weight;
     }
     const int64_t at = wl.combine_recv_offset() + cl.offset(token, slot);
@@ -185,12 +199,12 @@ __device__ inline void combine_send_expert_side(const CombineParams& p, const in
         far ? outbox_at(g, g.outbox_layout().combine_offset(
                                int64_t(g.nodes().remote_index(g.rank, s)) * g.max_tokens + m))
             : window_at(g, s, at);
-    const int32_t stride = ws.split * kWarpSize * 8;
-    if (ws.split == 1 && row >= 0) prefetch_l2(in + row * H * 2, uint32_t(H) * 2);  // whole rows
-    if (stride >= H)  // one 256-column step per item
-      sum_message_rows<1, 8>(in, H, row, w, n, part, stride, dst);
-    else
-      sum_message_rows<4, 2>(in, H, row, w, n, part, stride, dst);
+    if (kPrefetchRows && ws.split == 1 && row != nullptr)
+      prefetch_l2(row, uint32_t(H) * 2);  // whole rows
+    auto store = [&](int32_t c, const float(&acc)[8]) {
+      st_v4(dst + int64_t(c) * 2, pack_bf16x8(acc));
+    };
+    sum_rows<kWholeRows>(row, w, n, H, part, ws.split * kCombineStep, LoadNc{}, store);
     if (far) {
       __syncwarp();
       warp_put(g, s, at, dst, int64_t(H) * 2);
@@ -200,7 +214,7 @@ __device__ inline void combine_send_expert_side(const CombineParams& p, const in
 
 // kDirectSelf (the fused kernel, token side): rows of this rank's own tokens stay where they
 // are; the receive reads them from expert_out (scratch.self_row).
-template <bool kExpertSide, bool kDirectSelf>
+template <bool kExpertSide, bool kDirectSelf, bool kWholeRows>
 __device__ inline void combine_send(const CombineParams& p, unsigned long long seq) {
   const GroupView& g = p.g;
   // Expert side: the (source, group) base rows, loaded while the acks are awaited (the view's
@@ -226,7 +240,7 @@ __device__ inline void combine_send(const CombineParams& p, unsigned long long s
       if (j < g.n_experts) bases[j] = base[i];
     }
     __syncthreads();
-    combine_send_expert_side(p, bases);
+    combine_send_expert_side<kWholeRows>(p, bases);
     block_signal_all(g, WindowLayout::kCombineArrived);
     trace_mark(g, kTraceCombine, kTraceSent);
     return;
@@ -242,36 +256,46 @@ __device__ inline void combine_send(const CombineParams& p, unsigned long long s
   // Items (row, piece): a piece is one pass of copy_vectors (every lane's loads in flight at
   // once), so a decode's few rows spread over every warp of the grid instead of one warp
   // looping over a row's 28 vectors per lane (decode, one H100: the send took 10-16 us that way).
+  // Lane l loads the SrcInfo of the warp's item l of each 32: one round trip per 32 items, not
+  // one before each (the fused kernel skips this rank's own rows at the cost of a shuffle).
   constexpr int32_t kPiece = kCopyUnroll * kWarpSize;  // vectors
   const int32_t pieces = (n_vec + kPiece - 1) / kPiece;
-  for (int64_t item = blockIdx.x * kCombineWarps + threadIdx.x / kWarpSize; item < rows * pieces;
-       item += int64_t(gridDim.x) * kCombineWarps) {
-    const int64_t r = item / pieces;
-    const int32_t v0 = int32_t(item % pieces) * kPiece;
-    const SrcInfo info = p.src_info[r];
-    const int32_t owner = g.route.view_rank_of(info.rank);  // src_info holds the caller's rank
-    if (owner < 0 || owner >= g.n_ranks || info.token < 0 || info.token >= g.max_tokens ||
-        info.slot < 0 || info.slot >= g.top_k)
-      continue;  // padding rows, and never a write outside a peer's buffer
-    if (kDirectSelf && owner == g.rank) continue;  // read in place by the receive
-    const int64_t at =
-        wl.combine_recv_offset() + cl.offset(info.token, info.slot) + int64_t(v0) * 16;
-    const bool far = remote(g, owner);  // staged at the row's place in the outbox, then put
-    char* dst = far ? outbox_at(g, g.outbox_layout().combine_offset(r)) + int64_t(v0) * 16
-                    : window_at(g, owner, at);
-    const int32_t n = min(kPiece, n_vec - v0);
-    copy_vectors(in + (r * g.hidden + int64_t(v0) * 8) * 2, n, 1, LoadNc{},
-                 [&](int32_t) { return dst; });
-    if (far) {
-      __syncwarp();
-      warp_put(g, owner, at, dst, int64_t(n) * 16);
+  const int64_t items = rows * pieces, step = int64_t(gridDim.x) * kCombineWarps;
+  const int lane = threadIdx.x % kWarpSize;
+  for (int64_t batch = WorkSplit::first_item(); batch < items; batch += kWarpSize * step) {
+    const int64_t mine = batch + lane * step;
+    const SrcInfo ahead = mine < items ? p.src_info[mine / pieces] : SrcInfo{-1, -1, -1};
+    for (int32_t j = 0; j < kWarpSize; ++j) {
+      const int64_t item = batch + j * step;
+      if (item >= items) break;  // the same for every lane
+      const int64_t r = item / pieces;
+      const int32_t v0 = int32_t(item % pieces) * kPiece;
+      const int32_t token = __shfl_sync(0xffffffffu, ahead.token, j);
+      const int32_t rank = __shfl_sync(0xffffffffu, int32_t(ahead.rank), j);
+      const int32_t slot = __shfl_sync(0xffffffffu, int32_t(ahead.slot), j);
+      const int32_t owner = g.route.view_rank_of(rank);  // src_info holds the caller's rank
+      if (owner < 0 || owner >= g.n_ranks || token < 0 || token >= g.max_tokens || slot < 0 ||
+          slot >= g.top_k)
+        continue;  // padding rows, and never a write outside a peer's buffer
+      if (kDirectSelf && owner == g.rank) continue;  // read in place by the receive
+      const int64_t at = wl.combine_recv_offset() + cl.offset(token, slot) + int64_t(v0) * 16;
+      const bool far = remote(g, owner);  // staged at the row's place in the outbox, then put
+      char* dst = far ? outbox_at(g, g.outbox_layout().combine_offset(r)) + int64_t(v0) * 16
+                      : window_at(g, owner, at);
+      const int32_t n = min(kPiece, n_vec - v0);
+      copy_vectors(in + (r * g.hidden + int64_t(v0) * 8) * 2, n, 1, LoadNc{},
+                   [&](int32_t) { return dst; });
+      if (far) {
+        __syncwarp();
+        warp_put(g, owner, at, dst, int64_t(n) * 16);
+      }
     }
   }
   block_signal_all(g, WindowLayout::kCombineArrived);
   trace_mark(g, kTraceCombine, kTraceSent);
 }
 
-template <bool kExpertSide, bool kDirectSelf, class Epilogue>
+template <bool kExpertSide, bool kDirectSelf, bool kWholeRows, class Epilogue>
 __device__ void combine_recv(const CombineParams& p, unsigned long long seq, Epilogue& epi) {
   const GroupView& g = p.g;
   if (!block_wait_signal(g, all_ranks_mask(g), WindowLayout::kCombineArrived, kOpCombineRecv,
@@ -297,45 +321,20 @@ __device__ void combine_recv(const CombineParams& p, unsigned long long seq, Epi
   const char* expert_out = static_cast<const char*>(p.expert_out);
   for (int64_t item = WorkSplit::first_item(); item < ws.items; item += WorkSplit::stride()) {
     const int32_t t = int32_t(item / split), part = int32_t(item % split);
-    // Every lane gets what the token's rows need before the column loops: lanes run those
-    // loops a different number of times when H / 8 is not a multiple of 32, so no shuffle may
-    // sit inside them.
+    // Lane k holds slot k's id and row; sum_rows shuffles them to the warp.
     const int32_t id = lane < K ? p.topk[int64_t(t) * K + lane] : -1;
     const char* slots = recv + cl.offset(t, 0);
-    const int32_t first = (part * kWarpSize + lane) * 8, stride = split * kWarpSize * 8;
+    const int32_t stride = split * kCombineStep;
+    auto emit = [&](int32_t c, const float(&acc)[8]) { emit8(epi, t, c, acc); };
     if constexpr (kExpertSide) {
-      // One row per rank the token went to, in rank order.
+      // One row per rank the token went to, summed in rank order (weight 1: plain adds).
       const int32_t dr = id >= 0 ? em.rank_of(id) : -1;
       const int32_t n =
           __popc(__reduce_or_sync(0xffffffffu, dr >= 0 && dr < kWarpSize ? 1u << dr : 0u)) +
           __popc(__reduce_or_sync(0xffffffffu, dr >= kWarpSize ? 1u << (dr - kWarpSize) : 0u));
-      if (split == 1 && lane < n) prefetch_l2(slots + lane * cl.row_bytes(), uint32_t(H) * 2);
-      // Rows 0-7 with their loads in flight together, then (n > 8, only past 8 ranks) rows
-      // 8-15, summed in rank order (n <= K <= kMaxTopK).
-      constexpr int kRowsInFlight = 8;
-      static_assert(2 * kRowsInFlight >= kMaxTopK, "two passes cover a token's rows");
-      for (int32_t c = first; c < H; c += stride) {
-        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        auto sum_rows = [&](int32_t j0) {
-          uint4 raw[kRowsInFlight];
-#pragma unroll
-          for (int j = 0; j < kRowsInFlight; ++j)
-            if (j0 + j < n)
-              raw[j] = ld_plain_v4(slots + (j0 + j) * cl.row_bytes() + int64_t(c) * 2);
-#pragma unroll
-          for (int j = 0; j < kRowsInFlight; ++j) {
-            if (j0 + j >= n) continue;
-            float y[8];
-            unpack_bf16x8(raw[j], y);
-#pragma unroll
-            for (int i = 0; i < 8; ++i)
-              acc[i] = __fadd_rn(acc[i], y[i]);
-          }
-        };
-        sum_rows(0);
-        if (n > kRowsInFlight) sum_rows(kRowsInFlight);
-        emit8(epi, t, c, acc);
-      }
+      const char* row = lane < n ? slots + lane * cl.row_bytes() : nullptr;
+      if (kPrefetchRows && split == 1 && row != nullptr) prefetch_l2(row, uint32_t(H) * 2);
+      sum_rows<kWholeRows>(row, 1.0f, n, H, part, stride, LoadOnce{}, emit);
       continue;
     }
     const float w =
@@ -350,43 +349,17 @@ __device__ void combine_recv(const CombineParams& p, unsigned long long seq, Epi
         mine = r >= 0 && r < self_rows ? expert_out + int64_t(r) * H * 2 : nullptr;
       }
     }
-    if (split == 1 && mine != nullptr) prefetch_l2(mine, uint32_t(H) * 2);  // whole rows
-    const char* src[kMaxTopK];
-    float ws[kMaxTopK];
-#pragma unroll
-    for (int k = 0; k < kMaxTopK; ++k) {
-      src[k] = reinterpret_cast<const char*>(
-          __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(mine), k));
-      ws[k] = __shfl_sync(0xffffffffu, w, k);
-    }
+    if (kPrefetchRows && split == 1 && mine != nullptr) prefetch_l2(mine, uint32_t(H) * 2);
     if (p.weights != nullptr) {
-      for (int32_t c = first; c < H; c += stride) {
-        // All K loads first (predicated, no branch between them, so they are in flight
-        // together), then the sums in k order over the unmasked slots.
-        uint4 raw[kMaxTopK];
-#pragma unroll
-        for (int k = 0; k < kMaxTopK; ++k)
-          if (k < K && src[k] != nullptr) raw[k] = ld_plain_v4(src[k] + int64_t(c) * 2);
-        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-        for (int k = 0; k < kMaxTopK; ++k) {
-          if (k >= K || src[k] == nullptr) continue;
-          float y[8];
-          unpack_bf16x8(raw[k], y);
-#pragma unroll
-          for (int i = 0; i < 8; ++i)
-            acc[i] = fmaf(ws[k], y[i], acc[i]);
-        }
-        emit8(epi, t, c, acc);
-      }
+      sum_rows<kWholeRows>(mine, w, K, H, part, stride, LoadOnce{}, emit);
     } else {
+      // No weights: each slot's row as it is, zeros for a masked one.
       char* out = static_cast<char*>(p.out) + int64_t(t) * K * H * 2;
-#pragma unroll
-      for (int k = 0; k < kMaxTopK; ++k) {
-        if (k >= K) continue;
-        for (int32_t c = first; c < H; c += stride) {
-          const uint4 v =
-              src[k] != nullptr ? ld_v4(src[k] + int64_t(c) * 2) : make_uint4(0, 0, 0, 0);
+      for (int32_t k = 0; k < K; ++k) {
+        const char* src = reinterpret_cast<const char*>(
+            __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(mine), k));
+        for (int32_t c = (part * kWarpSize + lane) * 8; c < H; c += stride) {
+          const uint4 v = src != nullptr ? ld_v4(src + int64_t(c) * 2) : make_uint4(0, 0, 0, 0);
           st_v4(out + (int64_t(k) * H + c) * 2, v);
         }
       }
@@ -402,31 +375,39 @@ __device__ void combine_recv(const CombineParams& p, unsigned long long seq, Epi
   trace_mark(g, kTraceCombine, kTraceDone);
 }
 
-// kExpertSide (the last dispatch carried the weights) is a template parameter so that each
-// kernel holds one reduction's code: together they would not fit the registers.
-template <class Epilogue, bool kSend, bool kRecv, bool kExpertSide>
+// kExpertSide (the last dispatch carried the weights) and kWholeRows (sum_rows) are template
+// parameters so that each kernel holds one reduction's code and one shape of its loads:
+// together they would not fit the registers.
+template <class Epilogue, bool kSend, bool kRecv, bool kExpertSide, bool kWholeRows>
 __global__ void __launch_bounds__(kCombineThreads, 1)
-    combine_kernel(CombineParams p, Epilogue epi) {
+    combine_kernel(const __grid_constant__ CombineParams p, Epilogue epi) {
   if (block_aborted(p.g)) return;
   trace_begin(p.g, kTraceCombine, kSend ? kTraceStart : kTraceRecvStart,
               kRecv ? kTraceMarks : kTraceRecvStart);
   const unsigned long long seq = p.g.state->combine_seq + 1;
   // The fused kernel's token side reads this rank's own rows in place.
   constexpr bool kDirectSelf = kSend && kRecv && !kExpertSide;
-  if (kSend) combine_send<kExpertSide, kDirectSelf>(p, seq);
+  if (kSend) combine_send<kExpertSide, kDirectSelf, kWholeRows>(p, seq);
   if (!kRecv) trace_mark(p.g, kTraceCombine, kTraceDone);
   if (kRecv && !block_aborted(p.g)) {
     if (kSend) trace_mark(p.g, kTraceCombine, kTraceRecvStart);
-    combine_recv<kExpertSide, kDirectSelf>(p, seq, epi);
+    combine_recv<kExpertSide, kDirectSelf, kWholeRows>(p, seq, epi);
   }
 }
 
-// The kernel of one form (fused, send, receive) and reduction.
-template <class Epilogue, bool kExpertSide>
+// The kernel of one form (fused, send, receive), reduction and load shape.
+template <class Epilogue, bool kExpertSide, bool kWholeRows>
 auto combine_kernel_of(bool send, bool recv) {
-  return send && recv ? combine_kernel<Epilogue, true, true, kExpertSide>
-                      : (send ? combine_kernel<Epilogue, true, false, kExpertSide>
-                              : combine_kernel<Epilogue, false, true, kExpertSide>);
+  return send && recv ? combine_kernel<Epilogue, true, true, kExpertSide, kWholeRows>
+                      : (send ? combine_kernel<Epilogue, true, false, kExpertSide, kWholeRows>
+                              : combine_kernel<Epilogue, false, true, kExpertSide, kWholeRows>);
+}
+template <class Epilogue>
+auto combine_kernel_of(bool expert_side, bool whole_rows, bool send, bool recv) {
+  return expert_side ? (whole_rows ? combine_kernel_of<Epilogue, true, true>(send, recv)
+                                   : combine_kernel_of<Epilogue, true, false>(send, recv))
+                     : (whole_rows ? combine_kernel_of<Epilogue, false, true>(send, recv)
+                                   : combine_kernel_of<Epilogue, false, false>(send, recv));
 }
 
 // Loads the combine kernels for `Epilogue` on the current device. CUDA loads a kernel lazily at
@@ -436,19 +417,18 @@ auto combine_kernel_of(bool send, bool recv) {
 template <class Epilogue>
 void load_combine_kernels() {
   cudaFuncAttributes a;
-  for (auto [send, recv] : {std::pair<bool, bool>{true, true}, {true, false}, {false, true}}) {
-    check_cuda(cudaFuncGetAttributes(&a, combine_kernel_of<Epilogue, false>(send, recv)),
-               "load combine");
-    check_cuda(cudaFuncGetAttributes(&a, combine_kernel_of<Epilogue, true>(send, recv)),
-               "load combine");
-  }
+  for (auto [send, recv] : {std::pair<bool, bool>{true, true}, {true, false}, {false, true}})
+    for (bool expert_side : {false, true})
+      for (bool whole_rows : {false, true})
+        check_cuda(cudaFuncGetAttributes(
+                       &a, combine_kernel_of<Epilogue>(expert_side, whole_rows, send, recv)),
+                   "load combine");
 }
 
 template <class Epilogue>
 void launch_combine(const CombineParams& p, const Epilogue& epi, bool send, bool recv,
                     cudaStream_t stream) {
-  auto kernel = p.expert_side ? combine_kernel_of<Epilogue, true>(send, recv)
-                              : combine_kernel_of<Epilogue, false>(send, recv);
+  auto kernel = combine_kernel_of<Epilogue>(p.expert_side != 0, p.whole_rows != 0, send, recv);
   launch_cooperative(kernel, p.g.num_blocks, kCombineThreads, 0, stream, p, epi);
 }
 

@@ -83,11 +83,16 @@ __device__ __forceinline__ uint4 ld_v4(const void* p) {
                : "memory");
   return v;
 }
-// The same load as a plain C++ access, which the compiler may predicate and schedule freely
-// (the asm above is a fixed point in the instruction order): for peer data behind an acquire
-// and a __syncthreads(), read in loops whose loads should all be in flight together.
-__device__ __forceinline__ uint4 ld_plain_v4(const void* p) {
-  return *reinterpret_cast<const uint4*>(p);
+// Data written by peers during this kernel, behind an acquire, and read once: a coherent load
+// that does not allocate in L1 (a warp's rows pass through once; caching them would only evict
+// what other warps need).
+__device__ __forceinline__ uint4 ld_once_v4(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
 }
 __device__ __forceinline__ void st_v4(void* p, uint4 v) {
   asm volatile("st.global.v4.u32 [%0], {%1,%2,%3,%4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
@@ -124,6 +129,9 @@ __device__ __forceinline__ void copy_vectors(const char* src, int32_t n_vec, int
 }
 struct LoadNc {
   __device__ uint4 operator()(const char* p) const { return ld_nc_v4(p); }
+};
+struct LoadOnce {
+  __device__ uint4 operator()(const char* p) const { return ld_once_v4(p); }
 };
 struct LoadCoherent {
   __device__ uint4 operator()(const char* p) const { return ld_v4(p); }

@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "epcomm/formats/scale_layouts.h"
+#include "epcomm/hd.h"
 #include "epcomm/layout.h"
 
 namespace epcomm {
@@ -170,13 +171,33 @@ struct DispatchParams {
   uint32_t* scales_offsets;  // NVFP4, MXFP8: [G]
 };
 
+// The combine kernels' work split (the host picks the kernel with it, the kernels split their
+// items with it): `rows` rows of `hidden` columns over `warps` warps, each row cut into `split`
+// interleaved parts of 256-column steps when there are too few rows to keep every warp busy
+// twice over (decode), so more loads are in flight; with many rows split = 1.
+constexpr int kCombineThreads = 512;
+constexpr int kCombineWarps = kCombineThreads / 32;
+constexpr int32_t kCombineStep = 256;  // columns: 32 lanes x 8
+EPCOMM_HD int32_t combine_split(int64_t rows, int32_t hidden, int64_t warps) {
+  const int32_t steps = (hidden + kCombineStep - 1) / kCombineStep;
+  const int64_t want = rows > 0 ? (2 * warps + rows - 1) / rows : 1;
+  return want < steps ? int32_t(want) : steps;
+}
+// Items of more than one step: the receive of `tokens` tokens on `blocks` blocks.
+EPCOMM_HD bool combine_whole_rows(int64_t tokens, int32_t hidden, int32_t blocks) {
+  return int64_t(combine_split(tokens, hidden, int64_t(blocks) * kCombineWarps)) * kCombineStep <
+         hidden;
+}
+
 struct CombineParams {
   GroupView g;
   const int32_t* topk;  // this rank's validated topk_ids of the last dispatch (scratch.topk)
   // The last dispatch carried router weights: the expert side sums each received token's rows
   // with them and returns one row per (token, rank); the token side adds those rows.
   int32_t expert_side;
-  int32_t pad_;
+  // 1: the kernel whose sums load several 256-column steps of a few rows at once, for items of
+  // whole rows; 0: one step of up to 8 rows (combine_whole_rows; speed only, both are exact).
+  int32_t whole_rows;
   const int32_t* recv_base;   // scratch.recv_base
   const int32_t* recv_count;  // scratch.recv_count
   const int32_t* self_row;    // scratch.self_row
