@@ -29,11 +29,11 @@
 namespace epcomm {
 namespace detail {
 
-// Whole rows put in flight to L2 (bulk prefetch) before a warp sums them.
-#ifndef EPCOMM_COMBINE_PREFETCH_ROWS
-#define EPCOMM_COMBINE_PREFETCH_ROWS 1
-#endif
-constexpr bool kPrefetchRows = EPCOMM_COMBINE_PREFETCH_ROWS != 0;
+// Whole rows put in flight to L2 (bulk prefetch) before a warp sums them. Measured on one H100,
+// prefill, one rank: expert-side combine 949 against 1121 us without it at 8 SMs, 404 against
+// 445 at 24. With 8 ranks sharing the GPU (16 SMs each) it costs: 4532 against 3837 us, the
+// ranks' prefetches evicting each other from L2 (not yet bounded by the L2's size).
+constexpr bool kPrefetchRows = true;
 
 // The library's epilogue: round to bf16 and store out[token, column].
 struct StoreBf16 {
