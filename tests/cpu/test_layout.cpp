@@ -3,6 +3,7 @@
 
 #include <set>
 
+#include "epcomm/detail/params.h"
 #include "epcomm/layout.h"
 
 using namespace epcomm;
@@ -323,4 +324,20 @@ TEST(Layout, PartRangesTileThePayload) {
       EXPECT_LE(scales, ml.bytes());
     }
   }
+}
+
+// The combine work split: rows cut into parts only when there are too few to keep every warp
+// busy twice over, never into more parts than 256-column steps; the host picks the kernel whose
+// loads span several steps when a part does.
+TEST(Layout, CombineSplitAndLoadShape) {
+  const int64_t warps_8 = 8 * detail::kCombineWarps, warps_132 = 132 * detail::kCombineWarps;
+  EXPECT_EQ(detail::combine_split(4096, 7168, warps_8), 1);
+  EXPECT_EQ(detail::combine_split(4096, 7168, warps_132), 2);  // 4224 warps x 2 > 4096 x 1
+  EXPECT_EQ(detail::combine_split(128, 7168, warps_132), 28);  // capped at the 28 steps
+  EXPECT_EQ(detail::combine_split(0, 7168, warps_8), 1);
+  EXPECT_EQ(detail::combine_split(1, 100, warps_8), 1);  // one step, however few rows
+  EXPECT_TRUE(detail::combine_whole_rows(4096, 7168, 8));
+  EXPECT_TRUE(detail::combine_whole_rows(4096, 7168, 132));  // parts of 14 steps
+  EXPECT_FALSE(detail::combine_whole_rows(128, 7168, 132));  // decode: one step per part
+  EXPECT_FALSE(detail::combine_whole_rows(4096, 256, 8));    // one step is the whole row
 }
