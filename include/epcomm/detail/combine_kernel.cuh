@@ -67,7 +67,14 @@ struct WorkSplit {
     return int64_t(blockIdx.x) * kCombineWarps + threadIdx.x / kWarpSize;
   }
   __device__ static int64_t stride() { return int64_t(gridDim.x) * kCombineWarps; }
+  // Columns between one step of a part and its next.
+  __device__ int32_t column_stride() const { return split * kCombineStep; }
 };
+
+// Puts a whole row in flight to L2 (kPrefetchRows) when the item is the whole row.
+__device__ __forceinline__ void prefetch_whole_row(const char* row, int32_t H, int32_t stride) {
+  if (kPrefetchRows && stride == kCombineStep && row != nullptr) prefetch_l2(row, uint32_t(H) * 2);
+}
 
 // The weighted sum of up to kMaxTopK rows, the one reduction of every combine path: lane j < n
 // holds row j's address (null: skipped) and weight w_j; acc = sum over j of w_j * y_j in fp32, in
@@ -79,10 +86,9 @@ template <int kU, int kRows, class Load, class Out>
 __device__ __forceinline__ void sum_rows_by(const char* row, float w, int32_t n, int32_t H,
                                             int32_t part, int32_t stride, Load load, Out& out) {
   const int lane = threadIdx.x % kWarpSize;
-  const int32_t step = kCombineStep;
   // Every lane runs these loops the same number of times (the shuffles sit inside).
 #pragma unroll 1
-  for (int32_t base = part * step; base < H; base += kU * stride) {
+  for (int32_t base = part * kCombineStep; base < H; base += kU * stride) {
     float acc[kU][8];
 #pragma unroll
     for (int u = 0; u < kU; ++u)
@@ -134,9 +140,11 @@ __device__ __forceinline__ void sum_rows_by(const char* row, float w, int32_t n,
 // side made the kernels spill in these loops, 128 registers being all 512 threads may have):
 // kWholeRows, items of many steps (prefill): 4 steps of 2 rows per round trip; otherwise one
 // step of up to 8 rows (decode, a row split over many warps). Either is exact for any item.
+// Each lane's row is first put in flight to L2 whole when the item is the whole row.
 template <bool kWholeRows, class Load, class Out>
 __device__ __forceinline__ void sum_rows(const char* row, float w, int32_t n, int32_t H,
                                          int32_t part, int32_t stride, Load load, Out& out) {
+  prefetch_whole_row(row, H, stride);
   if constexpr (kWholeRows)
     sum_rows_by<4, 2>(row, w, n, H, part, stride, load, out);
   else
@@ -199,12 +207,10 @@ __device__ inline void combine_send_expert_side(const CombineParams& p, const in
         far ? outbox_at(g, g.outbox_layout().combine_offset(
                                int64_t(g.nodes().remote_index(g.rank, s)) * g.max_tokens + m))
             : window_at(g, s, at);
-    if (kPrefetchRows && ws.split == 1 && row != nullptr)
-      prefetch_l2(row, uint32_t(H) * 2);  // whole rows
     auto store = [&](int32_t c, const float(&acc)[8]) {
       st_v4(dst + int64_t(c) * 2, pack_bf16x8(acc));
     };
-    sum_rows<kWholeRows>(row, w, n, H, part, ws.split * kCombineStep, LoadNc{}, store);
+    sum_rows<kWholeRows>(row, w, n, H, part, ws.column_stride(), LoadNc{}, store);
     if (far) {
       __syncwarp();
       warp_put(g, s, at, dst, int64_t(H) * 2);
@@ -260,7 +266,7 @@ __device__ inline void combine_send(const CombineParams& p, unsigned long long s
   // one before each (the fused kernel skips this rank's own rows at the cost of a shuffle).
   constexpr int32_t kPiece = kCopyUnroll * kWarpSize;  // vectors
   const int32_t pieces = (n_vec + kPiece - 1) / kPiece;
-  const int64_t items = rows * pieces, step = int64_t(gridDim.x) * kCombineWarps;
+  const int64_t items = rows * pieces, step = WorkSplit::stride();
   const int lane = threadIdx.x % kWarpSize;
   for (int64_t batch = WorkSplit::first_item(); batch < items; batch += kWarpSize * step) {
     const int64_t mine = batch + lane * step;
@@ -324,7 +330,7 @@ __device__ void combine_recv(const CombineParams& p, unsigned long long seq, Epi
     // Lane k holds slot k's id and row; sum_rows shuffles them to the warp.
     const int32_t id = lane < K ? p.topk[int64_t(t) * K + lane] : -1;
     const char* slots = recv + cl.offset(t, 0);
-    const int32_t stride = split * kCombineStep;
+    const int32_t stride = ws.column_stride();
     auto emit = [&](int32_t c, const float(&acc)[8]) { emit8(epi, t, c, acc); };
     if constexpr (kExpertSide) {
       // One row per rank the token went to, summed in rank order (weight 1: plain adds).
@@ -333,7 +339,6 @@ __device__ void combine_recv(const CombineParams& p, unsigned long long seq, Epi
           __popc(__reduce_or_sync(0xffffffffu, dr >= 0 && dr < kWarpSize ? 1u << dr : 0u)) +
           __popc(__reduce_or_sync(0xffffffffu, dr >= kWarpSize ? 1u << (dr - kWarpSize) : 0u));
       const char* row = lane < n ? slots + lane * cl.row_bytes() : nullptr;
-      if (kPrefetchRows && split == 1 && row != nullptr) prefetch_l2(row, uint32_t(H) * 2);
       sum_rows<kWholeRows>(row, 1.0f, n, H, part, stride, LoadOnce{}, emit);
       continue;
     }
@@ -349,11 +354,11 @@ __device__ void combine_recv(const CombineParams& p, unsigned long long seq, Epi
         mine = r >= 0 && r < self_rows ? expert_out + int64_t(r) * H * 2 : nullptr;
       }
     }
-    if (kPrefetchRows && split == 1 && mine != nullptr) prefetch_l2(mine, uint32_t(H) * 2);
     if (p.weights != nullptr) {
       sum_rows<kWholeRows>(mine, w, K, H, part, stride, LoadOnce{}, emit);
     } else {
       // No weights: each slot's row as it is, zeros for a masked one.
+      prefetch_whole_row(mine, H, stride);
       char* out = static_cast<char*>(p.out) + int64_t(t) * K * H * 2;
       for (int32_t k = 0; k < K; ++k) {
         const char* src = reinterpret_cast<const char*>(
