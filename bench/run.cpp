@@ -87,6 +87,7 @@ class WorkloadRun {
     cfg_.dispatch_path = opt.path;
     cfg_.share_gpus = team_.ranks_per_gpu() > 1;
     cfg_.ranks_per_node = opt.ranks_per_node.value_or(0);
+    if (opt.timeout_seconds) cfg_.timeout_seconds = *opt.timeout_seconds;
   }
 
   WorkloadResult run() {

@@ -31,6 +31,8 @@ send/recv baseline, timed and checked against the CPU reference.
   --ranks-per-node N      Config::ranks_per_node: the group as nodes of N consecutive ranks
                           whatever the hardware; traffic between them goes through NVSHMEM
                           (a build with -DEPCOMM_WITH_NVSHMEM=ON, one process per rank)
+  --timeout S             Config::timeout_seconds: the bound on every wait for a peer (default
+                          5); raise it where processes are time-sliced on a shared GPU
   --iters N               timed iterations (default 100)
   --warmup N              warm-up iterations (default 10)
   --json FILE             write every figure, with the machine and commit, to FILE
@@ -113,6 +115,8 @@ Options parse_options(int argc, char** argv) {
       opt.ranks = parse_int(flag, next(), 1);
     } else if (flag == "--ranks-per-node") {
       opt.ranks_per_node = parse_int(flag, next(), 1);
+    } else if (flag == "--timeout") {
+      opt.timeout_seconds = parse_int(flag, next(), 1);
     } else if (flag == "--sms") {
       opt.num_sms = parse_int(flag, next(), 1);
     } else if (flag == "--iters") {

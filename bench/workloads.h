@@ -35,6 +35,7 @@ struct Options {
   // Config::ranks_per_node (0 or unset: from the hosts); fewer than the ranks: the group spans
   // (declared) nodes, and traffic between them goes through NVSHMEM (needs that build).
   std::optional<int32_t> ranks_per_node;
+  std::optional<int32_t> timeout_seconds;  // Config::timeout_seconds (default the library's)
   int iters = 100;
   int warmup = 10;
   std::string json_path;

@@ -1,18 +1,30 @@
 #!/usr/bin/env bash
 # The benchmark on a device machine (after scripts/device_suite.sh built build-device): every
-# workload with the NCCL baseline, then prefill against the number of SMs. Results under $OUT.
+# workload with the NCCL baseline at the default 24 SMs, then `prefill` against the number of SMs
+# (SMS_CURVE) and the decode path (`decode`, `decode-bf16`) against the number of SMs
+# (DECODE_SMS_CURVE), then the plot. BENCH_ARGS go to every run (e.g. "--ranks 8": 8 ranks
+# sharing the GPUs there are; no NCCL baseline then, and the timings measure the protocol's fixed
+# costs, not links). Results under $OUT.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 BENCH=${BENCH:-build-device/bench/epcomm_bench}
+ARGS=${BENCH_ARGS:-}
 export EPCOMM_COMMIT=${EPCOMM_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-timeout ${BENCH_TIMEOUT:-200} $BENCH --json "$OUT/bench.json" >"$OUT/bench.txt" 2>"$OUT/bench.err"
+timeout ${BENCH_TIMEOUT:-200} $BENCH $ARGS --json "$OUT/bench.json" >"$OUT/bench.txt" 2>"$OUT/bench.err"
 echo "bench rc=$?"
 grep -vE "^\s*$" "$OUT/bench.txt" | tail -40
-for s in ${SMS_CURVE:-8 16 32 64}; do
-  timeout 45 $BENCH --workload prefill --sms "$s" --no-nccl --no-check \
-    --json "$OUT/prefill_sms$s.json" 2>/dev/null | grep -E "^prefill" | sed "s/^/sms=$s /"
-done
+curve() {  # curve WORKLOAD SMS...: one run per SM count, no baseline, no check (checked above)
+  local w=$1; shift
+  for s in "$@"; do
+    timeout ${CURVE_TIMEOUT:-60} $BENCH $ARGS --workload "$w" --sms "$s" --no-nccl --no-check \
+      --json "$OUT/${w}_sms$s.json" 2>>"$OUT/curve.err" | grep -E "^$w " | sed "s/^/sms=$s /"
+  done
+}
+curve prefill ${SMS_CURVE:-8 16 32 64}
+for w in decode decode-bf16; do curve $w ${DECODE_SMS_CURVE:-16 24 32 64 132}; done
+python3 bench/plot.py "$OUT/bench.png" "$OUT/bench.json" >/dev/null 2>>"$OUT/bench.err" &&
+  echo "plot: bench.png" || echo "plot failed: $(tail -1 "$OUT/bench.err")"
 # The fused SiLU kernels on GPU 0 against their memory floor (bench/silu_bench.cpp).
 SILU_BENCH=${SILU_BENCH:-$(dirname "$BENCH")/epcomm_silu_bench}
 if [ -x "$SILU_BENCH" ]; then

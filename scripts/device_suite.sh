@@ -3,8 +3,9 @@
 #   build     configure and build (GoogleTest from .deps/googletest)
 #   gpu       every GPU test, one-process and multi-process, the kill test among them; ranks
 #             share the GPUs where there are fewer than a test's ranks
-#   sanitize  compute-sanitizer memcheck and racecheck on a 4-rank case (ranks share a GPU on a
-#             one-GPU machine), and memcheck on the bad-input tests
+#   sanitize  compute-sanitizer memcheck and racecheck on SANITIZE_CASE (default the 8-rank
+#             r8_h2048_k8_e8; ranks share the GPUs where there are fewer than 8), and memcheck on
+#             the bad-input tests
 #   soak      epcomm_soak, one process and 4 processes (SOAK_MODES="one multi"), SOAK_ITERS
 #             iterations each (default 10^4; 4 processes on one GPU run ~23 iterations/s)
 # Logs under $OUT. Every command runs under a timeout. BUILD_ONLY=1 is STAGES=build.
@@ -37,9 +38,8 @@ if has gpu; then
 fi
 
 if has sanitize; then
-  for spec in "memcheck:Shapes/Sweep.MatchesReference/r4_h2048_k8_e8" \
-              "racecheck:Shapes/Sweep.MatchesReference/r4_h2048_k8_e8" \
-              "memcheck:BadInput.*"; do
+  case=Shapes/Sweep.MatchesReference/${SANITIZE_CASE:-r8_h2048_k8_e8}
+  for spec in "memcheck:$case" "racecheck:$case" "memcheck:BadInput.*"; do
     tool=${spec%%:*}; filter=${spec#*:}; log="$OUT/sanitizer_${tool}_${filter//[^A-Za-z0-9]/_}.log"
     timeout ${SANITIZE_TIMEOUT:-240} compute-sanitizer --tool $tool --error-exitcode 3 \
       $BUILD/tests/epcomm_gpu_tests --gtest_filter="$filter" >"$log" 2>&1

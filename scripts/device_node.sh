@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The whole-node run: one build, then everything on it, over RANKS ranks (default 8), in stages
+# (STAGES, default all, in this order). On 8 GPUs each stage fits one 600 s device call:
+#   suite     scripts/device_suite.sh: build, every GPU test (one- and multi-process), memcheck
+#             and racecheck on an 8-rank case
+#   bench     scripts/device_bench.sh: every workload with the NCCL baseline at 24 SMs, the
+#             prefill and decode SM curves, the plot
+#   nvshmem   scripts/device_nvshmem.sh: the NVSHMEM build, the 8-process splits 2 x 4 and 4 x 2,
+#             and the benchmark's decode-bf16 and prefill as 1 x 8, 2 x 4 and 4 x 2
+#   examples  scripts/device_examples.sh: moe_layer and torch_moe.py (torchrun) over RANKS ranks
+# With fewer GPUs than RANKS the ranks share them (Config::share_gpus): the benchmark then runs
+# --ranks RANKS in one process (no NCCL baseline) with SM curves of what fits, and its timings
+# measure the protocol's fixed costs, not links. Logs under $OUT, one folder per stage.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-$PWD/out}
+RANKS=${RANKS:-8}
+STAGES=${STAGES:-suite bench nvshmem examples}
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU")
+echo "node run: $gpus GPU(s), $RANKS ranks$( [ "$gpus" -lt "$RANKS" ] && echo ", sharing")"
+status=0
+for stage in $STAGES; do
+  mkdir -p "$OUT/$stage"; echo "==== $stage"
+  case $stage in
+    suite) OUT=$OUT/$stage STAGES="${SUITE_STAGES:-build gpu sanitize}" bash scripts/device_suite.sh ;;
+    bench)
+      if [ "$gpus" -lt "$RANKS" ]; then
+        OUT=$OUT/$stage BENCH_ARGS="--ranks $RANKS" SMS_CURVE="${SMS_CURVE:-4 8 16}" \
+          DECODE_SMS_CURVE="${DECODE_SMS_CURVE:-4 8 16}" bash scripts/device_bench.sh
+      else
+        OUT=$OUT/$stage bash scripts/device_bench.sh
+      fi ;;
+    nvshmem)
+      # Sharing: 8 processes, each with its own NVSHMEM heap, do not fit prefill's 4096 tokens
+      # in 80 GB, and time-slicing stretches every wait, hence 2048 tokens and a 60 s bound.
+      if [ "$gpus" -ge "$RANKS" ]; then nv_args="" nv_w="decode-bf16 prefill"
+      else nv_args="--no-nccl --timeout 60" nv_w="decode-bf16 prefill:--tokens:2048"; fi
+      OUT=$OUT/$stage NV_BENCH_ARGS="${NV_BENCH_ARGS-$nv_args}" WORKLOADS="${WORKLOADS:-$nv_w}" \
+        STAGES="${NV_STAGES:-build tests bench}" bash scripts/device_nvshmem.sh ;;
+    examples) OUT=$OUT/$stage RANKS=$RANKS bash scripts/device_examples.sh ;;
+    *) echo "unknown stage $stage"; false ;;
+  esac
+  rc=$?; echo "==== $stage rc=$rc"; [ $rc -eq 0 ] || status=1
+done
+exit $status
