@@ -134,4 +134,8 @@ Sizes compute_sizes(const Config& cfg, int n_ranks);
 // resident together. Loads the kernels on `device` (and leaves it the current device).
 int max_resident_blocks(const Config& cfg, int n_ranks, int device);
 
+// Whether this build has the NVSHMEM component (-DEPCOMM_WITH_NVSHMEM=ON), without which a group
+// must be one node (Config::ranks_per_node).
+bool spans_nodes_supported();
+
 }  // namespace epcomm

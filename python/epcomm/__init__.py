@@ -42,6 +42,7 @@ from ._epcomm import (  # noqa: F401  (re-exported)
     InvalidArgument,
     Sizes,
     reference,
+    spans_nodes_supported,
 )
 
 __all__ = [
@@ -68,6 +69,7 @@ __all__ = [
     "MAX_RANKS",
     "LOW_LATENCY_MAX_TOKENS",
     "SHARED_EXPERT_ID",
+    "spans_nodes_supported",
 ]
 
 CONFIG_FIELDS = (

@@ -1120,6 +1120,10 @@ NB_MODULE(_epcomm, m) {
       "intermediate"_a, "rows"_a, "groups"_a,
       "Bytes of silu_nvfp4's swizzled scale array for rows and G groups.");
 
+  m.def("spans_nodes_supported", &epcomm::spans_nodes_supported,
+        "Whether this build has the NVSHMEM component (built with -DEPCOMM_WITH_NVSHMEM=ON), "
+        "without which a group must be one node (ranks_per_node).");
+
   // ---- the CPU reference model (epcomm/reference.h), on numpy arrays ----
   nb::module_ r = m.def_submodule("reference", "The CPU reference model of dispatch and combine.");
   nb::class_<epcomm::reference::Problem>(r, "Problem",

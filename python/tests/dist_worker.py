@@ -290,6 +290,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="all")
     ap.add_argument("--num-sms", type=int, default=0)
+    ap.add_argument("--ranks-per-node", type=int, default=0,
+                    help="declare nodes of this many ranks: traffic between them through NVSHMEM")
     a = ap.parse_args()
     dist.init_process_group("gloo")
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -297,9 +299,11 @@ def main():
     torch.cuda.set_device(device)
     # Every rank sharing a GPU needs its blocks resident with the others'.
     num_sms = a.num_sms or max(2, min(16, 128 // (2 * sharing)))
-    ctx = dict(share_gpus=sharing > 1, num_sms=num_sms, timeout_seconds=20.0)
+    ctx = dict(share_gpus=sharing > 1, num_sms=num_sms, timeout_seconds=20.0,
+               ranks_per_node=a.ranks_per_node)
     if rank == 0:
-        print(f"{n} ranks, {sharing} per GPU, num_sms {num_sms}", flush=True)
+        nodes = f", nodes of {a.ranks_per_node}" if a.ranks_per_node else ""
+        print(f"{n} ranks, {sharing} per GPU, num_sms {num_sms}{nodes}", flush=True)
     names = list(CASES) if a.cases == "all" else a.cases.split(",")
     total = 0
     try:

@@ -22,6 +22,13 @@ def test_import_and_constants():
     assert issubclass(epcomm.Error, RuntimeError)
 
 
+def test_spans_nodes_supported_says_how_it_was_built():
+    """False in the default build; EPCOMM_TEST_EXPECT_NVSHMEM=1 where the package was built with
+    -C cmake.define.EPCOMM_WITH_NVSHMEM=ON."""
+    expected = os.environ.get("EPCOMM_TEST_EXPECT_NVSHMEM", "0") == "1"
+    assert epcomm.spans_nodes_supported() is expected
+
+
 def test_config_keywords_round_trip():
     cfg = epcomm.make_config(**BASE, format="nvfp4", nvfp4_global_scale=0.5, num_sms=16,
                              timeout_seconds=2.5, share_gpus=True, max_recv_rows=100,

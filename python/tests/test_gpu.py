@@ -29,6 +29,17 @@ def test_torchrun_every_format_and_mode(nproc):
     torchrun(nproc, "--cases", "formats,shared,errors")
 
 
+@pytest.mark.skipif(not epcomm.spans_nodes_supported(),
+                    reason="this package was built without the NVSHMEM component "
+                           "(-C cmake.define.EPCOMM_WITH_NVSHMEM=ON)")
+@pytest.mark.parametrize("split", ["2x2", "4x1"])
+def test_torchrun_across_declared_nodes(split):
+    """4 processes declared as nodes (2 of 2, 4 of 1): every transfer between them through
+    NVSHMEM, every format and the shared expert, checked as in one node."""
+    nodes, per_node = (int(v) for v in split.split("x"))
+    torchrun(nodes * per_node, "--cases", "formats,shared", "--ranks-per-node", str(per_node))
+
+
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_torchrun_graph_capture(nproc):
     torchrun(nproc, "--cases", "graph")

@@ -450,6 +450,10 @@ int max_resident_blocks(const Config& cfg, int n_ranks, int device) {
       detail::make_view(cfg, n_ranks, 0, compute_sizes(cfg, n_ranks)));
 }
 
+bool spans_nodes_supported() {
+  return detail::nvshmem_built();
+}
+
 Group::Group(std::unique_ptr<detail::GroupState> state) : s_(std::move(state)) {}
 Group::~Group() = default;
 

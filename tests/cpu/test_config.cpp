@@ -125,6 +125,10 @@ TEST(Config, MismatchedRanksPerNodeIsNamed) {
   }
 }
 
+TEST(Config, SpansNodesOnlyWithTheNvshmemComponent) {
+  EXPECT_EQ(spans_nodes_supported(), bool(EPCOMM_TEST_BUILT_WITH_NVSHMEM));
+}
+
 TEST(Config, AcceptsEveryFormatAtItsHiddenSizes) {
   for (TokenFormat f : {TokenFormat::kFp8Blockwise, TokenFormat::kNvfp4, TokenFormat::kMxfp8,
                         TokenFormat::kMxfp4}) {
