@@ -6,8 +6,7 @@
 # sharing the GPUs there are; no NCCL baseline then, and the timings measure the protocol's fixed
 # costs, not links). Results under $OUT.
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
+. "$(dirname "$0")/device_env.sh"
 BENCH=${BENCH:-build-device/bench/epcomm_bench}
 ARGS=${BENCH_ARGS:-}
 export EPCOMM_COMMIT=${EPCOMM_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}

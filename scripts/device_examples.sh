@@ -6,8 +6,7 @@
 # torchrun with RANKS processes, bf16 and fp8-blockwise. Each checks itself against the layer
 # computed without epcomm. Logs under $OUT.
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
+. "$(dirname "$0")/device_env.sh"
 BUILD=${BUILD:-build-device}
 RANKS=${RANKS:-8}
 status=0

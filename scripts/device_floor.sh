@@ -3,16 +3,12 @@
 # each SM count and reduction runs WORKLOADS with --floor (one rank), and FLOOR_SHARED (8 ranks
 # sharing the GPU, 16 SMs each) if set. Results (text and JSON) under $OUT.
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
+. "$(dirname "$0")/device_env.sh"
 BUILD=${BUILD:-build-device}
 WORKLOADS=${WORKLOADS:-prefill,prefill-fp8,skewed}
 ITERS=${ITERS:-30}
 if [ -z "${NO_BUILD:-}" ]; then
-  cmake -S . -B $BUILD -G Ninja -DCMAKE_BUILD_TYPE=Release -DEPCOMM_BUILD_TESTS=OFF \
-    >"$OUT/configure.log" 2>&1 || { tail -20 "$OUT/configure.log"; exit 1; }
-  timeout 300 cmake --build $BUILD -j --target epcomm_bench >"$OUT/build.log" 2>&1 ||
-    { grep -E "error|FAILED" "$OUT/build.log" | head -30; exit 1; }
+  cmake_build $BUILD "" --target epcomm_bench -- -DEPCOMM_BUILD_TESTS=OFF || exit 1
 fi
 BENCH=$BUILD/bench/epcomm_bench
 for reduce in ${REDUCE:-expert token}; do

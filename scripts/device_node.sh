@@ -12,8 +12,7 @@
 # --ranks RANKS in one process (no NCCL baseline) with SM curves of what fits, and its timings
 # measure the protocol's fixed costs, not links. Logs under $OUT, one folder per stage.
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT=${OUT:-$PWD/out}
+. "$(dirname "$0")/device_env.sh"
 RANKS=${RANKS:-8}
 STAGES=${STAGES:-suite bench nvshmem examples}
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU")

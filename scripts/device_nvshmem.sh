@@ -13,19 +13,15 @@
 # one GPU, and the processes are time-sliced on it, so the figures show what the cross-node
 # protocol costs on the GPU, not a network. Logs and JSON under $OUT.
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
+. "$(dirname "$0")/device_env.sh"
 BUILD=${BUILD:-build-nv}
 STAGES=${STAGES:-build tests bench}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 status=0
 
 if has build; then
-  cmake -S . -B $BUILD -G Ninja -DCMAKE_BUILD_TYPE=Release -DEPCOMM_WITH_NVSHMEM=ON \
-    -DEPCOMM_BUILD_EXAMPLES=OFF -DEPCOMM_GTEST_SOURCE_DIR=$PWD/.deps/googletest \
-    >"$OUT/nv_configure.log" 2>&1 || { tail -20 "$OUT/nv_configure.log"; exit 1; }
-  timeout 400 cmake --build $BUILD -j >"$OUT/nv_build.log" 2>&1 ||
-    { grep -E "error|FAILED" "$OUT/nv_build.log" | head -30; exit 1; }
+  cmake_build $BUILD nv_ -- -DEPCOMM_WITH_NVSHMEM=ON -DEPCOMM_BUILD_EXAMPLES=OFF \
+    -DEPCOMM_GTEST_SOURCE_DIR=$PWD/.deps/googletest || exit 1
   echo "nvshmem build ok"
 fi
 

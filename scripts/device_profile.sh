@@ -3,17 +3,14 @@
 # epcomm_bench (unless NO_BUILD=1) into $BUILD, then profiles dispatch, combine and the --floor
 # kernels for each reduction. Text reports under $OUT. Ungated (--no-gate): ncu serialises launches.
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
+. "$(dirname "$0")/device_env.sh"
 BUILD=${BUILD:-build-device}
 WORKLOAD=${WORKLOAD:-prefill}
 SMS=${SMS:-8}
 KERNELS=${KERNELS:-combine_kernel|dispatch_kernel|floor}
 if [ -z "${NO_BUILD:-}" ]; then
-  cmake -S . -B $BUILD -G Ninja -DCMAKE_BUILD_TYPE=Release -DEPCOMM_BUILD_TESTS=OFF \
-    -DEPCOMM_BUILD_EXAMPLES=OFF >"$OUT/configure.log" 2>&1 || { tail -20 "$OUT/configure.log"; exit 1; }
-  timeout 300 cmake --build $BUILD -j --target epcomm_bench >"$OUT/build.log" 2>&1 ||
-    { grep -E "error|FAILED" "$OUT/build.log" | head -30; exit 1; }
+  cmake_build $BUILD "" --target epcomm_bench -- -DEPCOMM_BUILD_TESTS=OFF \
+    -DEPCOMM_BUILD_EXAMPLES=OFF || exit 1
 fi
 for reduce in ${REDUCE:-expert token}; do
   f="$OUT/ncu_${WORKLOAD}_${reduce}_sms$SMS.txt"

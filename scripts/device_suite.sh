@@ -10,8 +10,7 @@
 #             iterations each (default 10^4; 4 processes on one GPU run ~23 iterations/s)
 # Logs under $OUT. Every command runs under a timeout. BUILD_ONLY=1 is STAGES=build.
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
+. "$(dirname "$0")/device_env.sh"
 BUILD=build-device
 STAGES=${STAGES:-build gpu sanitize soak}
 [ -n "${BUILD_ONLY:-}" ] && STAGES=build
@@ -19,9 +18,8 @@ has() { [[ " $STAGES " == *" $1 "* ]]; }
 status=0
 
 if has build; then
-  cmake -S . -B $BUILD -G Ninja -DCMAKE_BUILD_TYPE=Release ${EPCOMM_CMAKE_ARGS:-} \
-    -DEPCOMM_GTEST_SOURCE_DIR=$PWD/.deps/googletest >"$OUT/configure.log" 2>&1 || { tail -20 "$OUT/configure.log"; exit 1; }
-  timeout 400 cmake --build $BUILD -j >"$OUT/build.log" 2>&1 || { grep -E "error|FAILED" "$OUT/build.log" | head -30; exit 1; }
+  cmake_build $BUILD "" -- ${EPCOMM_CMAKE_ARGS:-} -DEPCOMM_GTEST_SOURCE_DIR=$PWD/.deps/googletest ||
+    exit 1
   echo "build ok"
 fi
 

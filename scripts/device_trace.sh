@@ -3,8 +3,7 @@
 # workload timed without the NCCL baseline, then TRACE_CALLS fused calls with Config::trace set
 # (epcomm_bench --trace); when each kernel's blocks pass each stage, per rank. Results under $OUT.
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
+. "$(dirname "$0")/device_env.sh"
 BENCH=${BENCH:-build-device/bench/epcomm_bench}
 for w in ${TRACE_WORKLOADS:-decode-bf16 decode small gpt-oss prefill}; do
   timeout ${TRACE_TIMEOUT:-90} $BENCH --workload "$w" --no-nccl --iters ${TRACE_ITERS:-30} \

@@ -30,6 +30,14 @@ struct PeerInfo {
   void* window;
   cudaIpcMemHandle_t handle;
   Config cfg;
+
+  bool same_host(const PeerInfo& o) const {
+    return std::strncmp(host, o.host, sizeof(host)) == 0;
+  }
+  bool same_gpu(const PeerInfo& o) const {
+    return same_host(o) && std::memcmp(uuid, o.uuid, sizeof(uuid)) == 0;
+  }
+  bool same_process(const PeerInfo& o) const { return same_host(o) && pid == o.pid; }
 };
 
 }  // namespace
@@ -101,9 +109,7 @@ GroupView make_view(const Config& cfg, int n_ranks, int rank, const Sizes& sizes
 // number on every host. The same answer or the same error on every rank.
 int32_t ranks_per_node_of(const std::vector<PeerInfo>& all, const Config& cfg, int rank) {
   const int n = int(all.size());
-  auto same_host = [&](int a, int b) {
-    return std::strncmp(all[size_t(a)].host, all[size_t(b)].host, sizeof(PeerInfo::host)) == 0;
-  };
+  auto same_host = [&](int a, int b) { return all[size_t(a)].same_host(all[size_t(b)]); };
   int32_t rpn = cfg.ranks_per_node;
   if (rpn == 0) {
     rpn = 1;
@@ -150,8 +156,7 @@ void check_residency(const std::vector<PeerInfo>& all, const Config& cfg, int ra
   for (int r = 0; r < n; ++r) {
     int sharing = 0, first = -1;
     for (int q = 0; q < n; ++q)
-      if (std::memcmp(all[q].uuid, all[r].uuid, 16) == 0 &&
-          std::strncmp(all[q].host, all[r].host, sizeof(all[r].host)) == 0) {
+      if (all[q].same_gpu(all[r])) {
         if (first < 0) first = q;
         ++sharing;
       }
@@ -241,9 +246,7 @@ void GroupState::setup(const Config& config, Bootstrap& bs, int dev) {
 
   for (int r = 0; r < n_ranks; ++r)
     for (int q = 0; q < r; ++q)
-      check_setup(cfg.share_gpus || std::memcmp(all[q].uuid, all[r].uuid, 16) != 0 ||
-                      std::strncmp(all[q].host, all[r].host, sizeof(me.host)) != 0,
-                  rank,
+      check_setup(cfg.share_gpus || !all[q].same_gpu(all[r]), rank,
                   "ranks " + std::to_string(q) + " and " + std::to_string(r) +
                       " use the same GPU (set Config::share_gpus to let ranks share one)");
   check_residency(all, cfg, rank);
@@ -257,10 +260,7 @@ void GroupState::setup(const Config& config, Bootstrap& bs, int dev) {
     // Judged from the gathered records alone, so every rank throws the same.
     for (int r = 0; r < n_ranks; ++r)
       for (int q = 0; q < r; ++q)
-        check_setup(
-            all[size_t(q)].pid != all[size_t(r)].pid ||
-                std::strncmp(all[size_t(q)].host, all[size_t(r)].host, sizeof(me.host)) != 0,
-            rank,
+        check_setup(!all[size_t(q)].same_process(all[size_t(r)]), rank,
             "ranks " + std::to_string(q) + " and " + std::to_string(r) +
                 " run in one process, but a group that spans nodes needs one process per "
                 "rank (NVSHMEM: one PE per process)");
@@ -328,7 +328,7 @@ void GroupState::map_node(const std::vector<PeerInfo>& all, const PeerInfo& me, 
   for (int r = 0; r < n_ranks && view.n_ranks > 1; ++r) {
     const PeerInfo& p = all[size_t(r)];
     if (r == rank) continue;
-    const bool same_gpu = std::memcmp(p.uuid, me.uuid, 16) == 0;
+    const bool same_gpu = p.same_gpu(me);
     int peer_dev = -1;
     if (cudaDeviceGetByPCIBusId(&peer_dev, p.pci_bus_id) != cudaSuccess) {
       (void)cudaGetLastError();
@@ -448,10 +448,6 @@ int max_resident_blocks(const Config& cfg, int n_ranks, int device) {
   detail::check_cuda(cudaSetDevice(device), "cudaSetDevice");
   return detail::resident_blocks_here(
       detail::make_view(cfg, n_ranks, 0, compute_sizes(cfg, n_ranks)));
-}
-
-bool spans_nodes_supported() {
-  return detail::nvshmem_built();
 }
 
 Group::Group(std::unique_ptr<detail::GroupState> state) : s_(std::move(state)) {}

@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "epcomm/config.h"
 #include "epcomm/error.h"
 
 #if EPCOMM_NVSHMEM
@@ -21,6 +22,15 @@
 #endif
 
 namespace epcomm {
+
+bool spans_nodes_supported() {
+#if EPCOMM_NVSHMEM
+  return true;
+#else
+  return false;
+#endif
+}
+
 namespace detail {
 
 std::string rank_prefix(int rank);
@@ -33,10 +43,6 @@ bool g_started = false;
 int g_rank = -1, g_size = 0;
 unsigned long long g_world = 0;
 }  // namespace
-
-bool nvshmem_built() {
-  return true;
-}
 
 void nvshmem_start(Bootstrap& bs, size_t heap_bytes) {
   // Every rank offers what it knows, and every rank judges the same gathered offers, so that
@@ -134,9 +140,6 @@ namespace {
 }
 }  // namespace
 
-bool nvshmem_built() {
-  return false;
-}
 void nvshmem_start(Bootstrap& bs, size_t) {
   not_built(bs.rank());
 }

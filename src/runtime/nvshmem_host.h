@@ -1,7 +1,7 @@
 // NVSHMEM on the host: started once per process over epcomm's own Bootstrap (its unique id
 // carried by one all-gather), the symmetric windows of groups that span nodes, and their peers'
 // pointers. Built only with the NVSHMEM component (EPCOMM_NVSHMEM); without it every entry
-// point throws Error(kSetup) saying so.
+// point throws Error(kSetup) saying so. Defines epcomm::spans_nodes_supported() (config.h).
 #pragma once
 
 #include <cstddef>
@@ -11,8 +11,6 @@
 namespace epcomm {
 namespace detail {
 
-// Whether this build has the NVSHMEM component.
-bool nvshmem_built();
 // Starts NVSHMEM over the bootstrap's ranks (PE = bootstrap rank) on the current device, unless
 // this process started it already, in which case the bootstrap must have the same rank and size.
 // Collective over the bootstrap. `heap_bytes`: the symmetric heap to ask for where the
