@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# A/B of two source trees on one device machine, in one call: builds epcomm_bench from BASE (a
+# tree without .git, e.g. `git archive <commit> | tar -x -C .ab/base`, carried as `.ab`) and
+# from this tree, then runs the same benchmark commands on both, alternating A B A B (REPS
+# rounds), so the spread between rounds of one tree is the noise a difference must beat.
+#   BASE      the baseline tree (default .ab/base)
+#   RUNS      benchmark argument sets, separated by ';' (default: prefill and prefill-fp8 at 24
+#             SMs; decode-bf16 and decode at 132)
+#   REPS      rounds (default 2)
+# Output: one line per (round, tree, workload, op): median and min in µs; raw text under $OUT.
+set -uo pipefail
+. "$(dirname "$0")/device_env.sh"
+BASE=${BASE:-.ab/base}
+REPS=${REPS:-2}
+RUNS=${RUNS:-"--workload prefill,prefill-fp8 --sms 24;--workload decode-bf16,decode --sms 132"}
+ROOT=$PWD
+build_tree() {  # build_tree SRC BUILD_DIR LOG_PREFIX
+  (cd "$1" && cmake_build "$2" "$3" --target epcomm_bench -- -DEPCOMM_BUILD_TESTS=OFF \
+     -DEPCOMM_BUILD_EXAMPLES=OFF) || { echo "build of $1 failed"; return 1; }
+}
+build_tree "$BASE" "$ROOT/build-ab-base" base_ || exit 1
+build_tree "$ROOT" "$ROOT/build-ab-head" head_ || exit 1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | sed 's/^/gpu: /'
+IFS=';' read -r -a runs <<<"$RUNS"
+for rep in $(seq 1 "$REPS"); do
+  for tree in base head; do
+    for i in "${!runs[@]}"; do
+      log="$OUT/ab_${tree}_r${rep}_$i.txt"
+      # shellcheck disable=SC2086
+      timeout ${RUN_TIMEOUT:-120} "$ROOT/build-ab-$tree/bench/epcomm_bench" ${runs[$i]} --no-nccl \
+        >"$log" 2>"${log%.txt}.err"
+      rc=$?
+      [ $rc -eq 0 ] || echo "$tree round $rep run $i rc=$rc: $(tail -2 "${log%.txt}.err" | tr '\n' ' ')"
+      # Workload rows: name, op, median, min.
+      awk -v t=$tree -v r=$rep '$1 ~ /^(prefill|prefill-fp8|decode|decode-bf16|skewed|small|gpt-oss)$/ &&
+        $3 ~ /^[0-9.]+$/ { printf "r%s %-4s %-12s %-20s median %8s min %8s\n", r, t, $1, $2, $3, $4 }' "$log"
+      grep -E "check:" "$log" | sed "s/^/r$rep $tree /" | head -4
+    done
+  done
+done
