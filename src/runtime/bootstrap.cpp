@@ -5,13 +5,17 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdint>
+#include <cstdio>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <mutex>
+#include <random>
 #include <sstream>
 #include <thread>
+#include <vector>
 
 #include "epcomm/error.h"
 
@@ -135,27 +139,142 @@ std::unique_ptr<FileBootstrap> FileBootstrap::from_env(double timeout_seconds) {
 
 FileBootstrap::~FileBootstrap() = default;
 
-void FileBootstrap::all_gather(const void* send, void* recv, size_t bytes) {
-  const long gen = generation_++;
-  auto path = [&](int r) {
-    return dir_ + "/g" + std::to_string(gen) + "_r" + std::to_string(r);
+namespace {
+
+// 64 random bits as 16 hex digits: a run id or a rank's nonce.
+std::string fresh_hex_id() {
+  std::random_device rd;
+  uint64_t v = (uint64_t(rd()) << 32) ^ uint64_t(rd());
+  v ^= uint64_t(std::chrono::steady_clock::now().time_since_epoch().count()) * 0x9e3779b97f4a7c15ull;
+  v ^= uint64_t(::getpid()) << 20;
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+// Write then rename (a temporary name of its own per writer): readers see the whole file or none.
+bool write_file(const std::string& path, const void* data, size_t bytes) {
+  const std::string tmp = path + ".tmp" + fresh_hex_id();
+  std::ofstream f(tmp, std::ios::binary);
+  f.write(static_cast<const char*>(data), std::streamsize(bytes));
+  f.close();
+  if (f && std::rename(tmp.c_str(), path.c_str()) == 0) return true;
+  ::unlink(tmp.c_str());
+  return false;
+}
+bool write_text(const std::string& path, const std::string& text) {
+  return write_file(path, text.data(), text.size());
+}
+std::string seconds_text(double s) {
+  std::ostringstream o;
+  o << s << " s";
+  return o.str();
+}
+bool read_text(const std::string& path, std::string* text) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) return false;
+  std::ostringstream s;
+  s << f.rdbuf();
+  *text = s.str();
+  return true;
+}
+
+}  // namespace
+
+void FileBootstrap::join_run() {
+  const auto deadline =
+      std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_);
+  const auto expired = [&] { return std::chrono::steady_clock::now() > deadline; };
+  const auto pause = [] { std::this_thread::sleep_for(std::chrono::milliseconds(2)); };
+  const auto fail = [&](const std::string& why) {
+    throw Error(ErrorCode::kBootstrap, "FileBootstrap (rank " + std::to_string(rank_) + " of " +
+                                           std::to_string(size_) + ", " + dir_ + "): " + why);
   };
-  {  // write then rename: readers never see a partial file
-    const std::string tmp = path(rank_) + ".tmp";
-    std::ofstream f(tmp, std::ios::binary);
-    f.write(static_cast<const char*>(send), std::streamsize(bytes));
-    f.close();
-    if (!f || std::rename(tmp.c_str(), path(rank_).c_str()) != 0)
-      throw Error(ErrorCode::kBootstrap, "FileBootstrap: cannot write " + path(rank_));
+  const std::string rank_tag = "_r" + std::to_string(rank_);
+  if (size_ == 1) {
+    run_ = fresh_hex_id();
+    return;
   }
+  if (rank_ != 0) {
+    // Publish a nonce, wait for rank 0's announcement that lists it, confirm.
+    const std::string nonce = fresh_hex_id();
+    if (!write_text(file("join" + rank_tag), nonce)) fail("cannot write " + file("join" + rank_tag));
+    for (;;) {
+      std::string text;
+      if (read_text(file("run"), &text)) {  // "<run id> <nonce of rank 1> ... <nonce of rank n-1>"
+        std::istringstream in(text);
+        std::string id, seen;
+        in >> id;
+        for (int r = 1; r <= rank_ && in; ++r) in >> seen;
+        if (in && seen == nonce) {
+          if (!write_text(file("ack" + rank_tag), id + " " + nonce))
+            fail("cannot write " + file("ack" + rank_tag));
+          run_ = id;
+          return;
+        }
+      }
+      if (expired())
+        fail("rank 0 did not start a run within " + seconds_text(timeout_) +
+             " (is rank 0 running, with this directory and this world size?)");
+      pause();
+    }
+  }
+  // Rank 0: announce a fresh run id with the nonces the join files hold (re-announced whenever
+  // one changes: a late rank replaces an earlier run's join file), until every rank confirmed.
+  const std::string id = fresh_hex_id();
+  std::vector<std::string> nonce(size_t(size_), "-");
+  for (;;) {
+    bool changed = false;
+    for (int r = 1; r < size_; ++r) {
+      std::string n;
+      if (read_text(file("join_r" + std::to_string(r)), &n) && !n.empty() && n != nonce[size_t(r)]) {
+        nonce[size_t(r)] = n;
+        changed = true;
+      }
+    }
+    if (changed) {
+      std::string text = id;
+      for (int r = 1; r < size_; ++r) text += " " + nonce[size_t(r)];
+      if (!write_text(file("run"), text)) fail("cannot write " + file("run"));
+    }
+    std::string missing;
+    int num_missing = 0;
+    for (int r = 1; r < size_; ++r) {
+      std::string ack;
+      if (!read_text(file("ack_r" + std::to_string(r)), &ack) || ack != id + " " + nonce[size_t(r)])
+        missing += (num_missing++ ? ", " : "") + std::to_string(r);
+    }
+    if (num_missing == 0) break;
+    if (expired())
+      fail((num_missing == 1 ? "rank " : "ranks ") + missing + " did not join the run within " +
+           seconds_text(timeout_));
+    pause();
+  }
+  // Every rank has read the announcement: the next run starts from a clean slate.
+  ::unlink(file("run").c_str());
+  for (int r = 1; r < size_; ++r) {
+    ::unlink(file("join_r" + std::to_string(r)).c_str());
+    ::unlink(file("ack_r" + std::to_string(r)).c_str());
+  }
+  run_ = id;
+}
+
+void FileBootstrap::all_gather(const void* send, void* recv, size_t bytes) {
+  if (run_.empty()) join_run();
+  const long gen = generation_++;
+  auto path = [&](long g, int r) {
+    return file(run_ + ".g" + std::to_string(g) + "_r" + std::to_string(r));
+  };
+  if (!write_file(path(gen, rank_), send, bytes))
+    throw Error(ErrorCode::kBootstrap, "FileBootstrap: cannot write " + path(gen, rank_));
   const auto deadline =
       std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_);
   for (int r = 0; r < size_; ++r) {
     for (;;) {
-      std::ifstream f(path(r), std::ios::binary);
+      std::ifstream f(path(gen, r), std::ios::binary);
       if (f) {
         f.read(static_cast<char*>(recv) + bytes * size_t(r), std::streamsize(bytes));
-        if (f.gcount() != std::streamsize(bytes))
+        if (f.gcount() != std::streamsize(bytes) || f.peek() != std::ifstream::traits_type::eof())
           throw Error(ErrorCode::kBootstrap, "FileBootstrap: rank " + std::to_string(r) +
                                                  " contributed a different size");
         break;
@@ -163,12 +282,13 @@ void FileBootstrap::all_gather(const void* send, void* recv, size_t bytes) {
       if (std::chrono::steady_clock::now() > deadline)
         throw Error(ErrorCode::kBootstrap, "FileBootstrap (rank " + std::to_string(rank_) +
                                                "): rank " + std::to_string(r) +
-                                               " did not join all-gather " + std::to_string(gen));
+                                               " did not join all-gather " + std::to_string(gen) +
+                                               " within " + seconds_text(timeout_));
       std::this_thread::sleep_for(std::chrono::milliseconds(2));
     }
   }
   // Every rank has read generation gen-1 once it writes generation gen: remove our old file.
-  if (gen > 0) ::unlink((dir_ + "/g" + std::to_string(gen - 1) + "_r" + std::to_string(rank_)).c_str());
+  if (gen > 0) ::unlink(path(gen - 1, rank_).c_str());
 }
 
 }  // namespace epcomm

@@ -4,6 +4,8 @@
 
 #include <atomic>
 #include <cstdlib>
+#include <fstream>
+#include <string>
 #include <thread>
 
 #include "epcomm/bootstrap.h"
@@ -102,4 +104,92 @@ TEST(Bootstrap, FileMissingRankTimesOut) {
   }
   EXPECT_THROW(FileBootstrap(tmpl, 2, 2), Error);
   EXPECT_EQ(std::system((std::string("rm -rf ") + tmpl).c_str()), 0);
+}
+
+namespace {
+std::string make_dir() {
+  char tmpl[] = "/tmp/epcomm_fb_XXXXXX";
+  if (mkdtemp(tmpl) == nullptr) return "";
+  return tmpl;
+}
+// Each of n ranks (threads) contributes "<tag>-r<rank>" (7 bytes for tags of 4); rank r starts
+// delay_ms[r] late. Returns what each rank gathered, or the error it threw.
+std::vector<std::string> gather_tags(const std::string& dir, const std::string& tag, int n,
+                                     std::vector<int> delay_ms, double timeout = 10) {
+  std::vector<std::string> got(static_cast<size_t>(n));
+  std::vector<std::thread> ts;
+  for (int r = 0; r < n; ++r)
+    ts.emplace_back([&, r] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms[size_t(r)]));
+      try {
+        FileBootstrap b(dir, r, n, timeout);
+        const std::string mine = tag + "-r" + std::to_string(r);
+        std::string all(mine.size() * size_t(n), '?');
+        b.all_gather(mine.data(), &all[0], mine.size());
+        got[size_t(r)] = all;
+      } catch (const Error& e) {
+        got[size_t(r)] = std::string("error: ") + e.what();
+      }
+    });
+  for (auto& t : ts) t.join();
+  return got;
+}
+void put_file(const std::string& path, const std::string& text) { std::ofstream(path) << text; }
+}  // namespace
+
+// A restarted job reusing its directory: the new run never reads the old run's files.
+TEST(Bootstrap, FileSecondRunNeverReadsTheFirst) {
+  const std::string dir = make_dir();
+  ASSERT_FALSE(dir.empty());
+  const std::vector<std::string> run1(2, "run1-r0run1-r1"), run2(2, "run2-r0run2-r1");
+  EXPECT_EQ(gather_tags(dir, "run1", 2, {0, 0}), run1);
+  {  // rank 0 of the next run alone: a timeout naming rank 1, not the old run's rank-1 bytes
+    FileBootstrap b(dir, 0, 2, 0.3);
+    const std::string mine = "run2-r0";
+    std::string all(14, '?');
+    try {
+      b.all_gather(mine.data(), &all[0], mine.size());
+      FAIL() << "rank 0 alone completed an all-gather: " << all;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kBootstrap);
+      EXPECT_NE(std::string(e.what()).find("rank 1 did not join"), std::string::npos)
+          << e.what();
+    }
+  }
+  // The next run, rank 1 arriving late, then rank 0 late: each time only this run's bytes.
+  EXPECT_EQ(gather_tags(dir, "run2", 2, {0, 300}), run2);
+  EXPECT_EQ(gather_tags(dir, "run3", 2, {300, 0}),
+            (std::vector<std::string>(2, "run3-r0run3-r1")));
+  EXPECT_EQ(std::system(("rm -rf " + dir).c_str()), 0);
+}
+
+// A run that died in its handshake left join, announcement and ack files behind, and a rank of
+// an earlier run is still writing its all-gather files: the new run reads none of them.
+TEST(Bootstrap, FileStaleFilesAndOldWriterIgnored) {
+  const std::string dir = make_dir();
+  ASSERT_FALSE(dir.empty());
+  put_file(dir + "/join_r1", "00000000000000aa");
+  put_file(dir + "/run", "00000000000000bb 00000000000000aa");
+  put_file(dir + "/ack_r1", "00000000000000bb 00000000000000aa");
+  put_file(dir + "/00000000000000bb.g0_r1", "old-r1!");
+  std::atomic<bool> stop{false};
+  std::thread old_writer([&] {  // keeps rewriting an old run's files of every generation
+    for (int g = 0; !stop; g = (g + 1) % 64)
+      put_file(dir + "/00000000000000bb.g" + std::to_string(g) + "_r1", "old-r1!");
+  });
+  EXPECT_EQ(gather_tags(dir, "newA", 2, {0, 200}),
+            (std::vector<std::string>(2, "newA-r0newA-r1")));
+  std::atomic<int> failures{0};
+  std::vector<std::thread> ts;
+  for (int r = 0; r < 3; ++r)
+    ts.emplace_back([&, r] {
+      FileBootstrap b(dir, r, 3, 30);
+      exercise(b, 20, failures);
+      EXPECT_EQ(b.run_id().size(), 16u);
+    });
+  for (auto& t : ts) t.join();
+  EXPECT_EQ(failures.load(), 0);
+  stop = true;
+  old_writer.join();
+  EXPECT_EQ(std::system(("rm -rf " + dir).c_str()), 0);
 }
