@@ -36,6 +36,14 @@ struct Problem {
   RouteMap route(int32_t rank) const;
 };
 
+// Throws Error(kInvalidArgument) naming the first field of `p` that no group could run: the
+// shape fields as Config::validate judges them (n_ranks, hidden, top_k, n_experts, the modes),
+// ranks.size() != n_ranks, a negative num_tokens, or a rank's tokens / topk_ids / weights not
+// num_tokens * hidden / top_k / top_k long. topk_ids values are not judged: a bad id is an input
+// the model answers as the device does (validate_topk). Every function below that takes a
+// Problem calls it first, and checks its own other arguments likewise.
+void check_problem(const Problem& p);
+
 // The first problem with a rank's topk_ids, as the device reports it.
 struct TopkError {
   ErrorCode code = ErrorCode::kOk;  // kOk, kBadExpertId or kDuplicateExpert

@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "epcomm/bf16.h"
+#include "epcomm/config.h"
 
 namespace epcomm {
 namespace reference {
@@ -24,6 +25,77 @@ TopkError validate_topk(const int32_t* topk_ids, int32_t num_tokens, int32_t top
     }
   }
   return TopkError{};
+}
+
+namespace {
+[[noreturn]] void bad_argument(const std::string& what) {
+  throw Error(ErrorCode::kInvalidArgument, "epcomm reference: " + what);
+}
+// The shape fields as a group's configuration would carry them.
+Config problem_config(int32_t hidden, int32_t top_k, int32_t n_experts, int32_t max_tokens) {
+  Config c;
+  c.hidden = hidden;
+  c.top_k = top_k;
+  c.n_experts = n_experts;
+  c.max_tokens_per_rank = std::max(1, max_tokens);
+  return c;
+}
+void check_rank(const Problem& p, int32_t rank, const char* what) {
+  if (rank < 0 || rank >= p.n_ranks)
+    bad_argument(std::string(what) + ": rank " + std::to_string(rank) + " is outside a problem of " +
+                 std::to_string(p.n_ranks) + " ranks");
+}
+void check_length(const char* what, int32_t rank, size_t have, int64_t want) {
+  if (int64_t(have) != want)
+    bad_argument("rank " + std::to_string(rank) + "'s " + what + " holds " + std::to_string(have) +
+                 " values, expected " + std::to_string(want));
+}
+// A combine's layouts and expert outputs: one of each per rank, each output covering its rows.
+void check_combine_args(const Problem& p, const std::vector<DispatchResult>& layouts,
+                        const std::vector<std::vector<uint16_t>>& expert_out, int32_t rank) {
+  check_problem(p);
+  check_rank(p, rank, "combine");
+  if (int64_t(layouts.size()) != p.n_ranks || int64_t(expert_out.size()) != p.n_ranks)
+    bad_argument("combine: " + std::to_string(layouts.size()) + " layouts and " +
+                 std::to_string(expert_out.size()) + " expert outputs for " +
+                 std::to_string(p.n_ranks) + " ranks (one of each per rank)");
+  for (int32_t d = 0; d < p.n_ranks; ++d) {
+    const DispatchResult& l = layouts[size_t(d)];
+    for (const SrcInfo& si : l.src_info)
+      if (si.rank < 0 || si.rank >= p.n_ranks || si.token < 0 || si.slot < 0 ||
+          si.slot > p.top_k || si.token >= p.ranks[size_t(si.rank)].num_tokens)
+        bad_argument("combine: layout " + std::to_string(d) +
+                     " is not a dispatch result of this problem (a src_info entry names rank " +
+                     std::to_string(si.rank) + ", token " + std::to_string(si.token) +
+                     ", slot " + std::to_string(si.slot) + ")");
+    if (int64_t(expert_out[size_t(d)].size()) < l.rows() * p.hidden)
+      bad_argument("combine: expert output " + std::to_string(d) + " holds " +
+                   std::to_string(expert_out[size_t(d)].size()) + " values, its layout needs " +
+                   std::to_string(l.rows() * p.hidden) + " (rows x hidden)");
+  }
+}
+}  // namespace
+
+void check_problem(const Problem& p) {
+  int32_t max_tokens = 0;
+  for (const RankInput& in : p.ranks) max_tokens = std::max(max_tokens, in.num_tokens);
+  Config c = problem_config(p.hidden, p.top_k, p.n_experts, max_tokens);
+  c.shared_expert = p.shared_expert;
+  c.skip_a2a = p.skip_a2a;
+  c.allreduce_world_size = p.allreduce_world_size;
+  c.validate(p.n_ranks);
+  if (int64_t(p.ranks.size()) != p.n_ranks)
+    bad_argument("the problem has " + std::to_string(p.ranks.size()) + " ranks' inputs for n_ranks = " +
+                 std::to_string(p.n_ranks));
+  for (int32_t r = 0; r < p.n_ranks; ++r) {
+    const RankInput& in = p.ranks[size_t(r)];
+    if (in.num_tokens < 0)
+      bad_argument("rank " + std::to_string(r) + "'s num_tokens = " + std::to_string(in.num_tokens) +
+                   " is negative");
+    check_length("tokens", r, in.tokens.size(), int64_t(in.num_tokens) * p.hidden);
+    check_length("topk_ids", r, in.topk_ids.size(), int64_t(in.num_tokens) * p.top_k);
+    check_length("weights", r, in.weights.size(), int64_t(in.num_tokens) * p.top_k);
+  }
 }
 
 RouteMap Problem::route(int32_t rank) const {
@@ -50,6 +122,8 @@ void add_row(DispatchResult& r, const Problem& p, int32_t s, int32_t t, int32_t 
 }  // namespace
 
 DispatchResult dispatch(const Problem& p, int32_t rank) {
+  check_problem(p);
+  check_rank(p, rank, "dispatch");
   const int32_t n_local = p.n_experts / p.n_ranks;
   const int32_t shared = p.shared_expert ? 1 : 0, G = n_local + shared;
   DispatchResult r;
@@ -109,6 +183,7 @@ std::vector<std::pair<int32_t, int64_t>> slot_rows(const Problem& p,
 std::vector<double> combine(const Problem& p, const std::vector<DispatchResult>& layouts,
                             const std::vector<std::vector<uint16_t>>& expert_out, int32_t rank,
                             bool weighted) {
+  check_combine_args(p, layouts, expert_out, rank);
   const RankInput& in = p.ranks[size_t(rank)];
   const int32_t T = sends(p, rank) ? in.num_tokens : 0;
   const int64_t H = p.hidden, K = p.top_k, slots = K + (p.shared_expert ? 1 : 0);
@@ -132,6 +207,7 @@ std::vector<float> combine_expert_side(const Problem& p,
                                        const std::vector<DispatchResult>& layouts,
                                        const std::vector<std::vector<uint16_t>>& expert_out,
                                        int32_t rank) {
+  check_combine_args(p, layouts, expert_out, rank);
   const RankInput& in = p.ranks[size_t(rank)];
   const int32_t T = sends(p, rank) ? in.num_tokens : 0;
   const int64_t H = p.hidden, K = p.top_k, slots = K + (p.shared_expert ? 1 : 0);
@@ -167,6 +243,10 @@ std::vector<float> combine_expert_side(const Problem& p,
 
 std::vector<int32_t> make_topk(int32_t num_tokens, int32_t top_k, int32_t n_experts,
                                std::mt19937_64& rng, double zipf_s, double mask_prob) {
+  if (num_tokens < 0 || top_k < 1 || n_experts < top_k)
+    bad_argument("make_topk: num_tokens = " + std::to_string(num_tokens) + ", top_k = " +
+                 std::to_string(top_k) + ", n_experts = " + std::to_string(n_experts) +
+                 " (need num_tokens >= 0 and 1 <= top_k <= n_experts: K distinct experts)");
   std::normal_distribution<double> normal;
   std::uniform_real_distribution<double> uni(0.0, 1.0);
   std::vector<double> popularity(static_cast<size_t>(n_experts), 1.0);
@@ -216,13 +296,25 @@ Problem make_replicated_problem(int32_t n_ranks, int32_t hidden, int32_t top_k, 
                                 double mask_prob) {
   Problem p = make_problem(1, hidden, top_k, n_experts, {num_tokens}, seed, zipf_s, mask_prob);
   p.n_ranks = n_ranks;
-  p.ranks.resize(size_t(n_ranks), p.ranks[0]);
+  p.ranks.resize(size_t(std::max(n_ranks, 1)), p.ranks[0]);
+  check_problem(p);
   return p;
 }
 
 Problem make_problem(int32_t n_ranks, int32_t hidden, int32_t top_k, int32_t n_experts,
                      const std::vector<int32_t>& num_tokens, uint64_t seed, double zipf_s,
                      double mask_prob) {
+  if (int64_t(num_tokens.size()) != int64_t(n_ranks))
+    bad_argument("make_problem: num_tokens has " + std::to_string(num_tokens.size()) +
+                 " entries for n_ranks = " + std::to_string(n_ranks));
+  int32_t max_tokens = 0;
+  for (int32_t r = 0; r < n_ranks; ++r) {
+    if (num_tokens[size_t(r)] < 0)
+      bad_argument("make_problem: num_tokens[" + std::to_string(r) + "] = " +
+                   std::to_string(num_tokens[size_t(r)]) + " is negative");
+    max_tokens = std::max(max_tokens, num_tokens[size_t(r)]);
+  }
+  problem_config(hidden, top_k, n_experts, max_tokens).validate(n_ranks);
   Problem p;
   p.n_ranks = n_ranks;
   p.hidden = hidden;
@@ -243,6 +335,10 @@ Problem make_problem(int32_t n_ranks, int32_t hidden, int32_t top_k, int32_t n_e
 std::string compare_dispatch(const DispatchResult& ref, const uint32_t* row_offsets,
                              const int32_t* expert_ids, const SrcInfo* src_info,
                              const uint16_t* tokens, int32_t hidden) {
+  if (hidden < 1 || int64_t(ref.tokens.size()) != ref.rows() * hidden)
+    bad_argument("compare_dispatch: hidden = " + std::to_string(hidden) + " for a reference of " +
+                 std::to_string(ref.rows()) + " rows and " + std::to_string(ref.tokens.size()) +
+                 " values");
   std::ostringstream os;
   const size_t G = ref.expert_ids.size();
   for (size_t g = 0; g <= G; ++g)

@@ -241,3 +241,46 @@ TEST(Bf16, RoundTripAndRounding) {
     }
   }
 }
+
+// Arguments no group could run are refused with a message naming them, never a crash or
+// garbage (each call here crashed, returned garbage or answered "no mismatch" before).
+TEST(Reference, RejectsBadArguments) {
+  const auto refuses = [](auto&& call, const char* needle) {
+    try {
+      call();
+      ADD_FAILURE() << "accepted; expected an error mentioning '" << needle << "'";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  refuses([] { make_problem(2, 256, 8, 4, {4, 4}, 1); }, "top_k");        // K > experts
+  refuses([] { make_problem(3, 256, 2, 8, {1, 1, 1}, 1); }, "n_experts");  // 8 over 3 ranks
+  refuses([] { make_problem(2, 256, 2, 8, {1}, 1); }, "num_tokens");       // one count, 2 ranks
+  refuses([] { make_problem(2, 256, 2, 8, {-4, 4}, 1); }, "negative");
+  refuses([] { make_replicated_problem(3, 256, 2, 8, 4, 1); }, "n_experts");
+  const Problem p = make_problem(2, 256, 2, 8, {5, 3}, 1);
+  refuses([&] { dispatch(p, 5); }, "rank 5");
+  refuses([&] { dispatch(p, -1); }, "rank -1");
+  const std::vector<DispatchResult> layouts = {dispatch(p, 0), dispatch(p, 1)};
+  std::vector<std::vector<uint16_t>> ys;
+  for (const auto& l : layouts) ys.push_back(std::vector<uint16_t>(size_t(l.rows() * 256), 0x3f80));
+  refuses([&] { combine(p, {layouts[0]}, ys, 0, true); }, "1 layouts");
+  refuses([&] { combine(p, layouts, {ys[0]}, 0, true); }, "1 expert outputs");
+  refuses([&] { combine_expert_side(p, layouts, ys, 2); }, "rank 2");
+  auto short_ys = ys;
+  short_ys[1].resize(short_ys[1].size() / 2);
+  refuses([&] { combine(p, layouts, short_ys, 0, false); }, "expert output 1");
+  refuses([&] { combine(p, {layouts[1], layouts[0]}, ys, 0, true); }, "expert output 0");
+  auto foreign = layouts;
+  foreign[0].src_info[0].token = 99;  // rank 0's input has 5 tokens
+  refuses([&] { combine(p, foreign, ys, 0, true); }, "not a dispatch result");
+  refuses([&] {
+    compare_dispatch(layouts[0], layouts[0].row_offsets.data(), layouts[0].expert_ids.data(),
+                     layouts[0].src_info.data(), layouts[0].tokens.data(), 128);
+  }, "hidden = 128");
+  Problem bad = p;
+  bad.ranks[1].topk_ids.pop_back();
+  refuses([&] { dispatch(bad, 0); }, "topk_ids");
+  EXPECT_EQ(combine(p, layouts, ys, 0, true).size(), size_t(5 * 256));  // the good call works
+}
