@@ -1,12 +1,15 @@
-// The layouts of layout.h: index arithmetic that sender, receiver and reference must agree on.
+// The layouts of layout.h and detail/window_layout.h: index arithmetic that sender, receiver and
+// reference must agree on.
 #include <gtest/gtest.h>
 
 #include <set>
 
 #include "epcomm/detail/params.h"
+#include "epcomm/detail/window_layout.h"
 #include "epcomm/layout.h"
 
 using namespace epcomm;
+using namespace epcomm::detail;
 
 TEST(Layout, ExpertMapOwnershipAndKeys) {
   const ExpertMap em{256, 8};
