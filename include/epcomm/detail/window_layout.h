@@ -177,12 +177,13 @@ struct WindowLayout {
   }
 
   // Signal words, each u64 indexed by peer rank.
+  // Dispatch data has no signal word: its arrival is announced per chunk (chunk_flag_offset),
+  // or per part on the low-latency path (part_flag_offset).
   enum Signal : int32_t {
-    kDispatchArrived = 0,  // unused (dispatch data arrival is per chunk: chunk_flag_offset)
-    kDispatchAck = 1,      // [dst]: last call whose receive buffer dst has finished reading
-    kCombineArrived = 2,   // [src]: blocks of src that finished sending combine rows to me
-    kCombineAck = 3,       // [dst]: last call whose combine buffer dst has finished reading
-    kNumSignals = 4
+    kDispatchAck = 0,     // [dst]: last call whose receive buffer dst has finished reading
+    kCombineArrived = 1,  // [src]: blocks of src that finished sending combine rows to me
+    kCombineAck = 2,      // [dst]: last call whose combine buffer dst has finished reading
+    kNumSignals = 3
   };
   EPCOMM_HD int64_t signal_offset(Signal s, int32_t peer) const {
     return (int64_t(s) * kMaxPeers + peer) * 8;
