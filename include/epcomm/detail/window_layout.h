@@ -1,7 +1,8 @@
 // The communication window's byte layout (internal): the messages of dispatch, the meta records,
 // the signal words and arrival flags, the receive buffers of dispatch and combine, and the outbox
-// of a group that spans nodes. The kernels and the runtime use it (through
-// epcomm/detail/params.h); users never need it. Each is a small value type whose index
+// of a group that spans nodes (with NodeMap, the nodes of a group); and GroupRows, the receiving
+// kernel's row bookkeeping. The kernels and the runtime use it (through epcomm/detail/params.h);
+// users never need it. Each is a small value type whose index
 // arithmetic is written once here and unit-tested on the CPU (tests/cpu/test_layout.cpp).
 // Everything is usable from host and device code.
 #pragma once
