@@ -12,6 +12,7 @@
 #pragma once
 
 #include "epcomm/detail/combine_kernel.cuh"
+#include "epcomm/detail/epilogue_access.h"
 #include "epcomm/detail/nvtx.h"
 #include "epcomm/group.h"
 
@@ -32,9 +33,9 @@ void combine(Group& group, const CombineInput& in, const float* weights, const E
              cudaStream_t stream) {
   EPCOMM_NVTX_RANGE("epcomm::combine");
   const CombineOutput out{nullptr, weights};
-  const detail::CombineParams p = group.prepare_combine(&in, &out);
+  const detail::CombineParams p = detail::EpilogueAccess::prepare_combine(group, &in, &out);
   detail::launch_combine(p, epi, true, true, stream);
-  group.after_launch("combine");
+  detail::EpilogueAccess::after_launch("combine");
 }
 
 // The receive half with an epilogue, after group.combine_async(in, stream).
@@ -42,9 +43,9 @@ template <class Epilogue>
 void combine_wait(Group& group, const float* weights, const Epilogue& epi, cudaStream_t stream) {
   EPCOMM_NVTX_RANGE("epcomm::combine_wait");
   const CombineOutput out{nullptr, weights};
-  const detail::CombineParams p = group.prepare_combine(nullptr, &out);
+  const detail::CombineParams p = detail::EpilogueAccess::prepare_combine(group, nullptr, &out);
   detail::launch_combine(p, epi, false, true, stream);
-  group.after_launch("combine_wait");
+  detail::EpilogueAccess::after_launch("combine_wait");
 }
 
 }  // namespace epcomm

@@ -113,7 +113,7 @@ struct DispatchRecord {
 
 namespace detail {
 struct GroupState;
-struct CombineParams;
+struct EpilogueAccess;
 }  // namespace detail
 
 class Group {
@@ -154,12 +154,9 @@ class Group {
   // throws kInvalidArgument otherwise). Synchronises the device.
   StageTrace stage_trace() const;
 
-  // For the header-only combine with a custom epilogue (epcomm/combine_epilogue.cuh).
-  // Checks the arguments and tracks the async/wait pairing; then launch, then after_launch().
-  detail::CombineParams prepare_combine(const CombineInput* in, const CombineOutput* out);
-  void after_launch(const char* op);
-
  private:
+  // The header-only combine with a custom epilogue (epcomm/combine_epilogue.cuh).
+  friend struct detail::EpilogueAccess;
   explicit Group(std::unique_ptr<detail::GroupState> state);
   std::unique_ptr<detail::GroupState> s_;
 };

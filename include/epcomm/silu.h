@@ -1,8 +1,9 @@
 // The fused SiLU / SwiGLU kernels (SPEC §6): after the first grouped GEMM, z = silu(gate) * up
 // (or the clamped SwiGLU) of every dispatch output row, in fp32, stored as bf16 or quantised for
-// the second grouped GEMM. The CPU reference of every output is in
-// epcomm/formats/reference_silu.h; the kernels match it bit for bit given the same z (the
-// device's expf may differ from the host's in the last bit, which that header explains).
+// the second grouped GEMM, z by the functions of epcomm/formats/silu_math.h. The CPU reference
+// of every output is in epcomm/formats/reference_silu.h (the epcomm_reference library); the
+// kernels match it bit for bit given the same z (the device's expf may differ from the host's in
+// the last bit, which silu_math.h explains).
 //
 // Rows. The input is [max_rows, 2I] bf16, one row per dispatch output row; group g is rows
 // [row_offsets[g], row_offsets[g + 1]). The host does not know row_offsets[G]: the kernels read
@@ -26,8 +27,8 @@
 
 #include <cstdint>
 
-#include "epcomm/formats/reference_silu.h"  // SwigluClamp, silu_mul, swiglu_clamped
-#include "epcomm/layout.h"                  // SrcInfo
+#include "epcomm/formats/silu_math.h"  // SwigluClamp, silu_mul, swiglu_clamped
+#include "epcomm/layout.h"              // SrcInfo
 
 namespace epcomm {
 
@@ -94,15 +95,4 @@ void silu_mxfp4(const SiluInput& in, const SiluMxfp4Output& out, const SwigluCla
 // timed regions and graph captures.
 void load_silu_kernels();
 
-namespace reference {
-
-// For checks (tests/gpu/test_silu.cu, bench/silu_bench.cpp): z of x rows [0, rows) — silu_mul,
-// or swiglu_clamped of *clamp — evaluated on the device, with the device's expf, into z
-// [rows, intermediate] fp32 (device memory), on `stream`. The kernels quantise exactly these
-// values: quantize_grouped_rows of them (float_to_bf16 for bf16) is each kernel's output bit for
-// bit. A failed launch throws Error(kCuda).
-void silu_values_device(const void* x, int64_t rows, int32_t intermediate, GateUpLayout layout,
-                        const SwigluClamp* clamp, float* z, cudaStream_t stream);
-
-}  // namespace reference
 }  // namespace epcomm

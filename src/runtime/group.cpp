@@ -11,6 +11,7 @@
 #include <sstream>
 #include <thread>
 
+#include "epcomm/detail/epilogue_access.h"
 #include "epcomm/detail/nvtx.h"
 #include "kernels/kernels.h"
 #include "runtime/nvshmem_host.h"
@@ -637,8 +638,13 @@ void Group::synchronize(cudaStream_t stream) {
   check();
 }
 
-void Group::after_launch(const char* op) {
+// After every launch: a failed launch throws Error(kCuda) naming the operation.
+static void after_launch(const char* op) {
   detail::check_cuda(cudaGetLastError(), op);
+}
+
+void detail::EpilogueAccess::after_launch(const char* op) {
+  epcomm::after_launch(op);
 }
 
 // ---- argument checks --------------------------------------------------------------------------
@@ -763,70 +769,78 @@ void Group::dispatch_wait(const DispatchOutput& out, cudaStream_t stream) {
   s_->last = s_->pending;
 }
 
-detail::CombineParams Group::prepare_combine(const CombineInput* in, const CombineOutput* out) {
+// The checks and kernel parameters of a combine (in and out), combine_async (in only) or
+// combine_wait (out only); tracks the async / wait pairing.
+static detail::CombineParams prepare_combine(detail::GroupState& s, const CombineInput* in,
+                                             const CombineOutput* out) {
   const char* op = in && out ? "combine" : (in ? "combine_async" : "combine_wait");
-  check_usable(*s_, op);
-  require(s_->last.num_tokens >= 0, s_->rank, op, "no dispatch has completed on this group yet");
-  require(!s_->async_dispatch_pending, s_->rank, op,
+  check_usable(s, op);
+  require(s.last.num_tokens >= 0, s.rank, op, "no dispatch has completed on this group yet");
+  require(!s.async_dispatch_pending, s.rank, op,
           "a dispatch_async is waiting for its dispatch_wait");
   if (out && !in) {
-    require(s_->async_combine_pending, s_->rank, op, "no combine_async to wait for");
+    require(s.async_combine_pending, s.rank, op, "no combine_async to wait for");
   } else {
-    require(!s_->async_combine_pending, s_->rank, op,
+    require(!s.async_combine_pending, s.rank, op,
             "a combine_async is waiting for its combine_wait");
   }
   detail::CombineParams p{};
-  p.g = s_->view;
-  p.topk = s_->scratch.topk;
-  p.expert_side = s_->last.weights ? 1 : 0;
-  p.whole_rows = detail::combine_whole_rows(s_->last.num_tokens, s_->cfg.hidden,
-                                            s_->view.num_blocks)
+  p.g = s.view;
+  p.topk = s.scratch.topk;
+  p.expert_side = s.last.weights ? 1 : 0;
+  p.whole_rows = detail::combine_whole_rows(s.last.num_tokens, s.cfg.hidden,
+                                            s.view.num_blocks)
                      ? 1
                      : 0;
-  p.recv_base = s_->scratch.recv_base;
-  p.recv_count = s_->scratch.recv_count;
-  p.self_row = s_->scratch.self_row;
+  p.recv_base = s.scratch.recv_base;
+  p.recv_count = s.scratch.recv_count;
+  p.self_row = s.scratch.self_row;
   if (in) {
-    require(in->hidden == s_->cfg.hidden, s_->rank, op,
+    require(in->hidden == s.cfg.hidden, s.rank, op,
             "hidden = " + std::to_string(in->hidden) + " but the group was set up with hidden = " +
-                std::to_string(s_->cfg.hidden));
-    require_ptr(in->expert_out, s_->rank, op, "expert_out", true);
-    require_ptr(in->row_offsets, s_->rank, op, "row_offsets", false);
-    require_ptr(in->src_info, s_->rank, op, "src_info", false);
+                std::to_string(s.cfg.hidden));
+    require_ptr(in->expert_out, s.rank, op, "expert_out", true);
+    require_ptr(in->row_offsets, s.rank, op, "row_offsets", false);
+    require_ptr(in->src_info, s.rank, op, "src_info", false);
     p.expert_out = in->expert_out;
     p.row_offsets = in->row_offsets;
     p.src_info = in->src_info;
   }
   if (out) {
-    require(!(s_->last.weights && out->weights != nullptr), s_->rank, op,
+    require(!(s.last.weights && out->weights != nullptr), s.rank, op,
             "the last dispatch carried router weights, so combine reduces with those on the "
             "expert side: pass weights = nullptr");
-    const bool reduced = out->weights != nullptr || s_->last.weights;
-    require(reduced || !s_->cfg.shared_expert, s_->rank, op,
+    const bool reduced = out->weights != nullptr || s.last.weights;
+    require(reduced || !s.cfg.shared_expert, s.rank, op,
             "with shared_expert, combine needs router weights (given to dispatch or here): "
             "the shared expert's row is added into each token's reduced row");
-    if (out->out != nullptr || !reduced) require_ptr(out->out, s_->rank, op, "out", true);
+    if (out->out != nullptr || !reduced) require_ptr(out->out, s.rank, op, "out", true);
     if (out->weights)
-      require((reinterpret_cast<uintptr_t>(out->weights) & 3u) == 0, s_->rank, op,
+      require((reinterpret_cast<uintptr_t>(out->weights) & 3u) == 0, s.rank, op,
               "weights is not 4-byte aligned");
     p.out = out->out;
     p.weights = out->weights;
   }
-  s_->async_combine_pending = in && !out;
+  s.async_combine_pending = in && !out;
   return p;
+}
+
+detail::CombineParams detail::EpilogueAccess::prepare_combine(Group& group, const CombineInput* in,
+                                                              const CombineOutput* out) {
+  return epcomm::prepare_combine(*group.s_, in, out);
 }
 
 void Group::combine(const CombineInput& in, const CombineOutput& out, cudaStream_t stream) {
   EPCOMM_NVTX_RANGE("epcomm::combine");
   require_ptr(out.out, s_->rank, "combine", "out", true);
-  const detail::CombineParams p = prepare_combine(&in, &out);
+  const detail::CombineParams p = prepare_combine(*s_, &in, &out);
   detail::launch_combine_default(p, true, true, stream);
   after_launch("combine");
 }
 
 void Group::combine_async(const CombineInput& in, cudaStream_t stream) {
   EPCOMM_NVTX_RANGE("epcomm::combine_async");
-  const detail::CombineParams p = prepare_combine(&in, nullptr);
+  const detail::CombineParams p = prepare_combine(*s_, &in, nullptr);
   detail::launch_combine_default(p, true, false, stream);
   after_launch("combine_async");
 }
@@ -834,7 +848,7 @@ void Group::combine_async(const CombineInput& in, cudaStream_t stream) {
 void Group::combine_wait(const CombineOutput& out, cudaStream_t stream) {
   EPCOMM_NVTX_RANGE("epcomm::combine_wait");
   require_ptr(out.out, s_->rank, "combine_wait", "out", true);
-  const detail::CombineParams p = prepare_combine(nullptr, &out);
+  const detail::CombineParams p = prepare_combine(*s_, nullptr, &out);
   detail::launch_combine_default(p, false, true, stream);
   after_launch("combine_wait");
 }

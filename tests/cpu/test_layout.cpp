@@ -1,12 +1,15 @@
-// The layouts of layout.h: index arithmetic that sender, receiver and reference must agree on.
+// The layouts of layout.h and detail/window_layout.h: index arithmetic that sender, receiver and
+// reference must agree on.
 #include <gtest/gtest.h>
 
 #include <set>
 
 #include "epcomm/detail/params.h"
+#include "epcomm/detail/window_layout.h"
 #include "epcomm/layout.h"
 
 using namespace epcomm;
+using namespace epcomm::detail;
 
 TEST(Layout, ExpertMapOwnershipAndKeys) {
   const ExpertMap em{256, 8};
@@ -98,7 +101,7 @@ TEST(Layout, CombineRecvSlotsCoverBuffer) {
 TEST(Layout, WindowRegionsDoNotOverlap) {
   const WindowLayout w{8, 7168, 8, 256, 4096, TokenFormat::kBF16, 0};
   // signals < meta < dispatch recv < combine recv, each 256-aligned
-  EXPECT_EQ(w.signal_offset(WindowLayout::kDispatchArrived, 0), 0);
+  EXPECT_EQ(w.signal_offset(WindowLayout::kDispatchAck, 0), 0);
   EXPECT_EQ(w.signal_offset(WindowLayout::kCombineAck, WindowLayout::kMaxPeers - 1) + 8,
             int64_t(WindowLayout::kNumSignals) * WindowLayout::kMaxPeers * 8);
   EXPECT_LE(int64_t(WindowLayout::kNumSignals) * 8 * 8, w.signals_bytes());

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "epcomm/detail/window_layout.h"
 #include "epcomm/formats/scale_layouts.h"
 #include "epcomm/hd.h"
 #include "epcomm/layout.h"

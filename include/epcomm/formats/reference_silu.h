@@ -1,6 +1,6 @@
-// The fused SiLU / SwiGLU kernels of SPEC §6: their pointwise activation (host + device, so the
-// kernels and the CPU reference evaluate the same fp32 operations in the same order) and the CPU
-// reference of each kernel's outputs.
+// The CPU reference of each output of the fused SiLU / SwiGLU kernels of SPEC §6, and for checks
+// the kernels' z evaluated on the device (the epcomm_reference library). The pointwise
+// activation the kernels and this reference share is in silu_math.h.
 //
 // Rows. The input is the first grouped GEMM's output, one row per dispatch output row: rows
 // [row_offsets[g], row_offsets[g + 1]) are group g, row_offsets being the dispatch's (after a
@@ -14,68 +14,25 @@
 // format stores as zero bytes (bf16 0; NVFP4 scale 0; MXFP4 scale code 0, i.e. 2^-127).
 //
 // Values. gate and up are bf16 (widened to fp32 exactly), z is computed in fp32 by silu_mul or
-// swiglu_clamped below, and the quantised outputs encode z itself (not z rounded to bf16).
+// swiglu_clamped (silu_math.h), and the quantised outputs encode z itself (not z rounded to bf16).
 // Each element's z uses only its own gate and up, so the kernels may split rows among threads
 // freely; a scale block's amax is a fold of abs_max over its z values in any order.
 //
-// expf is the one operation not correctly rounded: the host uses the C library's expf, the
-// device CUDA's expf (never __expf: no fast-math). They may differ in the last bit for some
-// inputs, so a kernel's z can differ from the reference's by an ulp or so there, and a code next
-// to a rounding tie with it; everything after expf is fixed below.
+// expf is the one operation not correctly rounded (silu_math.h says how the host's and the
+// device's may differ).
 #pragma once
 
-#include <cmath>
+#include <cuda_runtime_api.h>
+
 #include <cstdint>
 #include <vector>
 
 #include "epcomm/formats/codecs.h"
 #include "epcomm/formats/reference_codecs.h"
+#include "epcomm/formats/silu_math.h"
+#include "epcomm/layout.h"  // SrcInfo
 
 namespace epcomm {
-
-namespace detail {
-// fp32 add rounded to nearest even, never contracted into an FMA (codecs.h has mul_rn, div_rn).
-EPCOMM_HD float add_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fadd_rn(a, b);
-#else
-  return a + b;
-#endif
-}
-}  // namespace detail
-
-// ---- the pointwise activation (host + device) -----------------------------------------------
-
-// silu(gate) * up, in fp32, in this order:
-//   e = expf(-gate); d = 1 + e; s = gate / d; z = s * up.
-// gate -> -inf or below about -88.7 gives e = +inf and s = -0 (z a signed zero, or NaN for an
-// infinite up); NaN propagates.
-EPCOMM_HD float silu_mul(float gate, float up) {
-  const float e = expf(-gate);
-  const float s = detail::div_rn(gate, detail::add_rn(1.0f, e));
-  return detail::mul_rn(s, up);
-}
-
-// The clamped SwiGLU (gpt-oss): limit L >= 0 and alpha, both finite.
-//   g' = min(g, L)        — clamped from above only, as SPEC says: a very negative gate is
-//                           already sent to zero by the sigmoid;
-//   u' = clamp(u, -L, L);
-//   z  = (u' + 1) * g' * sigmoid(alpha * g'), in fp32, in this order:
-//   a = alpha * g'; e = expf(-a); sig = 1 / (1 + e); t = u' + 1; z = (t * g') * sig.
-// The clamps are comparisons (g > L ? L : g), so a NaN input passes through as NaN (fminf would
-// drop it).
-struct SwigluClamp {
-  float limit;
-  float alpha;
-};
-
-EPCOMM_HD float swiglu_clamped(float gate, float up, SwigluClamp c) {
-  const float g = gate > c.limit ? c.limit : gate;
-  const float u = up > c.limit ? c.limit : (up < -c.limit ? -c.limit : up);
-  const float e = expf(-detail::mul_rn(c.alpha, g));
-  const float sig = detail::div_rn(1.0f, detail::add_rn(1.0f, e));
-  return detail::mul_rn(detail::mul_rn(detail::add_rn(u, 1.0f), g), sig);
-}
 
 // ---- the CPU reference of the kernels (host only) -------------------------------------------
 
@@ -134,6 +91,14 @@ QuantizedRows silu_nvfp4(const std::vector<uint16_t>& input, int32_t inter,
 QuantizedRows silu_mxfp4(const std::vector<uint16_t>& input, int32_t inter,
                          const std::vector<uint32_t>& row_offsets, int64_t max_rows,
                          const SwigluClamp* clamp = nullptr);
+
+// For checks (tests/gpu/test_silu.cu, bench/silu_bench.cpp): z of x rows [0, rows) — silu_mul,
+// or swiglu_clamped of *clamp — evaluated on the device, with the device's expf, into z
+// [rows, intermediate] fp32 (device memory), on `stream`. The kernels quantise exactly these
+// values: quantize_grouped_rows of them (float_to_bf16 for bf16) is each kernel's output bit for
+// bit. A failed launch throws Error(kCuda).
+void silu_values_device(const void* x, int64_t rows, int32_t intermediate, GateUpLayout layout,
+                        const SwigluClamp* clamp, float* z, cudaStream_t stream);
 
 }  // namespace reference
 }  // namespace epcomm

@@ -1,11 +1,11 @@
-// reference::silu_values_device (epcomm/silu.h): the SiLU kernels' z evaluated on the device, for
-// checks. One thread per element and nothing shared with silu.cu but the pointwise functions of
-// reference_silu.h, so a check built on it does not share the kernels' indexing.
+// reference::silu_values_device (epcomm/formats/reference_silu.h): the SiLU kernels' z evaluated
+// on the device, for checks. One thread per element and nothing shared with silu.cu but the
+// pointwise functions of silu_math.h, so a check built on it does not share the kernels' indexing.
 #include <algorithm>
 
 #include "epcomm/detail/launch.h"
 #include "epcomm/formats/codecs.h"
-#include "epcomm/silu.h"
+#include "epcomm/formats/reference_silu.h"
 
 namespace epcomm {
 namespace reference {
