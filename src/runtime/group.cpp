@@ -827,6 +827,13 @@ static detail::CombineParams prepare_combine(detail::GroupState& s, const Combin
 
 detail::CombineParams detail::EpilogueAccess::prepare_combine(Group& group, const CombineInput* in,
                                                               const CombineOutput* out) {
+  // The epilogue's kernel is compiled in the caller's translation unit, without the library's
+  // NVSHMEM transport: it would take a rank of another node for one it can store to.
+  const detail::GroupState& s = *group.s_;
+  require(!s.view.multi_node(), s.rank, in && out ? "combine" : (in ? "combine_async" : "combine_wait"),
+          "a custom combine epilogue (epcomm/combine_epilogue.cuh) cannot run on a group that "
+          "spans nodes: its kernel is compiled in your code, without the NVSHMEM transport. Use "
+          "Group::combine, and apply the epilogue to its output");
   return epcomm::prepare_combine(*group.s_, in, out);
 }
 

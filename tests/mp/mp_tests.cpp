@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "epcomm/bootstrap.h"
+#include "epcomm/detail/epilogue_access.h"
 #include "harness.h"
 #if EPCOMM_TEST_WITH_MPI
 #include "epcomm/mpi_bootstrap.h"
@@ -241,6 +242,27 @@ int run_gpu_tests(Bootstrap& bs, const MakeBootstrap& make) {
           return "H " + std::to_string(s.H) + " iteration " + std::to_string(it) + ": " + e;
       }
     }
+    return "";
+  });
+
+  run.check("a custom combine epilogue is refused on a group that spans nodes, only there",
+            [&]() -> std::string {
+    auto g = Group::create(node_placed(make_cfg(2048, 4, 8 * n, 64), n), bs, device);
+    const bool spans = g_ranks_per_node > 0 && g_ranks_per_node < n;
+    CombineInput in{};
+    CombineOutput out{};
+    std::string what;
+    try {
+      detail::EpilogueAccess::prepare_combine(*g, &in, &out);  // what combine_epilogue.cuh calls
+      return "prepare_combine accepted a combine before any dispatch";
+    } catch (const Error& e) {
+      what = e.what();
+      if (e.code() != ErrorCode::kInvalidArgument) return "unexpected error: " + what;
+    }
+    const bool refused = what.find("spans nodes") != std::string::npos;
+    if (refused != spans)
+      return std::string(spans ? "not refused" : "refused") + " on a group that " +
+             (spans ? "spans" : "does not span") + " nodes: " + what;
     return "";
   });
 
