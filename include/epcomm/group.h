@@ -19,7 +19,7 @@
 // every later call checks the record before it launches. A device-detected bad input sends no
 // token from the offending rank, corrupts nothing, and the group stays usable. The receiving
 // rank checks what its sources announce: more rows than its receive capacity
-// (Config::max_recv_rows) is kRecvCapacity, naming the count and the cap; a count or offset out
+// (Config::max_routed_rows) is kRecvCapacity, naming the count and the cap; a count or offset out
 // of range is kBadPeerData, naming the source. Either way that rank writes no row (its
 // row_offsets are all 0), the call completes on every rank and the group stays usable; the
 // other ranks' combine results for tokens routed there lack that rank's experts, so treat the

@@ -72,24 +72,9 @@ __all__ = [
     "spans_nodes_supported",
 ]
 
-CONFIG_FIELDS = (
-    "hidden",
-    "top_k",
-    "n_experts",
-    "max_tokens_per_rank",
-    "format",
-    "nvfp4_global_scale",
-    "num_sms",
-    "timeout_seconds",
-    "trace",
-    "share_gpus",
-    "max_recv_rows",
-    "dispatch_path",
-    "shared_expert",
-    "skip_a2a",
-    "allreduce_world_size",
-    "ranks_per_node",
-)
+# Config's fields, in declaration order (epcomm::kConfigFields: the C++ table that also drives
+# Config's properties and the cross-rank comparison).
+CONFIG_FIELDS = tuple(_C.CONFIG_FIELDS)
 
 
 def make_config(**fields) -> Config:

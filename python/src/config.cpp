@@ -4,6 +4,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "arrays.h"
@@ -50,32 +51,34 @@ void bind_config(nb::module_& m) {
       .def_ro("scales_bytes", &epcomm::Sizes::scales_bytes)
       .def_ro("num_scales_offsets", &epcomm::Sizes::num_scales_offsets);
 
-  nb::class_<epcomm::Config>(m, "Config", "A group's configuration (epcomm/config.h).")
-      .def(nb::init<>())
-      .def_rw("hidden", &epcomm::Config::hidden)
-      .def_rw("top_k", &epcomm::Config::top_k)
-      .def_rw("n_experts", &epcomm::Config::n_experts)
-      .def_rw("max_tokens_per_rank", &epcomm::Config::max_tokens_per_rank)
-      .def_prop_rw(
-          "format",
-          [](const epcomm::Config& c) { return std::string(epcomm::token_format_name(c.format)); },
-          [](epcomm::Config& c, const std::string& v) { c.format = parse_format(v); })
-      .def_rw("nvfp4_global_scale", &epcomm::Config::nvfp4_global_scale)
-      .def_rw("num_sms", &epcomm::Config::num_sms)
-      .def_rw("timeout_seconds", &epcomm::Config::timeout_seconds)
-      .def_rw("trace", &epcomm::Config::trace)
-      .def_rw("share_gpus", &epcomm::Config::share_gpus)
-      .def_rw("max_recv_rows", &epcomm::Config::max_recv_rows)
-      .def_prop_rw(
-          "dispatch_path",
-          [](const epcomm::Config& c) {
-            return std::string(epcomm::dispatch_path_name(c.dispatch_path));
+  // Config's properties, one per entry of epcomm::kConfigFields (formats and dispatch paths by
+  // name), and their names, which make_config takes.
+  nb::class_<epcomm::Config> config(m, "Config", "A group's configuration (epcomm/config.h).");
+  config.def(nb::init<>());
+  std::vector<std::string> field_names;
+  epcomm::for_each_config_field([&](const auto& field) {
+    using T = std::decay_t<decltype(epcomm::Config().*field.member)>;
+    const auto member = field.member;
+    field_names.push_back(field.name);
+    if constexpr (std::is_same_v<T, epcomm::TokenFormat>)
+      config.def_prop_rw(
+          field.name,
+          [member](const epcomm::Config& c) {
+            return std::string(epcomm::token_format_name(c.*member));
           },
-          [](epcomm::Config& c, const std::string& v) { c.dispatch_path = parse_path(v); })
-      .def_rw("shared_expert", &epcomm::Config::shared_expert)
-      .def_rw("skip_a2a", &epcomm::Config::skip_a2a)
-      .def_rw("allreduce_world_size", &epcomm::Config::allreduce_world_size)
-      .def_rw("ranks_per_node", &epcomm::Config::ranks_per_node)
+          [member](epcomm::Config& c, const std::string& v) { c.*member = parse_format(v); });
+    else if constexpr (std::is_same_v<T, epcomm::DispatchPath>)
+      config.def_prop_rw(
+          field.name,
+          [member](const epcomm::Config& c) {
+            return std::string(epcomm::dispatch_path_name(c.*member));
+          },
+          [member](epcomm::Config& c, const std::string& v) { c.*member = parse_path(v); });
+    else
+      config.def_rw(field.name, member);
+  });
+  m.attr("CONFIG_FIELDS") = field_names;
+  config
       .def("validate", &epcomm::Config::validate, "n_ranks"_a,
            "Raises InvalidArgument naming the first bad field for a group of n_ranks.")
       .def(
@@ -85,6 +88,7 @@ void bind_config(nb::module_& m) {
             return epcomm::compute_sizes(c, n);
           },
           "n_ranks"_a, "The output sizes of a group of n_ranks with this configuration.");
+
 }
 
 }  // namespace epcomm_py
