@@ -120,7 +120,7 @@ bool c_contiguous(const Array& a) {
 
 // In this order: element type, shape (a dimension of -1 matches any size), contiguity, device.
 void check_array(const Ctx& c, const char* name, const Array& a, Elem elem,
-                 std::initializer_list<int64_t> shape, const char* shape_doc) {
+                 const std::vector<int64_t>& shape, const char* shape_doc) {
   const std::string who = c.op + ": " + name;
   if (!elem_matches(a.dtype(), elem)) {
     std::string hint;

@@ -9,8 +9,8 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
-#include <initializer_list>
 #include <string>
+#include <vector>
 
 #include "epcomm/error.h"
 
@@ -38,7 +38,7 @@ struct Ctx {
 
 // In this order: element type, shape (a dimension of -1 matches any size), contiguity, device.
 void check_array(const Ctx& c, const char* name, const Array& a, Elem elem,
-                 std::initializer_list<int64_t> shape, const char* shape_doc);
+                 const std::vector<int64_t>& shape, const char* shape_doc);
 
 // An output buffer given by the caller: contiguous CUDA memory on the device, at least `bytes`.
 void check_out(const Ctx& c, const char* name, const Array& a, int64_t bytes);

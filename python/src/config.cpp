@@ -11,6 +11,7 @@
 #include "bindings.h"
 #include "epcomm/config.h"
 #include "epcomm/layout.h"
+#include "epcomm/tensors.h"
 
 namespace epcomm_py {
 
@@ -27,6 +28,14 @@ epcomm::DispatchPath parse_path(const std::string& name) {
   invalid("epcomm config: dispatch_path = '" + name + "' is invalid: one of " +
           epcomm::dispatch_path_names());
 }
+
+namespace {
+nb::tuple as_tuple(const std::vector<int64_t>& v) {
+  nb::list l;
+  for (int64_t x : v) l.append(x);
+  return nb::steal<nb::tuple>(PyList_AsTuple(l.ptr()));
+}
+}  // namespace
 
 void bind_config(nb::module_& m) {
   m.attr("MAX_TOP_K") = epcomm::kMaxTopK;
@@ -89,6 +98,31 @@ void bind_config(nb::module_& m) {
           },
           "n_ranks"_a, "The output sizes of a group of n_ranks with this configuration.");
 
+  // The tensors a caller allocates (epcomm/tensors.h); dtype by PyTorch's name.
+  nb::class_<epcomm::TensorDesc>(m, "TensorDesc",
+                                 "A tensor's name, dtype, shape and strides (epcomm/tensors.h).")
+      .def_prop_ro("name", [](const epcomm::TensorDesc& d) { return std::string(d.name); })
+      .def_prop_ro(
+          "dtype",
+          [](const epcomm::TensorDesc& d) { return std::string(epcomm::dtype_name(d.dtype)); })
+      .def_prop_ro("shape", [](const epcomm::TensorDesc& d) { return as_tuple(d.shape); })
+      .def_prop_ro("strides", [](const epcomm::TensorDesc& d) { return as_tuple(d.strides); })
+      .def_prop_ro("numel", &epcomm::TensorDesc::numel)
+      .def_prop_ro("bytes", &epcomm::TensorDesc::bytes)
+      .def("__repr__", [](const epcomm::TensorDesc& d) {
+        std::string shape;
+        for (int64_t x : d.shape)
+          shape += (shape.empty() ? "" : ", ") + std::to_string(x);
+        return "TensorDesc(" + std::string(d.name) + ", " + epcomm::dtype_name(d.dtype) + ", [" +
+               shape + "])";
+      });
+  m.def("dispatch_output_descs", &epcomm::dispatch_output_descs, "config"_a, "sizes"_a,
+        "The dispatch outputs of a group with this config and sizes: tokens, row_offsets, "
+        "expert_ids, src_info, scales, scales_offsets (shape [0] where the format has none).");
+  m.def("combine_output_desc", &epcomm::combine_output_desc, "config"_a, "num_tokens"_a,
+        "reduced"_a, "The combine output: [T, H] bf16 reduced, else [T, top_k, H].");
+  m.def("expert_out_desc", &epcomm::expert_out_desc, "config"_a, "sizes"_a,
+        "What combine reads on the expert side: [max_recv_rows, H] bf16.");
 }
 
 }  // namespace epcomm_py

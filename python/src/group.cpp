@@ -15,6 +15,7 @@
 #include "bindings.h"
 #include "epcomm/config.h"
 #include "epcomm/group.h"
+#include "epcomm/tensors.h"
 
 namespace epcomm_py {
 
@@ -55,16 +56,12 @@ class PyGroup {
     if (!g_) invalid("epcomm: no group");
     DeviceGuard guard;
     cuda_check(cudaSetDevice(live()->device()), "epcomm: cudaSetDevice");
-    const epcomm::Sizes& s = live()->sizes();
     const epcomm::Config& c = live()->config();
     const int d = live()->device();
-    tokens_.allocate(d, s.max_recv_rows * s.token_bytes);
-    scales_.allocate(d, s.scales_bytes);
-    row_offsets_.allocate(d, int64_t(s.num_groups + 1) * 4);
-    expert_ids_.allocate(d, int64_t(s.num_groups) * 4);
-    src_info_.allocate(d, s.max_recv_rows * int64_t(sizeof(epcomm::SrcInfo)));
-    scales_offsets_.allocate(d, int64_t(s.num_scales_offsets) * 4);
-    out_.allocate(d, int64_t(c.max_tokens_per_rank) * c.hidden * 2);
+    descs_ = epcomm::dispatch_output_descs(c, live()->sizes());
+    for (const epcomm::TensorDesc& desc : descs_)
+      dispatch_buffer(desc.name).allocate(d, desc.bytes());
+    out_.allocate(d, epcomm::combine_output_desc(c, c.max_tokens_per_rank, true).bytes());
   }
 
   // An array's data, or for an empty one (T = 0, where frameworks may give a null pointer) a
@@ -96,7 +93,6 @@ class PyGroup {
                                          const std::optional<Array>& expert_ids,
                                          const std::optional<Array>& src_info,
                                          const std::optional<Array>& scales_offsets) {
-    const epcomm::Sizes& s = live()->sizes();
     const bool any = tokens || scales || row_offsets || expert_ids || src_info || scales_offsets;
     if (!any)
       return epcomm::DispatchOutput{tokens_.ptr,
@@ -105,22 +101,20 @@ class PyGroup {
                                     static_cast<epcomm::SrcInfo*>(src_info_.ptr),
                                     scales_.ptr,
                                     static_cast<uint32_t*>(scales_offsets_.ptr)};
-    auto need = [&](const std::optional<Array>& a, const char* name, int64_t bytes) -> void* {
+    auto need = [&](const std::optional<Array>& a, const char* name) -> void* {
+      const int64_t bytes = epcomm::desc_bytes(descs_, name);
       if (bytes == 0) return nullptr;
       if (!a) invalid(c.op + ": out." + name + " is missing: give every output or none");
       check_out(c, (std::string("out.") + name).c_str(), *a, bytes);
       return a->data();
     };
     epcomm::DispatchOutput o;
-    o.tokens = need(tokens, "tokens", s.max_recv_rows * s.token_bytes);
-    o.row_offsets =
-        static_cast<uint32_t*>(need(row_offsets, "row_offsets", int64_t(s.num_groups + 1) * 4));
-    o.expert_ids = static_cast<int32_t*>(need(expert_ids, "expert_ids", int64_t(s.num_groups) * 4));
-    o.src_info = static_cast<epcomm::SrcInfo*>(
-        need(src_info, "src_info", s.max_recv_rows * int64_t(sizeof(epcomm::SrcInfo))));
-    o.scales = need(scales, "scales", s.scales_bytes);
-    o.scales_offsets = static_cast<uint32_t*>(
-        need(scales_offsets, "scales_offsets", int64_t(s.num_scales_offsets) * 4));
+    o.tokens = need(tokens, "tokens");
+    o.row_offsets = static_cast<uint32_t*>(need(row_offsets, "row_offsets"));
+    o.expert_ids = static_cast<int32_t*>(need(expert_ids, "expert_ids"));
+    o.src_info = static_cast<epcomm::SrcInfo*>(need(src_info, "src_info"));
+    o.scales = need(scales, "scales");
+    o.scales_offsets = static_cast<uint32_t*>(need(scales_offsets, "scales_offsets"));
     return o;
   }
 
@@ -220,8 +214,9 @@ class PyGroup {
     in.expert_out = present(expert_out);
     in.hidden = cfg.hidden;
     if (row_offsets) {
-      check_array(c, "row_offsets", *row_offsets, Elem::kI32, {s.num_groups + 1}, "[G + 1]");
-      check_out(c, "src_info", *src_info, s.max_recv_rows * int64_t(sizeof(epcomm::SrcInfo)));
+      check_array(c, "row_offsets", *row_offsets, Elem::kI32,
+                  epcomm::find_desc(descs_, "row_offsets")->shape, "[G + 1]");
+      check_out(c, "src_info", *src_info, epcomm::desc_bytes(descs_, "src_info"));
       in.row_offsets = static_cast<const uint32_t*>(row_offsets->data());
       in.src_info = static_cast<const epcomm::SrcInfo*>(src_info->data());
     } else {
@@ -250,12 +245,10 @@ class PyGroup {
     }
     const bool reduced = weights || last.weights;
     if (out) {
-      if (reduced)
-        check_array(c, "out", *out, Elem::kBf16, {T, cfg.hidden},
-                    "[T, hidden] for the T tokens of the last dispatch");
-      else
-        check_array(c, "out", *out, Elem::kBf16, {T, cfg.top_k, cfg.hidden},
-                    "[T, top_k, hidden] (no router weights: the un-reduced rows)");
+      check_array(c, "out", *out, Elem::kBf16,
+                  epcomm::combine_output_desc(cfg, int32_t(T), reduced).shape,
+                  reduced ? "[T, hidden] for the T tokens of the last dispatch"
+                          : "[T, top_k, hidden] (no router weights: the un-reduced rows)");
       o.out = const_cast<void*>(present(*out));  // T = 0: a null tensor is fine
     } else if (reduced) {
       o.out = out_.ptr;
@@ -278,7 +271,7 @@ class PyGroup {
       DeviceGuard guard;
       cuda_check(cudaSetDevice(live()->device()), "cudaSetDevice");
       unreduced_.allocate(live()->device(),
-                          int64_t(cfg.max_tokens_per_rank) * cfg.top_k * cfg.hidden * 2);
+                          epcomm::combine_output_desc(cfg, cfg.max_tokens_per_rank, false).bytes());
     }
     return unreduced_.ptr;
   }
@@ -325,40 +318,19 @@ class PyGroup {
   // views the codes as float8 where the framework has it.
   // plain: bfloat16 buffers as uint16 (for frameworks without bfloat16).
   Array buffer(const std::string& name, bool plain, nb::handle owner) {
-    const epcomm::Sizes& s = live()->sizes();
     const epcomm::Config& c = live()->config();
-    const epcomm::TokenFormat f = c.format;
-    const int64_t rows = s.max_recv_rows;
-    auto make = [&](const DeviceBuffer& b, std::vector<size_t> shape, nb::dlpack::dtype dt) {
-      return Array(b.ptr, shape.size(), shape.data(), owner, nullptr, dt, nb::device::cuda::value,
-                   live()->device());
+    auto make = [&](const DeviceBuffer& b, const epcomm::TensorDesc& d) {
+      const std::vector<size_t> shape(d.shape.begin(), d.shape.end());
+      return Array(b.ptr, shape.size(), shape.data(), owner, nullptr, dlpack_dtype(d.dtype, plain),
+                   nb::device::cuda::value, live()->device());
     };
-    const auto u8 = nb::dtype<uint8_t>(), i32 = nb::dtype<int32_t>(), f32 = nb::dtype<float>();
-    const nb::dlpack::dtype bf16 =
-        plain ? nb::dtype<uint16_t>()
-              : nb::dlpack::dtype{uint8_t(nb::dlpack::dtype_code::Bfloat), 16, 1};
-    if (name == "tokens") {
-      if (f == epcomm::TokenFormat::kBF16)
-        return make(tokens_, {size_t(rows), size_t(c.hidden)}, bf16);
-      return make(tokens_, {size_t(rows), size_t(s.token_bytes)}, u8);
-    }
-    if (name == "scales") {
-      if (f == epcomm::TokenFormat::kBF16) return make(scales_, {0}, u8);
-      if (f == epcomm::TokenFormat::kFp8Blockwise)
-        return make(scales_, {size_t(c.hidden / 128), size_t(rows)}, f32);
-      if (f == epcomm::TokenFormat::kMxfp4)
-        return make(scales_, {size_t(rows), size_t(c.hidden / 32)}, u8);
-      return make(scales_, {size_t(s.scales_bytes)}, u8);
-    }
-    if (name == "row_offsets") return make(row_offsets_, {size_t(s.num_groups + 1)}, i32);
-    if (name == "expert_ids") return make(expert_ids_, {size_t(s.num_groups)}, i32);
-    if (name == "src_info") return make(src_info_, {size_t(rows), 2}, i32);
-    if (name == "scales_offsets") return make(scales_offsets_, {size_t(s.num_scales_offsets)}, i32);
-    if (name == "out") return make(out_, {size_t(c.max_tokens_per_rank), size_t(c.hidden)}, bf16);
+    if (const epcomm::TensorDesc* d = epcomm::find_desc(descs_, name))
+      return make(dispatch_buffer(name), *d);
+    if (name == "out")
+      return make(out_, epcomm::combine_output_desc(c, c.max_tokens_per_rank, true));
     if (name == "out_unreduced") {
       unreduced_buffer(ctx("combine"), 0);
-      return make(unreduced_, {size_t(c.max_tokens_per_rank), size_t(c.top_k), size_t(c.hidden)},
-                  bf16);
+      return make(unreduced_, epcomm::combine_output_desc(c, c.max_tokens_per_rank, false));
     }
     invalid("epcomm: no buffer named '" + name + "'");
   }
@@ -367,11 +339,40 @@ class PyGroup {
   bool last_weighted() const { return live()->last_dispatch().weights; }
 
  private:
+  // The element type a description's tensor crosses DLPack as: the plain types every framework
+  // has (python/epcomm views e4m3 codes as float8 where the framework has it).
+  static nb::dlpack::dtype dlpack_dtype(epcomm::DType t, bool plain) {
+    switch (t) {
+      case epcomm::DType::kBF16:
+        return plain ? nb::dtype<uint16_t>()
+                     : nb::dlpack::dtype{uint8_t(nb::dlpack::dtype_code::Bfloat), 16, 1};
+      case epcomm::DType::kF32:
+        return nb::dtype<float>();
+      case epcomm::DType::kI32:
+        return nb::dtype<int32_t>();
+      case epcomm::DType::kU8:
+      case epcomm::DType::kFloat8E4M3:
+        break;
+    }
+    return nb::dtype<uint8_t>();
+  }
+  // The group's buffer of the dispatch output named `name` (a name of dispatch_output_descs).
+  DeviceBuffer& dispatch_buffer(const std::string& name) {
+    if (name == "tokens") return tokens_;
+    if (name == "scales") return scales_;
+    if (name == "row_offsets") return row_offsets_;
+    if (name == "expert_ids") return expert_ids_;
+    if (name == "src_info") return src_info_;
+    if (name == "scales_offsets") return scales_offsets_;
+    invalid("epcomm: no dispatch output named '" + name + "'");
+  }
+
   epcomm::Group* live() const {
     if (!g_) invalid("epcomm: this group was closed");
     return g_.get();
   }
   std::unique_ptr<epcomm::Group> g_;
+  std::vector<epcomm::TensorDesc> descs_;  // the dispatch outputs (epcomm/tensors.h)
   DeviceBuffer tokens_, scales_, row_offsets_, expert_ids_, src_info_, scales_offsets_, out_,
       unreduced_;
 };

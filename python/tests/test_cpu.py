@@ -108,6 +108,28 @@ def test_config_fields_are_the_properties():
     assert props == set(fields)
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp8-blockwise", "nvfp4", "mxfp8", "mxfp4"])
+def test_dispatch_output_descs(fmt):
+    cfg = epcomm.make_config(**BASE, format=fmt)
+    s = cfg.sizes(4)
+    d = {t.name: t for t in epcomm._epcomm.dispatch_output_descs(cfg, s)}
+    assert list(d) == ["tokens", "row_offsets", "expert_ids", "src_info", "scales",
+                       "scales_offsets"]
+    R, H, G = s.max_recv_rows, cfg.hidden, s.num_groups
+    assert d["tokens"].bytes == R * s.token_bytes and d["tokens"].shape[0] == R
+    assert d["tokens"].dtype == {"bf16": "bfloat16", "fp8-blockwise": "float8_e4m3fn",
+                                 "mxfp8": "float8_e4m3fn"}.get(fmt, "uint8")
+    assert (d["row_offsets"].shape, d["expert_ids"].shape) == ((G + 1,), (G,))
+    assert d["src_info"].shape == (R, 2) and d["src_info"].dtype == "int32"
+    assert d["scales"].bytes == s.scales_bytes
+    assert d["scales"].shape == {"bf16": (0,), "fp8-blockwise": (H // 128, R),
+                                 "mxfp4": (R, H // 32)}.get(fmt, (s.scales_bytes,))
+    assert d["scales_offsets"].shape == (s.num_scales_offsets,)
+    out = epcomm._epcomm.combine_output_desc(cfg, 3, False)
+    assert (out.shape, out.strides, out.dtype) == ((3, 4, H), (4 * H, H, 1), "bfloat16")
+    assert epcomm._epcomm.expert_out_desc(cfg, s).shape == (R, H)
+
+
 def _thread_gather(n):
     """n CallbackBootstraps over one Python rendezvous: an all-gather through a dict."""
     slots, barrier = {}, threading.Barrier(n)
