@@ -1,6 +1,7 @@
 #include "arrays.h"
 
 #include <sstream>
+#include <utility>
 
 namespace epcomm_py {
 
@@ -15,19 +16,10 @@ void cuda_check(cudaError_t e, const char* what) {
 namespace {
 
 const char* elem_name(Elem e) {
-  switch (e) {
-    case Elem::kBf16:
-      return "bfloat16 (or uint16 holding bfloat16 bits)";
-    case Elem::kF32:
-      return "float32";
-    case Elem::kI32:
-      return "int32";
-    case Elem::kI64:
-      return "int64";
-    case Elem::kBytes:
-      return "a 1-byte type (uint8 / int8 / float8)";
-  }
-  return "?";
+  static const char* const kNames[] = {// in Elem's order
+                                       "bfloat16 (or uint16 holding bfloat16 bits)", "float32",
+                                       "int32", "int64", "a 1-byte type (uint8 / int8 / float8)"};
+  return kNames[int(e)];
 }
 
 bool elem_matches(const nb::dlpack::dtype& d, Elem e) {
@@ -50,31 +42,13 @@ bool elem_matches(const nb::dlpack::dtype& d, Elem e) {
 
 std::string dtype_name(const nb::dlpack::dtype& d) {
   using C = nb::dlpack::dtype_code;
-  std::string base;
-  switch (d.code) {
-    case uint8_t(C::Int):
-      base = "int";
-      break;
-    case uint8_t(C::UInt):
-      base = "uint";
-      break;
-    case uint8_t(C::Float):
-      base = "float";
-      break;
-    case uint8_t(C::Bfloat):
-      base = "bfloat";
-      break;
-    case uint8_t(C::Complex):
-      base = "complex";
-      break;
-    case uint8_t(C::Bool):
-      base = "bool";
-      break;
-    default:
-      base = "dtype-code-" + std::to_string(int(d.code)) + "-bits-";
-      break;
-  }
-  return base + std::to_string(int(d.bits));
+  static const std::pair<C, const char*> kBases[] = {{C::Int, "int"},         {C::UInt, "uint"},
+                                                     {C::Float, "float"},     {C::Bfloat, "bfloat"},
+                                                     {C::Complex, "complex"}, {C::Bool, "bool"}};
+  const std::string bits = std::to_string(int(d.bits));
+  for (const auto& [code, base] : kBases)
+    if (d.code == uint8_t(code)) return base + bits;
+  return "dtype-code-" + std::to_string(int(d.code)) + "-bits-" + bits;
 }
 
 }  // namespace

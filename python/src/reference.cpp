@@ -33,14 +33,6 @@ std::vector<T> from_numpy(const nb::ndarray<T, nb::device::cpu, nb::c_contig>& a
   return std::vector<T>(a.data(), a.data() + a.size());
 }
 
-std::vector<epcomm::SrcInfo> src_info_from(
-    const nb::ndarray<int32_t, nb::device::cpu, nb::c_contig>& a) {
-  if (a.ndim() != 2 || a.shape(1) != 2) invalid("src_info must be int32 [rows, 2]");
-  std::vector<epcomm::SrcInfo> v(a.shape(0));
-  std::memcpy(v.data(), a.data(), v.size() * sizeof(epcomm::SrcInfo));
-  return v;
-}
-
 nb::ndarray<nb::numpy, int32_t> src_info_to(const std::vector<epcomm::SrcInfo>& v) {
   std::vector<int32_t> raw(v.size() * 2);
   std::memcpy(raw.data(), v.data(), v.size() * sizeof(epcomm::SrcInfo));
@@ -50,6 +42,39 @@ nb::ndarray<nb::numpy, int32_t> src_info_to(const std::vector<epcomm::SrcInfo>& 
 using U16 = nb::ndarray<uint16_t, nb::device::cpu, nb::c_contig>;
 using I32 = nb::ndarray<int32_t, nb::device::cpu, nb::c_contig>;
 using U8 = nb::ndarray<uint8_t, nb::device::cpu, nb::c_contig>;
+
+// A reference dispatch result's class with the properties both kinds have: row_offsets,
+// expert_ids, src_info (numpy copies) and rows.
+template <class Result>
+nb::class_<Result> row_layout_class(nb::module_& r, const char* name) {
+  return nb::class_<Result>(r, name)
+      .def_prop_ro(
+          "row_offsets",
+          [](const Result& d) { return to_numpy(d.row_offsets, {d.row_offsets.size()}); },
+          nb::rv_policy::move)
+      .def_prop_ro(
+          "expert_ids",
+          [](const Result& d) { return to_numpy(d.expert_ids, {d.expert_ids.size()}); },
+          nb::rv_policy::move)
+      .def_prop_ro(
+          "src_info", [](const Result& d) { return src_info_to(d.src_info); }, nb::rv_policy::move)
+      .def_prop_ro("rows", &Result::rows);
+}
+
+// r.<name>(ref, out): '' when a combine output (bf16 bits) matches the reference's values (T),
+// else the first difference, by `compare` (epcomm/reference.h).
+template <class T>
+void def_compare_combine(nb::module_& r, const char* name,
+                         std::string (*compare)(const std::vector<T>&, const uint16_t*, int64_t)) {
+  r.def(
+      name,
+      [compare](const nb::ndarray<T, nb::device::cpu, nb::c_contig>& ref, const U16& out) {
+        if (ref.size() != out.size()) return std::string("sizes differ");
+        return compare(std::vector<T>(ref.data(), ref.data() + ref.size()), out.data(),
+                       int64_t(out.size()));
+      },
+      "ref"_a, "out"_a);
+}
 
 }  // namespace
 
@@ -101,49 +126,15 @@ void bind_reference(nb::module_& m) {
       "n_ranks"_a, "hidden"_a, "top_k"_a, "n_experts"_a, "num_tokens"_a, "seed"_a, "zipf_s"_a = 0.0,
       "mask_prob"_a = 0.0, "replicated"_a = false);
 
-  nb::class_<epcomm::reference::DispatchResult>(r, "DispatchResult")
-      .def_prop_ro(
-          "row_offsets",
-          [](const epcomm::reference::DispatchResult& d) {
-            return to_numpy(d.row_offsets, {d.row_offsets.size()});
-          },
-          nb::rv_policy::move)
-      .def_prop_ro(
-          "expert_ids",
-          [](const epcomm::reference::DispatchResult& d) {
-            return to_numpy(d.expert_ids, {d.expert_ids.size()});
-          },
-          nb::rv_policy::move)
-      .def_prop_ro(
-          "src_info",
-          [](const epcomm::reference::DispatchResult& d) { return src_info_to(d.src_info); },
-          nb::rv_policy::move)
+  row_layout_class<epcomm::reference::DispatchResult>(r, "DispatchResult")
       .def_prop_ro(
           "tokens",
           [](const epcomm::reference::DispatchResult& d) {
             const size_t rows = d.src_info.size();
             return to_numpy(d.tokens, {rows, rows ? d.tokens.size() / rows : 0});
           },
-          nb::rv_policy::move)
-      .def_prop_ro("rows", &epcomm::reference::DispatchResult::rows);
-  nb::class_<epcomm::reference::QuantDispatchResult>(r, "QuantDispatchResult")
-      .def_prop_ro(
-          "row_offsets",
-          [](const epcomm::reference::QuantDispatchResult& d) {
-            return to_numpy(d.row_offsets, {d.row_offsets.size()});
-          },
-          nb::rv_policy::move)
-      .def_prop_ro(
-          "src_info",
-          [](const epcomm::reference::QuantDispatchResult& d) { return src_info_to(d.src_info); },
-          nb::rv_policy::move)
-      .def_prop_ro("rows", &epcomm::reference::QuantDispatchResult::rows)
-      .def_prop_ro(
-          "expert_ids",
-          [](const epcomm::reference::QuantDispatchResult& d) {
-            return to_numpy(d.expert_ids, {d.expert_ids.size()});
-          },
-          nb::rv_policy::move)
+          nb::rv_policy::move);
+  row_layout_class<epcomm::reference::QuantDispatchResult>(r, "QuantDispatchResult")
       // The whole output shape (shape.rows rows): codes [rows, row_bytes], scales as raw bytes.
       .def_prop_ro(
           "codes",
@@ -267,33 +258,10 @@ void bind_reference(nb::module_& m) {
       "scales"_a, "scales_offsets"_a,
       "'' when a quantised dispatch output equals the reference bit for bit, else the first "
       "difference (scales as raw bytes).");
-  r.def(
-      "compare_combine_bf16",
-      [](const nb::ndarray<double, nb::device::cpu, nb::c_contig>& ref, const U16& out) {
-        if (ref.size() != out.size()) return std::string("sizes differ");
-        return epcomm::reference::compare_combine_bf16(
-            std::vector<double>(ref.data(), ref.data() + ref.size()), out.data(),
-            int64_t(out.size()));
-      },
-      "ref"_a, "out"_a);
-  r.def(
-      "compare_combine_expert_side",
-      [](const nb::ndarray<float, nb::device::cpu, nb::c_contig>& ref, const U16& out) {
-        if (ref.size() != out.size()) return std::string("sizes differ");
-        return epcomm::reference::compare_combine_expert_side(
-            std::vector<float>(ref.data(), ref.data() + ref.size()), out.data(),
-            int64_t(out.size()));
-      },
-      "ref"_a, "out"_a);
-  r.def(
-      "compare_exact_bf16",
-      [](const nb::ndarray<double, nb::device::cpu, nb::c_contig>& ref, const U16& out) {
-        if (ref.size() != out.size()) return std::string("sizes differ");
-        return epcomm::reference::compare_exact_bf16(
-            std::vector<double>(ref.data(), ref.data() + ref.size()), out.data(),
-            int64_t(out.size()));
-      },
-      "ref"_a, "out"_a);
+  def_compare_combine(r, "compare_combine_bf16", &epcomm::reference::compare_combine_bf16);
+  def_compare_combine(r, "compare_combine_expert_side",
+                      &epcomm::reference::compare_combine_expert_side);
+  def_compare_combine(r, "compare_exact_bf16", &epcomm::reference::compare_exact_bf16);
 }
 
 }  // namespace epcomm_py
