@@ -31,6 +31,12 @@ namespace {
 
 namespace ref = epcomm::reference;
 
+// `array` over the bytes of an output as epcomm/tensors.h describes it (left empty for none).
+template <class T>
+void allocate(DeviceArray<T>& array, int device, int64_t bytes) {
+  if (bytes > 0) array = DeviceArray<T>(device, size_t(bytes) / sizeof(T));
+}
+
 constexpr int kBatch = 10;
 constexpr uint64_t kSeed = 20261120;
 
@@ -45,16 +51,17 @@ struct RankInputs {  // one input set of one rank, on its device
   DeviceInputs view() const { return DeviceInputs{tokens.get(), topk_ids.get(), weights.get()}; }
 };
 
-struct RankBuffers {  // epcomm's inputs and outputs on one local rank (sizes from Group::sizes())
+// epcomm's inputs and outputs on one local rank; the outputs as epcomm/tensors.h describes them.
+struct RankBuffers {
   std::vector<RankInputs> sets;
-  DeviceArray<uint8_t> out_tokens;          // [max_recv_rows, token_bytes]
-  DeviceArray<uint8_t> scales;              // [scales_bytes]; quantised formats only
-  DeviceArray<uint32_t> scales_offsets;     // [num_scales_offsets]; NVFP4 and MXFP8 only
-  DeviceArray<uint32_t> row_offsets;        // [G + 1]
-  DeviceArray<int32_t> expert_ids;          // [G]
-  DeviceArray<epcomm::SrcInfo> src_info;    // [max_recv_rows]
-  DeviceArray<uint16_t> synthetic_experts;  // quantised: [max_recv_rows, H] bf16 expert outputs
-  DeviceArray<uint16_t> combine_out;        // [T, H]
+  DeviceArray<uint8_t> out_tokens;
+  DeviceArray<uint8_t> scales;              // quantised formats only
+  DeviceArray<uint32_t> scales_offsets;     // NVFP4 and MXFP8 only
+  DeviceArray<uint32_t> row_offsets;
+  DeviceArray<int32_t> expert_ids;
+  DeviceArray<epcomm::SrcInfo> src_info;
+  DeviceArray<uint16_t> synthetic_experts;  // quantised: the expert outputs (expert_out_desc)
+  DeviceArray<uint16_t> combine_out;        // reduced, for T tokens
 
   epcomm::DispatchOutput dispatch_output() const {
     epcomm::DispatchOutput out;
@@ -208,7 +215,6 @@ class WorkloadRun {
       throw std::runtime_error("Group::sizes().token_bytes = " +
                                std::to_string(sizes_.token_bytes) + ", the benchmark expects " +
                                std::to_string(message_.codes_bytes()) + " for " + w_.format);
-    const size_t h = size_t(w_.hidden), rows = size_t(sizes_.max_recv_rows);
     for_each_rank(team_, [&](size_t, const LocalRank& r) {
       RankBuffers b;
       for (const ref::Problem& p : problems_) {
@@ -220,27 +226,28 @@ class WorkloadRun {
       buffers_.push_back(std::move(b));
       events_.emplace_back(r.device, kEventsPerIter * kBatch);
     });
-    // The outputs a caller allocates from Group::sizes(), measured apart.
+    // The outputs a caller allocates (epcomm/tensors.h), measured apart.
+    const epcomm::Config& cfg = groups_.front()->config();
+    const std::vector<epcomm::TensorDesc> outs = epcomm::dispatch_output_descs(cfg, sizes_);
+    const int64_t combine_bytes = epcomm::combine_output_desc(cfg, w_.tokens, true).bytes();
     result_.output_bytes = measure_per_rank([&] {
       for_each_rank(team_, [&](size_t i, const LocalRank& r) {
         RankBuffers& b = buffers_[i];
-        b.out_tokens = DeviceArray<uint8_t>(r.device, rows * size_t(sizes_.token_bytes));
-        if (sizes_.scales_bytes > 0)
-          b.scales = DeviceArray<uint8_t>(r.device, size_t(sizes_.scales_bytes));
-        if (sizes_.num_scales_offsets > 0)
-          b.scales_offsets = DeviceArray<uint32_t>(r.device, size_t(sizes_.num_scales_offsets));
-        b.row_offsets = DeviceArray<uint32_t>(r.device, size_t(sizes_.num_groups) + 1);
-        b.expert_ids = DeviceArray<int32_t>(r.device, size_t(sizes_.num_groups));
-        b.src_info = DeviceArray<epcomm::SrcInfo>(r.device, rows);
-        b.combine_out = DeviceArray<uint16_t>(r.device, size_t(w_.tokens) * h);
+        allocate(b.out_tokens, r.device, epcomm::desc_bytes(outs, "tokens"));
+        allocate(b.scales, r.device, epcomm::desc_bytes(outs, "scales"));
+        allocate(b.scales_offsets, r.device, epcomm::desc_bytes(outs, "scales_offsets"));
+        allocate(b.row_offsets, r.device, epcomm::desc_bytes(outs, "row_offsets"));
+        allocate(b.expert_ids, r.device, epcomm::desc_bytes(outs, "expert_ids"));
+        allocate(b.src_info, r.device, epcomm::desc_bytes(outs, "src_info"));
+        allocate(b.combine_out, r.device, combine_bytes);
       });
     });
     for_each_rank(team_, [&](size_t i, const LocalRank& r) {
       if (message_.quantized()) {  // on the stream every later call of this rank uses
         RankBuffers& b = buffers_[i];
-        b.synthetic_experts = DeviceArray<uint16_t>(r.device, rows * h);
-        fill_synthetic_expert_out(b.synthetic_experts.get(), r.rank, int64_t(rows), w_.hidden,
-                                  r.stream);
+        allocate(b.synthetic_experts, r.device, epcomm::expert_out_desc(cfg, sizes_).bytes());
+        fill_synthetic_expert_out(b.synthetic_experts.get(), r.rank, sizes_.max_recv_rows,
+                                  w_.hidden, r.stream);
       }
     });
   }

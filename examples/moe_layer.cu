@@ -338,6 +338,7 @@ int main(int argc, char** argv) try {
   for (int r = 0; r < n; ++r) devices.push_back(r % gpus);
   auto groups = Group::create_local(cfg, devices);
   const Sizes sz = groups[0]->sizes();
+  const std::vector<TensorDesc> dispatched = dispatch_output_descs(cfg, sz);  // its outputs
   const int n_local = E / n, G = sz.num_groups;
   std::printf("moe_layer: %d ranks on %d GPU(s), T %d per rank, H %d, I %d, %d experts, top-%d, "
               "%s dispatch%s, %d SMs per rank\n",
@@ -378,17 +379,17 @@ int main(int argc, char** argv) try {
     k.logits = Buf(k.dev, size_t(T) * E * 4);
     k.ids = Buf(k.dev, size_t(T) * K * 4);
     k.weights = Buf(k.dev, size_t(T) * K * 4);
-    k.tokens = Buf(k.dev, size_t(sz.max_recv_rows) * sz.token_bytes);
-    k.row_offsets = Buf(k.dev, size_t(G + 1) * 4);
-    k.expert_ids = Buf(k.dev, size_t(G) * 4);
-    k.src_info = Buf(k.dev, size_t(sz.max_recv_rows) * sizeof(SrcInfo));
-    k.scales = Buf(k.dev, size_t(sz.scales_bytes));
-    k.scales_offsets = Buf(k.dev, size_t(G) * 4);
+    k.tokens = Buf(k.dev, size_t(desc_bytes(dispatched, "tokens")));
+    k.row_offsets = Buf(k.dev, size_t(desc_bytes(dispatched, "row_offsets")));
+    k.expert_ids = Buf(k.dev, size_t(desc_bytes(dispatched, "expert_ids")));
+    k.src_info = Buf(k.dev, size_t(desc_bytes(dispatched, "src_info")));
+    k.scales = Buf(k.dev, size_t(desc_bytes(dispatched, "scales")));
+    k.scales_offsets = Buf(k.dev, size_t(desc_bytes(dispatched, "scales_offsets")));
     k.xin = o.format == TokenFormat::kBF16 ? Buf() : Buf(k.dev, size_t(sz.max_recv_rows) * H * 2);
     k.h1 = Buf(k.dev, size_t(sz.max_recv_rows) * 2 * I * 2);
     k.z = Buf(k.dev, size_t(sz.max_recv_rows) * I * 2);
-    k.y = Buf(k.dev, size_t(sz.max_recv_rows) * H * 2);
-    k.out = Buf(k.dev, size_t(T) * H * 2);
+    k.y = Buf(k.dev, size_t(expert_out_desc(cfg, sz).bytes()));
+    k.out = Buf(k.dev, size_t(combine_output_desc(cfg, T, true).bytes()));
     k.gemm_ptrs = Buf(k.dev, size_t(3 * G) * sizeof(void*));
     CUDA_OK(cudaMallocHost(&k.host_offsets, size_t(G + 1) * 4));
     k.ev.resize(kNumStages + 1);

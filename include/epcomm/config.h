@@ -1,9 +1,12 @@
 // The configuration of a group: fixed at set-up, identical on every rank (compared at set-up).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <tuple>
+#include <type_traits>
 
 #include "epcomm/layout.h"
 #include "epcomm/token_format.h"
@@ -44,7 +47,8 @@ struct Config {
   int32_t max_tokens_per_rank = 0;  // upper bound on T of any call
   TokenFormat format = TokenFormat::kBF16;  // the dispatch output's format (inputs are bf16)
   float nvfp4_global_scale = 1.0f;  // NVFP4's global input scale gs (positive, finite)
-  int32_t num_sms = 24;             // blocks per dispatch/combine kernel (one per SM)
+  int32_t num_sms = 24;             // SMs the dispatch/combine kernels may occupy; today one
+                                    // block per SM
   double timeout_seconds = 5.0;     // bound on every wait for a peer
   bool trace = false;               // stamp each stage of every kernel (trace.h; profiling)
   // Several ranks may run on one GPU: ranks of one process (Group::create_local(cfg, {0, 0}))
@@ -54,12 +58,12 @@ struct Config {
   // blocks must be resident at once: set-up checks that ranks_on_gpu * num_sms fits
   // (max_resident_blocks) and names the num_sms that would.
   bool share_gpus = false;
-  // Rows this rank's dispatch output holds before format padding (Sizes::max_routed_rows).
-  // 0: the worst case, max_tokens_per_rank * n_ranks * min(top_k, n_local). A smaller cap
-  // shrinks every output a caller allocates; a dispatch that routes more rows than the cap to
-  // a rank writes no row there and reports ErrorCode::kRecvCapacity on that rank, naming the
-  // count (group.h).
-  int64_t max_recv_rows = 0;
+  // A cap on Sizes::max_routed_rows, the rows that may be routed to this rank (its dispatch
+  // output's rows before format padding; Sizes::max_recv_rows adds the padding). 0: the worst
+  // case, max_tokens_per_rank * n_ranks * min(top_k, n_local). A smaller cap shrinks every
+  // output a caller allocates; a dispatch that routes more rows than the cap to a rank writes
+  // no row there and reports ErrorCode::kRecvCapacity on that rank, naming the count (group.h).
+  int64_t max_routed_rows = 0;
   // The dispatch kernels (DispatchPath). kLowLatency needs max_tokens_per_rank <=
   // kLowLatencyMaxTokens.
   DispatchPath dispatch_path = DispatchPath::kAuto;
@@ -107,6 +111,52 @@ struct Config {
   void validate(int n_ranks) const;
 };
 
+// Config's fields, each listed once: its name and member, in declaration order. The cross-rank
+// comparison (check_configs_match), validation's messages, and the Python bindings' properties
+// and field names are driven from this table; a static_assert in config.cpp fails the build
+// when a field is added to Config but not here.
+template <class T>
+struct ConfigField {
+  using Member = T Config::*;
+  const char* name;
+  Member member;
+};
+inline constexpr auto kConfigFields = std::make_tuple(
+    ConfigField<int32_t>{"hidden", &Config::hidden},
+    ConfigField<int32_t>{"top_k", &Config::top_k},
+    ConfigField<int32_t>{"n_experts", &Config::n_experts},
+    ConfigField<int32_t>{"max_tokens_per_rank", &Config::max_tokens_per_rank},
+    ConfigField<TokenFormat>{"format", &Config::format},
+    ConfigField<float>{"nvfp4_global_scale", &Config::nvfp4_global_scale},
+    ConfigField<int32_t>{"num_sms", &Config::num_sms},
+    ConfigField<double>{"timeout_seconds", &Config::timeout_seconds},
+    ConfigField<bool>{"trace", &Config::trace},
+    ConfigField<bool>{"share_gpus", &Config::share_gpus},
+    ConfigField<int64_t>{"max_routed_rows", &Config::max_routed_rows},
+    ConfigField<DispatchPath>{"dispatch_path", &Config::dispatch_path},
+    ConfigField<int32_t>{"ranks_per_node", &Config::ranks_per_node},
+    ConfigField<bool>{"shared_expert", &Config::shared_expert},
+    ConfigField<bool>{"skip_a2a", &Config::skip_a2a},
+    ConfigField<int32_t>{"allreduce_world_size", &Config::allreduce_world_size});
+constexpr size_t kNumConfigFields = std::tuple_size_v<decltype(kConfigFields)>;
+
+// Calls f(field) for each ConfigField of kConfigFields, in order.
+template <class F>
+constexpr void for_each_config_field(F&& f) {
+  std::apply([&](const auto&... field) { (f(field), ...); }, kConfigFields);
+}
+
+// The table's name of a Config member (&Config::hidden -> "hidden").
+template <class T>
+constexpr const char* config_field_name(T Config::*member) {
+  const char* name = "?";
+  for_each_config_field([&](const auto& field) {
+    if constexpr (std::is_same_v<decltype(field.member), T Config::*>)
+      if (field.member == member) name = field.name;
+  });
+  return name;
+}
+
 // Compares the configs gathered from every rank; throws Error(kConfigMismatch) naming the field
 // and the two ranks that disagree. `configs` holds n_ranks entries in rank order.
 void check_configs_match(const Config* configs, int n_ranks);
@@ -118,7 +168,7 @@ struct Sizes {
   int32_t num_groups = 0;         // G = n_local_experts (+ 1 with the shared expert)
   int64_t max_routed_rows = 0;    // rows that can arrive: max_tokens * n_ranks * min(K,
                                   // n_local) (n_ranks 1 with skip_a2a), + max_tokens with the
-                                  // shared expert; or Config::max_recv_rows where smaller
+                                  // shared expert; or Config::max_routed_rows where smaller
   int64_t max_recv_rows = 0;      // rows of the dispatch output, format padding included
   int64_t token_bytes = 0;        // bytes of one dispatched row's codes (format_row_bytes)
   int64_t scales_bytes = 0;       // bytes of the dispatch scales output (0 for bf16)

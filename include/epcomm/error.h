@@ -18,7 +18,7 @@ enum class ErrorCode : int {
   kDuplicateExpert = 7,  // one token names the same expert twice (device check)
   kPoisoned = 8,         // an earlier timeout left the group unusable
   kBootstrap = 9,        // the bootstrap all-gather failed
-  kRecvCapacity = 10,    // a dispatch routed more rows to a rank than Config::max_recv_rows
+  kRecvCapacity = 10,    // a dispatch routed more rows to a rank than Config::max_routed_rows
   kBadPeerData = 11,     // a peer's counts or offsets are out of range (device check)
 };
 

@@ -19,7 +19,7 @@
 // every later call checks the record before it launches. A device-detected bad input sends no
 // token from the offending rank, corrupts nothing, and the group stays usable. The receiving
 // rank checks what its sources announce: more rows than its receive capacity
-// (Config::max_recv_rows) is kRecvCapacity, naming the count and the cap; a count or offset out
+// (Config::max_routed_rows) is kRecvCapacity, naming the count and the cap; a count or offset out
 // of range is kBadPeerData, naming the source. Either way that rank writes no row (its
 // row_offsets are all 0), the call completes on every rank and the group stays usable; the
 // other ranks' combine results for tokens routed there lack that rank's experts, so treat the
@@ -38,6 +38,7 @@
 #include "epcomm/config.h"
 #include "epcomm/error.h"
 #include "epcomm/layout.h"
+#include "epcomm/tensors.h"
 #include "epcomm/trace.h"
 
 namespace epcomm {
@@ -63,35 +64,30 @@ struct DispatchInput {
   const float* weights = nullptr;     // [T, K] router weights for the expert-side reduction, or null
 };
 
-// Outputs of dispatch on this rank (sizes from Group::sizes()). Device pointers.
+// Outputs of dispatch on this rank. Device pointers; each tensor's dtype, shape and strides for
+// this format: dispatch_output_descs(config(), sizes()) (epcomm/tensors.h describes them once).
 //
 // Rows are expert-major: group g is rows [row_offsets[g], row_offsets[g + 1]), and within a group
 // by source rank, then source token. The quantised formats (Config::format, SPEC §5):
-//   tokens          [max_recv_rows, token_bytes] codes (e4m3, or two e2m1 per byte with element
-//                   2i in the low nibble of byte i)
-//   scales          kFp8Blockwise: fp32 [H/128, max_recv_rows] (scale k of row r at
-//                   k * max_recv_rows + r, Fp8ScaleLayout); every group's row count is padded to
-//                   a multiple of 4 and row_offsets include the padding. A padding row has
-//                   src_info {-1, -1, -1}, zero codes and zero scales.
-//                   kNvfp4, kMxfp8: the 128x4 swizzled layout (SwizzledScaleLayout::make(H,
-//                   group, max_routed_rows, G), scales_bytes bytes), every group starting a fresh
-//                   128-row tile; every byte is written on every call, zero where no row's scale
-//                   lands. scales_offsets[g] = tile_start[g] - row_offsets[g] / 128.
-//                   kMxfp4: e8m0 row-major [max_recv_rows, H/32] (Mxfp4ScaleLayout).
+//   kFp8Blockwise: every group's row count is padded to a multiple of 4 and row_offsets include
+//     the padding. A padding row has src_info {-1, -1, -1}, zero codes and zero scales.
+//   kNvfp4, kMxfp8: scales in the 128x4 swizzled layout, every group starting a fresh 128-row
+//     tile; every byte is written on every call, zero where no row's scale lands.
+//     scales_offsets[g] = tile_start[g] - row_offsets[g] / 128.
 // Codes and scales are those of reference::dispatch_quantized, bit for bit.
 struct DispatchOutput {
-  void* tokens = nullptr;              // [max_recv_rows, token_bytes], expert-major
-  uint32_t* row_offsets = nullptr;     // [G + 1]
-  int32_t* expert_ids = nullptr;       // [G]
-  SrcInfo* src_info = nullptr;         // [max_recv_rows]
-  void* scales = nullptr;              // [scales_bytes] (quantised formats; 16-byte aligned)
-  uint32_t* scales_offsets = nullptr;  // [G] (NVFP4, MXFP8)
+  void* tokens = nullptr;              // the codes, expert-major
+  uint32_t* row_offsets = nullptr;
+  int32_t* expert_ids = nullptr;
+  SrcInfo* src_info = nullptr;
+  void* scales = nullptr;              // quantised formats; 16-byte aligned
+  uint32_t* scales_offsets = nullptr;  // NVFP4, MXFP8
 };
 
 // Inputs of combine on the expert side: the expert outputs in dispatch row order and the
 // dispatch outputs that describe those rows.
 struct CombineInput {
-  const void* expert_out = nullptr;        // [>= row_offsets[G], H] bf16
+  const void* expert_out = nullptr;        // expert_out_desc(); rows past row_offsets[G] unread
   const uint32_t* row_offsets = nullptr;   // from dispatch
   const SrcInfo* src_info = nullptr;       // from dispatch
   int32_t hidden = 0;                      // must equal Config::hidden
@@ -99,7 +95,8 @@ struct CombineInput {
 
 // Outputs of combine on the token side, for the T tokens of the last dispatch.
 struct CombineOutput {
-  void* out = nullptr;  // reduced (weights here or at dispatch): [T, H] bf16; else [T, K, H] bf16
+  // Reduced (weights here or at dispatch) or not: combine_output_desc(config, T, reduced).
+  void* out = nullptr;
   const float* weights = nullptr;  // [T, K] router weights (token-side reduction), or null
 };
 

@@ -41,6 +41,7 @@ from ._epcomm import (  # noqa: F401  (re-exported)
     FileBootstrap,
     InvalidArgument,
     Sizes,
+    TensorDesc,
     reference,
     spans_nodes_supported,
 )
@@ -56,6 +57,7 @@ __all__ = [
     "silu",
     "Config",
     "Sizes",
+    "TensorDesc",
     "Error",
     "InvalidArgument",
     "ErrorCode",
@@ -72,24 +74,9 @@ __all__ = [
     "spans_nodes_supported",
 ]
 
-CONFIG_FIELDS = (
-    "hidden",
-    "top_k",
-    "n_experts",
-    "max_tokens_per_rank",
-    "format",
-    "nvfp4_global_scale",
-    "num_sms",
-    "timeout_seconds",
-    "trace",
-    "share_gpus",
-    "max_recv_rows",
-    "dispatch_path",
-    "shared_expert",
-    "skip_a2a",
-    "allreduce_world_size",
-    "ranks_per_node",
-)
+# Config's fields, in declaration order (epcomm::kConfigFields: the C++ table that also drives
+# Config's properties and the cross-rank comparison).
+CONFIG_FIELDS = tuple(_C.CONFIG_FIELDS)
 
 
 def make_config(**fields) -> Config:
@@ -146,26 +133,15 @@ def torch_device(group=None):
     return int(os.environ.get("LOCAL_RANK", rank)) % n, (size + n - 1) // n
 
 
-# How each dispatch output's bytes are viewed in PyTorch (the library exports plain types).
-_TOKEN_VIEW = {"fp8-blockwise": "float8_e4m3fn", "mxfp8": "float8_e4m3fn"}
-
-
 @dataclass
 class DispatchOutput:
-    """What dispatch produces on this rank (sizes from Group.sizes). Rows are expert-major:
-    group g is rows [row_offsets[g], row_offsets[g + 1]), by source rank then source token.
-
-    tokens          [max_recv_rows, H] bf16; FP8 formats [max_recv_rows, H] float8_e4m3fn
-                    (uint8 outside PyTorch); NVFP4 / MXFP4 [max_recv_rows, H / 2] uint8, two
-                    e2m1 codes a byte (element 2i in the low nibble)
-    scales          None for bf16; blockwise FP8 float32 [H / 128, max_recv_rows]; NVFP4 /
-                    MXFP8 uint8 [scales_bytes], the 128x4 swizzled layout (e4m3 / e8m0 codes);
-                    MXFP4 uint8 [max_recv_rows, H / 32] (e8m0)
-    row_offsets     int32 [G + 1]
-    expert_ids      int32 [G] (local expert of each group; SHARED_EXPERT_ID for the shared one)
-    src_info        int32 [max_recv_rows, 2]: token, then rank | slot << 16 (see src_token,
-                    src_rank, src_slot); padding rows of FP8 hold rank -1
-    scales_offsets  int32 [G] for NVFP4 / MXFP8, else None
+    """What dispatch produces on this rank: the codes (tokens), their scales (quantised
+    formats), row_offsets, expert_ids, src_info and scales_offsets (NVFP4 / MXFP8); None for an
+    output the format does not have. Each one's dtype and shape: Group.dispatch_output_descs()
+    (epcomm/tensors.h, where they are described once). Rows are expert-major: group g is rows
+    [row_offsets[g], row_offsets[g + 1]), by source rank then source token. e4m3 codes are
+    float8_e4m3fn in PyTorch (uint8 elsewhere); src_info holds the token, then rank | slot << 16
+    (see src_token, src_rank, src_slot); padding rows of FP8 hold rank -1.
     """
 
     tokens: Any
@@ -236,6 +212,7 @@ class Group:
     def __init__(self, impl):
         self._impl = impl
         self._views = {}
+        self._descs = None
 
     # ---- set-up -----------------------------------------------------------------------------
     @classmethod
@@ -297,11 +274,21 @@ class Group:
         self._impl.synchronize(_fw.stream_handle(stream, fw, self.device))
 
     # ---- buffers ----------------------------------------------------------------------------
-    def _view(self, fw: str, name: str, view: Optional[str] = None):
+    def dispatch_output_descs(self) -> dict:
+        """Each dispatch output's TensorDesc (name, dtype, shape, strides), by name: tokens,
+        row_offsets, expert_ids, src_info, scales, scales_offsets (shape (0,) where the format
+        has none)."""
+        if self._descs is None:
+            self._descs = {d.name: d for d in _C.dispatch_output_descs(self.config, self.sizes)}
+        return self._descs
+
+    def _view(self, fw: str, name: str):
         key = (fw, name)
         t = self._views.get(key)
         if t is None:
-            t = _fw.wrap(fw, self._impl.buffer(name, plain=(fw == _fw.CUPY)), view)
+            desc = self.dispatch_output_descs().get(name)
+            t = _fw.wrap(fw, self._impl.buffer(name, plain=(fw == _fw.CUPY)),
+                         desc.dtype if desc is not None else None)
             self._views[key] = t
         return t
 
@@ -320,54 +307,26 @@ class Group:
     def _dispatch_result(self, fw: str, out: Optional[DispatchOutput], stream: int):
         if out is not None:
             return out
-        fmt = self.config.format
-        quant = fmt != "bf16"
-        swz = fmt in ("nvfp4", "mxfp8")
-        res = DispatchOutput(
-            tokens=self._view(fw, "tokens", _TOKEN_VIEW.get(fmt)),
-            scales=self._view(fw, "scales") if quant else None,
-            row_offsets=self._view(fw, "row_offsets"),
-            expert_ids=self._view(fw, "expert_ids"),
-            src_info=self._view(fw, "src_info"),
-            scales_offsets=self._view(fw, "scales_offsets") if swz else None,
-        )
+        res = DispatchOutput(**{
+            name: self._view(fw, name) if d.bytes else None
+            for name, d in self.dispatch_output_descs().items()
+        })
         if fw == _fw.DLPACK:
             self._impl.synchronize(stream)
         return res
 
     def empty_dispatch_output(self, like) -> DispatchOutput:
         """Caller-owned dispatch outputs of like's framework and device, for dispatch(out=)."""
-        fw, s = _fw.framework_of(like), self.sizes
-        fmt = self.config.format
-        H, rows = self.config.hidden, s.max_recv_rows
-        codes = _fw.empty(fw, like, (rows, s.token_bytes), "uint8")
-        if fmt == "bf16":
-            codes = _fw.empty(fw, like, (rows, H), "bfloat16")
-        elif fw == _fw.TORCH and fmt in _TOKEN_VIEW:
-            codes = codes.view(_fw._torch_dtype(_TOKEN_VIEW[fmt]))
-        scales = None
-        if fmt == "fp8-blockwise":
-            scales = _fw.empty(fw, like, (H // 128, rows), "float32")
-        elif fmt == "mxfp4":
-            scales = _fw.empty(fw, like, (rows, H // 32), "uint8")
-        elif fmt != "bf16":
-            scales = _fw.empty(fw, like, (s.scales_bytes,), "uint8")
-        return DispatchOutput(
-            tokens=codes,
-            scales=scales,
-            row_offsets=_fw.empty(fw, like, (s.num_groups + 1,), "int32"),
-            expert_ids=_fw.empty(fw, like, (s.num_groups,), "int32"),
-            src_info=_fw.empty(fw, like, (rows, 2), "int32"),
-            scales_offsets=_fw.empty(fw, like, (s.num_scales_offsets,), "int32")
-            if s.num_scales_offsets
-            else None,
-        )
+        fw = _fw.framework_of(like)
+        return DispatchOutput(**{
+            name: _fw.empty(fw, like, d.shape, d.dtype) if d.bytes else None
+            for name, d in self.dispatch_output_descs().items()
+        })
 
     def empty_expert_out(self, like):
         """An expert-output tensor combine takes: [max_recv_rows, H] bf16 on like's device."""
-        return _fw.empty(
-            _fw.framework_of(like), like, (self.sizes.max_recv_rows, self.config.hidden), "bfloat16"
-        )
+        d = _C.expert_out_desc(self.config, self.sizes)
+        return _fw.empty(_fw.framework_of(like), like, d.shape, d.dtype)
 
     # ---- dispatch ---------------------------------------------------------------------------
     def dispatch(

@@ -81,18 +81,27 @@ def wrap(framework: str, raw, view: str | None = None):
     return raw
 
 
+# Where a framework lacks a dtype of the library's (TensorDesc.dtype), the plain type of the
+# same width holds its bits.
+_PLAIN = {"bfloat16": "uint16", "float8_e4m3fn": "uint8"}
+
+
 def empty(framework: str, like, shape, dtype: str):
-    """A new uninitialised tensor of `framework` on like's device. dtype: bfloat16, uint8,
-    float32, int32 (CuPy has no bfloat16: uint16 bit patterns instead)."""
+    """A new uninitialised tensor of `framework` on like's device. dtype: a TensorDesc dtype,
+    bfloat16, float8_e4m3fn, uint8, float32, int32 (CuPy has no bfloat16 or float8: uint16 and
+    uint8 bit patterns instead; a PyTorch without float8 gets uint8)."""
     if framework == TORCH:
         import torch
 
-        return torch.empty(shape, dtype=getattr(torch, dtype), device=like.device)
+        dt = _torch_dtype(dtype)
+        if dt is None:
+            dt = getattr(torch, _PLAIN[dtype])
+        return torch.empty(tuple(shape), dtype=dt, device=like.device)
     if framework == CUPY:
         import cupy
 
         with cupy.cuda.Device(like.device.id):
-            return cupy.empty(shape, dtype="uint16" if dtype == "bfloat16" else dtype)
+            return cupy.empty(tuple(shape), dtype=_PLAIN.get(dtype, dtype))
     raise TypeError(
         "epcomm: outputs can be allocated for torch and cupy tensors only; pass out= for "
         f"{type(like).__module__} arrays"

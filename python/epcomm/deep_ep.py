@@ -325,7 +325,7 @@ class Buffer:
         R = self.group_size
         g = self._group(key, hidden=int(payload.size(1)), top_k=R, n_experts=R,
                         max_tokens_per_rank=self.max_tokens_per_rank, num_sms=num_sms,
-                        max_recv_rows=routing.worst)
+                        max_routed_rows=routing.worst)
         g._impl.dispatch(payload, routing.rank_ids, None, stream)
         self._routing[key] = routing
         return g

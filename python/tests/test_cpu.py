@@ -31,14 +31,14 @@ def test_spans_nodes_supported_says_how_it_was_built():
 
 def test_config_keywords_round_trip():
     cfg = epcomm.make_config(**BASE, format="nvfp4", nvfp4_global_scale=0.5, num_sms=16,
-                             timeout_seconds=2.5, share_gpus=True, max_recv_rows=100,
+                             timeout_seconds=2.5, share_gpus=True, max_routed_rows=100,
                              dispatch_path="low-latency", shared_expert=True, skip_a2a=True,
                              allreduce_world_size=2, trace=True, ranks_per_node=2)
     assert (cfg.hidden, cfg.top_k, cfg.n_experts, cfg.max_tokens_per_rank) == (512, 4, 16, 64)
     assert cfg.format == "nvfp4" and cfg.dispatch_path == "low-latency"
     assert cfg.nvfp4_global_scale == 0.5 and cfg.num_sms == 16 and cfg.timeout_seconds == 2.5
     assert cfg.share_gpus and cfg.shared_expert and cfg.skip_a2a and cfg.trace
-    assert cfg.max_recv_rows == 100 and cfg.allreduce_world_size == 2 and cfg.ranks_per_node == 2
+    assert cfg.max_routed_rows == 100 and cfg.allreduce_world_size == 2 and cfg.ranks_per_node == 2
     cfg.validate(4)
 
 
@@ -97,6 +97,37 @@ def test_sizes():
     assert s.num_groups == 5 and s.token_bytes == 512
     assert s.max_routed_rows == 64 * 4 * 4 + 64
     assert s.scales_bytes == 4 * (512 // 128) * s.max_recv_rows
+
+
+def test_config_fields_are_the_properties():
+    """CONFIG_FIELDS (the C++ table kConfigFields) names every Config property, each once."""
+    fields = epcomm.CONFIG_FIELDS
+    assert len(set(fields)) == len(fields) and "max_routed_rows" in fields
+    assert "max_recv_rows" not in fields  # the cap is max_routed_rows; sizes.max_recv_rows pads it
+    props = {n for n in dir(epcomm.Config) if not n.startswith("_")} - {"validate", "sizes"}
+    assert props == set(fields)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8-blockwise", "nvfp4", "mxfp8", "mxfp4"])
+def test_dispatch_output_descs(fmt):
+    cfg = epcomm.make_config(**BASE, format=fmt)
+    s = cfg.sizes(4)
+    d = {t.name: t for t in epcomm._epcomm.dispatch_output_descs(cfg, s)}
+    assert list(d) == ["tokens", "row_offsets", "expert_ids", "src_info", "scales",
+                       "scales_offsets"]
+    R, H, G = s.max_recv_rows, cfg.hidden, s.num_groups
+    assert d["tokens"].bytes == R * s.token_bytes and d["tokens"].shape[0] == R
+    assert d["tokens"].dtype == {"bf16": "bfloat16", "fp8-blockwise": "float8_e4m3fn",
+                                 "mxfp8": "float8_e4m3fn"}.get(fmt, "uint8")
+    assert (d["row_offsets"].shape, d["expert_ids"].shape) == ((G + 1,), (G,))
+    assert d["src_info"].shape == (R, 2) and d["src_info"].dtype == "int32"
+    assert d["scales"].bytes == s.scales_bytes
+    assert d["scales"].shape == {"bf16": (0,), "fp8-blockwise": (H // 128, R),
+                                 "mxfp4": (R, H // 32)}.get(fmt, (s.scales_bytes,))
+    assert d["scales_offsets"].shape == (s.num_scales_offsets,)
+    out = epcomm._epcomm.combine_output_desc(cfg, 3, False)
+    assert (out.shape, out.strides, out.dtype) == ((3, 4, H), (4 * H, H, 1), "bfloat16")
+    assert epcomm._epcomm.expert_out_desc(cfg, s).shape == (R, H)
 
 
 def _thread_gather(n):

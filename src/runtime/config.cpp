@@ -3,6 +3,9 @@
 #include <algorithm>
 #include <cmath>
 #include <sstream>
+#include <string>
+#include <type_traits>
+#include <utility>
 
 #include "epcomm/error.h"
 #include "epcomm/formats/scale_layouts.h"
@@ -108,60 +111,63 @@ void require(bool ok, const std::string& field, const std::string& rule, long lo
 }  // namespace
 
 void Config::validate(int n_ranks) const {
+  // Every message names the field as kConfigFields does.
+  auto name = [](auto member) { return config_field_name(member); };
   require(n_ranks >= 1 && n_ranks <= kMaxRanks, "n_ranks",
           "between 1 and " + std::to_string(kMaxRanks), n_ranks);
-  require(int32_t(format) >= 0 && int32_t(format) < kNumTokenFormats, "format",
+  require(int32_t(format) >= 0 && int32_t(format) < kNumTokenFormats, name(&Config::format),
           "one of TokenFormat's values", int(format));
   const int32_t multiple = format_hidden_multiple(format);
-  require(hidden > 0 && hidden % multiple == 0, "hidden",
+  require(hidden > 0 && hidden % multiple == 0, name(&Config::hidden),
           std::string("a positive multiple of ") + std::to_string(multiple) + " (" +
               token_format_name(format) + ")",
           hidden);
-  require(top_k >= 1 && top_k <= kMaxTopK, "top_k", "between 1 and 16", top_k);
-  require(n_experts >= 1 && n_experts <= kMaxExperts, "n_experts", "between 1 and 1024",
-          n_experts);
-  require(n_experts % n_ranks == 0, "n_experts",
+  require(top_k >= 1 && top_k <= kMaxTopK, name(&Config::top_k), "between 1 and 16", top_k);
+  require(n_experts >= 1 && n_experts <= kMaxExperts, name(&Config::n_experts),
+          "between 1 and 1024", n_experts);
+  require(n_experts % n_ranks == 0, name(&Config::n_experts),
           "a multiple of n_ranks = " + std::to_string(n_ranks), n_experts);
-  require(max_tokens_per_rank >= 1 && max_tokens_per_rank <= (1 << 20), "max_tokens_per_rank",
-          "between 1 and 2^20", max_tokens_per_rank);
+  require(max_tokens_per_rank >= 1 && max_tokens_per_rank <= (1 << 20),
+          name(&Config::max_tokens_per_rank), "between 1 and 2^20", max_tokens_per_rank);
   if (format == TokenFormat::kNvfp4 &&
       !(nvfp4_global_scale > 0.0f && std::isfinite(nvfp4_global_scale)))
     throw Error(ErrorCode::kInvalidArgument,
-                "epcomm config: nvfp4_global_scale = " + std::to_string(nvfp4_global_scale) +
-                    " is invalid: a positive finite number");
-  require(num_sms >= 1 && num_sms <= 1024, "num_sms", "between 1 and 1024", num_sms);
+                "epcomm config: " + std::string(name(&Config::nvfp4_global_scale)) + " = " +
+                    std::to_string(nvfp4_global_scale) + " is invalid: a positive finite number");
+  require(num_sms >= 1 && num_sms <= 1024, name(&Config::num_sms), "between 1 and 1024", num_sms);
   if (!(timeout_seconds > 0 && timeout_seconds <= 3600))
     throw Error(ErrorCode::kInvalidArgument,
-                "epcomm config: timeout_seconds = " + std::to_string(timeout_seconds) +
-                    " is invalid: between 0 and 3600 seconds");
+                "epcomm config: " + std::string(name(&Config::timeout_seconds)) + " = " +
+                    std::to_string(timeout_seconds) + " is invalid: between 0 and 3600 seconds");
   require(int32_t(dispatch_path) >= 0 && int32_t(dispatch_path) < kNumDispatchPaths,
-          "dispatch_path", "one of DispatchPath's values", int(dispatch_path));
+          name(&Config::dispatch_path), "one of DispatchPath's values", int(dispatch_path));
   if (dispatch_path == DispatchPath::kLowLatency)
-    require(max_tokens_per_rank <= kLowLatencyMaxTokens, "max_tokens_per_rank",
+    require(max_tokens_per_rank <= kLowLatencyMaxTokens, name(&Config::max_tokens_per_rank),
             "at most " + std::to_string(kLowLatencyMaxTokens) +
                 " with dispatch_path = kLowLatency (its blocks rank all of a call's tokens "
                 "each)",
             max_tokens_per_rank);
-  require(max_recv_rows >= 0, "max_recv_rows", "0 (the worst case) or a positive row count",
-          max_recv_rows);
+  require(max_routed_rows >= 0, name(&Config::max_routed_rows),
+          "0 (the worst case) or a positive row count", max_routed_rows);
   if (shared_expert)
-    require(n_experts / n_ranks + 1 <= kMaxExperts, "n_experts",
+    require(n_experts / n_ranks + 1 <= kMaxExperts, name(&Config::n_experts),
             "at most " + std::to_string(kMaxExperts - 1) +
                 " per rank with shared_expert (the shared expert is one more group of at most " +
                 std::to_string(kMaxExperts) + ")",
             n_experts);
   if (shared_expert)
-    require(top_k < kMaxTopK, "top_k",
+    require(top_k < kMaxTopK, name(&Config::top_k),
             "at most " + std::to_string(kMaxTopK - 1) +
                 " with shared_expert (the shared expert takes one of the " +
                 std::to_string(kMaxTopK) + " slots)",
             top_k);
   require(ranks_per_node >= 0 && ranks_per_node <= n_ranks &&
               (ranks_per_node == 0 || n_ranks % ranks_per_node == 0),
-          "ranks_per_node",
+          name(&Config::ranks_per_node),
           "0 (from the hosts) or a divisor of n_ranks = " + std::to_string(n_ranks),
           ranks_per_node);
-  require(allreduce_world_size >= 0 && allreduce_world_size <= n_ranks, "allreduce_world_size",
+  require(allreduce_world_size >= 0 && allreduce_world_size <= n_ranks,
+          name(&Config::allreduce_world_size),
           "0 (n_ranks) or between 1 and n_ranks = " + std::to_string(n_ranks),
           allreduce_world_size);
 }
@@ -171,33 +177,54 @@ RouteMap Config::route(int n_ranks, int rank) const {
                         allreduce_world_size);
 }
 
+namespace {
+// Config's field count: the most values a braced initialiser of it takes (an aggregate). Checked
+// here, by the host compiler (nvcc's front end does not resolve AnyValue to float).
+struct AnyValue {
+  template <class T>
+  constexpr operator T() const { return T{}; }
+};
+template <class T, class... A>
+constexpr auto brace_initializable(int) -> decltype(T{std::declval<A>()...}, true) {
+  return true;
+}
+template <class T, class... A>
+constexpr bool brace_initializable(...) {
+  return false;
+}
+template <class T, size_t... I>
+constexpr bool initializable_from(std::index_sequence<I...>) {
+  return brace_initializable<T, decltype((void(I), AnyValue{}))...>(0);
+}
+}  // namespace
+static_assert(std::is_aggregate_v<Config>, "Config stays a plain aggregate");
+static_assert(initializable_from<Config>(std::make_index_sequence<kNumConfigFields>()) &&
+                  !initializable_from<Config>(
+                      std::make_index_sequence<kNumConfigFields + 1>()),
+              "kConfigFields must list every field of Config");
+
+
 void check_configs_match(const Config* configs, int n_ranks) {
   const Config& a = configs[0];
   for (int r = 1; r < n_ranks; ++r) {
     const Config& b = configs[r];
-    auto field = [&](const char* name, double va, double vb) {
+    for_each_config_field([&](const auto& field) {
+      using T = std::decay_t<decltype(a.*field.member)>;
+      // The dispatch path is compared resolved: kAuto and the path it picks agree.
+      double va = double(a.*field.member), vb = double(b.*field.member);
+      std::string name = field.name;
+      if constexpr (std::is_same_v<T, DispatchPath>) {
+        va = double(a.resolved_path());
+        vb = double(b.resolved_path());
+        name += " (resolved)";
+      }
       if (va != vb) {
         std::ostringstream os;
         os << "epcomm config mismatch: " << name << " is " << va << " on rank 0 but " << vb
            << " on rank " << r;
         throw Error(ErrorCode::kConfigMismatch, os.str());
       }
-    };
-    field("hidden", a.hidden, b.hidden);
-    field("top_k", a.top_k, b.top_k);
-    field("n_experts", a.n_experts, b.n_experts);
-    field("max_tokens_per_rank", a.max_tokens_per_rank, b.max_tokens_per_rank);
-    field("format", double(a.format), double(b.format));
-    field("nvfp4_global_scale", a.nvfp4_global_scale, b.nvfp4_global_scale);
-    field("num_sms", a.num_sms, b.num_sms);
-    field("timeout_seconds", a.timeout_seconds, b.timeout_seconds);
-    field("share_gpus", a.share_gpus, b.share_gpus);
-    field("max_recv_rows", double(a.max_recv_rows), double(b.max_recv_rows));
-    field("dispatch_path (resolved)", double(a.resolved_path()), double(b.resolved_path()));
-    field("shared_expert", a.shared_expert, b.shared_expert);
-    field("skip_a2a", a.skip_a2a, b.skip_a2a);
-    field("allreduce_world_size", a.allreduce_world_size, b.allreduce_world_size);
-    field("ranks_per_node", a.ranks_per_node, b.ranks_per_node);
+    });
   }
 }
 
@@ -208,8 +235,8 @@ Sizes compute_sizes(const Config& cfg, int n_ranks) {
   s.n_local_experts = route.n_local();
   s.num_groups = route.groups();
   s.max_routed_rows = route.max_routed_rows(cfg.max_tokens_per_rank);
-  if (cfg.max_recv_rows > 0 && cfg.max_recv_rows < s.max_routed_rows)
-    s.max_routed_rows = cfg.max_recv_rows;
+  if (cfg.max_routed_rows > 0 && cfg.max_routed_rows < s.max_routed_rows)
+    s.max_routed_rows = cfg.max_routed_rows;
   const DispatchOutputLayout out =
       DispatchOutputLayout::make(cfg.format, cfg.hidden, s.max_routed_rows, s.num_groups);
   s.max_recv_rows = out.rows;

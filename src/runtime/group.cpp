@@ -612,7 +612,7 @@ void Group::check() {
       os << e->value << " rows were routed to this rank (from rank(s) "
          << ranks_of(e->peer_mask, e->peer_mask_hi) << "), more than its receive capacity of "
          << s_->sizes.max_routed_rows
-         << " rows (Config::max_recv_rows); no row was written (row_offsets are all 0, so "
+         << " rows (Config::max_routed_rows); no row was written (row_offsets are all 0, so "
             "combine returns nothing from this rank's experts) and the group stays usable";
       break;
     case ErrorCode::kBadPeerData:

@@ -1,7 +1,9 @@
 #include <gtest/gtest.h>
 
 #include <optional>
+#include <set>
 #include <string>
+#include <type_traits>
 
 #include "epcomm/config.h"
 #include "epcomm/error.h"
@@ -172,6 +174,32 @@ TEST(Config, MismatchNamesFieldAndRanks) {
   EXPECT_THROW(check_configs_match(cs, 3), Error);
 }
 
+// Every field of kConfigFields is compared across ranks: another value of any one field on one
+// rank is reported, naming that field (the dispatch path by the path it resolves to). And the
+// table names each field once.
+TEST(Config, EveryFieldIsCompared) {
+  std::set<std::string> names;
+  int fields = 0;
+  for_each_config_field([&](const auto& field) {
+    ++fields;
+    names.insert(field.name);
+    SCOPED_TRACE(field.name);
+    using T = std::decay_t<decltype(Config().*field.member)>;
+    Config cs[3] = {good(), good(), good()};
+    T& v = cs[2].*field.member;
+    if constexpr (std::is_same_v<T, bool>)
+      v = !v;
+    else if constexpr (std::is_enum_v<T>)  // kAuto -> kThroughput: good() resolves to kLowLatency
+      v = T(int32_t(v) + 1);
+    else
+      v = T(v + 1);
+    EXPECT_EQ(expect_mismatch(cs, 3, field.name), ErrorCode::kConfigMismatch);
+    EXPECT_EQ(std::string(config_field_name(field.member)), field.name);
+  });
+  EXPECT_EQ(fields, int(kNumConfigFields));
+  EXPECT_EQ(names.size(), kNumConfigFields);
+}
+
 TEST(Config, SizesCoverTheWorstCase) {
   const Sizes s = compute_sizes(good(), 8);
   EXPECT_EQ(s.n_local_experts, 32);
@@ -227,7 +255,7 @@ TEST(Config, SizesOfEachFormat) {
 // validated, and must agree between ranks.
 TEST(Config, ReceiveCapSizesTheOutputs) {
   Config c = good();  // worst case 128 * 8 * 8 = 8192 routed rows
-  c.max_recv_rows = 1000;
+  c.max_routed_rows = 1000;
   Sizes s = compute_sizes(c, 8);
   EXPECT_EQ(s.max_routed_rows, 1000);
   EXPECT_EQ(s.max_recv_rows, 1000);
@@ -235,19 +263,19 @@ TEST(Config, ReceiveCapSizesTheOutputs) {
   s = compute_sizes(c, 8);
   EXPECT_EQ(s.max_recv_rows, (1000 + 3 * 32 + 3) / 4 * 4);
   EXPECT_EQ(s.scales_bytes, int64_t(7168 / 128) * s.max_recv_rows * 4);
-  c.max_recv_rows = 1 << 20;  // above the worst case: the worst case stands
+  c.max_routed_rows = 1 << 20;  // above the worst case: the worst case stands
   EXPECT_EQ(compute_sizes(c, 8).max_routed_rows, 128 * 8 * 8);
-  c.max_recv_rows = -1;
+  c.max_routed_rows = -1;
   try {
     c.validate(8);
-    ADD_FAILURE() << "a negative max_recv_rows was accepted";
+    ADD_FAILURE() << "a negative max_routed_rows was accepted";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
-    EXPECT_NE(std::string(e.what()).find("max_recv_rows"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("max_routed_rows"), std::string::npos) << e.what();
   }
   Config cs[2] = {good(), good()};
-  cs[1].max_recv_rows = 500;
-  expect_mismatch(cs, 2, "max_recv_rows");
+  cs[1].max_routed_rows = 500;
+  expect_mismatch(cs, 2, "max_routed_rows");
   cs[1] = good();
   cs[1].share_gpus = true;
   EXPECT_THROW(check_configs_match(cs, 2), Error);

@@ -604,7 +604,7 @@ TEST(Setup, ResidencyIsCheckedBeforeAnyLaunch) {
   EXPECT_EQ(run_round(lg, p, RoundOptions{}), "");
 }
 
-// Config::max_recv_rows: at the cap a round works; one row past it, the rank that would receive
+// Config::max_routed_rows: at the cap a round works; one row past it, the rank that would receive
 // too many reports the count and the cap, writes no row (its outputs keep their poison, its
 // row_offsets are all 0), the other ranks' outputs match the reference, and the next call works.
 TEST(BadInput, ReceiveCapacity) {
@@ -619,13 +619,13 @@ TEST(BadInput, ReceiveCapacity) {
     SCOPED_TRACE(dispatch_path_name(path));
     {
       Config cfg = with_path(make_cfg(H, K, E, T), path);
-      cfg.max_recv_rows = most;
+      cfg.max_routed_rows = most;
       LocalGroup lg(cfg, n);
       EXPECT_EQ(lg.groups[0]->sizes().max_recv_rows, most);
       EXPECT_EQ(run_round(lg, p, RoundOptions{}), "") << "at the cap";
     }
     Config cfg = with_path(make_cfg(H, K, E, T), path);
-    cfg.max_recv_rows = most - 1;
+    cfg.max_routed_rows = most - 1;
     LocalGroup lg(cfg, n);
     lg.issue_dispatch(p);
     int over = 0;

@@ -68,15 +68,16 @@ struct SwizzledScaleLayout {
   int32_t scale_cols;  // scales per row: H / group
   int64_t row_tiles;   // 128-row tiles in the array
 
-  // The array of a dispatch output with `max_recv_rows` rows in `groups` groups, each group
-  // starting a fresh tile: at most sum ceil(m_g / 128) <= (max_recv_rows + 127 G) / 128 tiles,
-  // so SPEC's (max_recv_rows + G * 128) / 128 is enough.
-  EPCOMM_HD static int64_t row_tiles_for(int64_t max_recv_rows, int32_t groups) {
-    return (max_recv_rows + int64_t(groups) * kTileRows) / kTileRows;
+  // The array of a dispatch output with room for `routed_rows` routed rows
+  // (Sizes::max_routed_rows; the swizzled formats pad no rows) in `groups` groups, each group
+  // starting a fresh tile: at most sum ceil(m_g / 128) <= (routed_rows + 127 G) / 128 tiles,
+  // so SPEC's (routed_rows + G * 128) / 128 is enough.
+  EPCOMM_HD static int64_t row_tiles_for(int64_t routed_rows, int32_t groups) {
+    return (routed_rows + int64_t(groups) * kTileRows) / kTileRows;
   }
-  EPCOMM_HD static SwizzledScaleLayout make(int32_t hidden, int32_t group, int64_t max_recv_rows,
+  EPCOMM_HD static SwizzledScaleLayout make(int32_t hidden, int32_t group, int64_t routed_rows,
                                             int32_t groups) {
-    return SwizzledScaleLayout{hidden / group, row_tiles_for(max_recv_rows, groups)};
+    return SwizzledScaleLayout{hidden / group, row_tiles_for(routed_rows, groups)};
   }
 
   EPCOMM_HD int32_t col_tiles() const { return (scale_cols + kTileCols - 1) / kTileCols; }
@@ -157,8 +158,8 @@ struct DispatchOutputLayout {
   TokenFormat format;
   int32_t hidden;
   int32_t groups;
-  int64_t routed_rows;  // max_routed_rows
-  int64_t rows;         // max_recv_rows
+  int64_t routed_rows;  // Sizes::max_routed_rows
+  int64_t rows;         // Sizes::max_recv_rows: routed_rows and the format's padding rows
 
   EPCOMM_HD static DispatchOutputLayout make(TokenFormat f, int32_t hidden, int64_t routed_rows,
                                              int32_t groups) {

@@ -1,0 +1,457 @@
+// The group: epcomm::Group and the output buffers the Python API reuses call after call.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <algorithm>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "arrays.h"
+#include "bindings.h"
+#include "epcomm/config.h"
+#include "epcomm/group.h"
+#include "epcomm/tensors.h"
+
+namespace epcomm_py {
+
+using namespace nb::literals;
+
+namespace {
+
+// ---- device buffers owned by a Python group ----------------------------------------------------
+
+struct DeviceBuffer {
+  void* ptr = nullptr;
+  int64_t bytes = 0;
+  int device = 0;
+  void allocate(int dev, int64_t n) {
+    device = dev;
+    bytes = n;
+    if (n > 0) cuda_check(cudaMalloc(&ptr, size_t(n)), "epcomm: cudaMalloc of an output buffer");
+  }
+  DeviceBuffer() = default;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() {
+    if (ptr) {
+      DeviceGuard g;
+      (void)cudaSetDevice(device);
+      (void)cudaFree(ptr);
+    }
+  }
+};
+
+// ---- the group ---------------------------------------------------------------------------------
+
+// A Group and the output buffers the Python API reuses call after call (allocated at set-up on
+// the group's device; the un-reduced [T, K, H] combine output at its first use).
+class PyGroup {
+ public:
+  explicit PyGroup(std::unique_ptr<epcomm::Group> g) : g_(std::move(g)) {
+    if (!g_) invalid("epcomm: no group");
+    DeviceGuard guard;
+    cuda_check(cudaSetDevice(live()->device()), "epcomm: cudaSetDevice");
+    const epcomm::Config& c = live()->config();
+    const int d = live()->device();
+    descs_ = epcomm::dispatch_output_descs(c, live()->sizes());
+    for (const epcomm::TensorDesc& desc : descs_)
+      dispatch_buffer(desc.name).allocate(d, desc.bytes());
+    out_.allocate(d, epcomm::combine_output_desc(c, c.max_tokens_per_rank, true).bytes());
+  }
+
+  // An array's data, or for an empty one (T = 0, where frameworks may give a null pointer) a
+  // valid pointer that is never read: a given argument must stay non-null, since the library
+  // takes a null weights pointer to mean "no router weights" (and every rank must agree).
+  const void* present(const Array& a) const { return a.data() ? a.data() : out_.ptr; }
+
+  epcomm::Group& g() { return *live(); }
+  const epcomm::Group& g() const { return *live(); }
+  // Tears the group down (collective: every rank closes at the same point; the destructor
+  // waits for the peers through the bootstrap). The output buffers stay until the Python
+  // object goes, since tensors may still view them.
+  void close() {
+    std::unique_ptr<epcomm::Group> g = std::move(g_);
+    nb::gil_scoped_release nogil;
+    DeviceGuard guard;
+    g.reset();
+  }
+  bool closed() const { return g_ == nullptr; }
+  Ctx ctx(const char* op) const {
+    return Ctx{"epcomm " + std::string(op) + " (rank " + std::to_string(live()->rank()) + ")",
+               live()->device()};
+  }
+
+  // The outputs of dispatch: the caller's buffers where given, else the group's.
+  epcomm::DispatchOutput dispatch_output(const Ctx& c, const std::optional<Array>& tokens,
+                                         const std::optional<Array>& scales,
+                                         const std::optional<Array>& row_offsets,
+                                         const std::optional<Array>& expert_ids,
+                                         const std::optional<Array>& src_info,
+                                         const std::optional<Array>& scales_offsets) {
+    const bool any = tokens || scales || row_offsets || expert_ids || src_info || scales_offsets;
+    if (!any)
+      return epcomm::DispatchOutput{tokens_.ptr,
+                                    static_cast<uint32_t*>(row_offsets_.ptr),
+                                    static_cast<int32_t*>(expert_ids_.ptr),
+                                    static_cast<epcomm::SrcInfo*>(src_info_.ptr),
+                                    scales_.ptr,
+                                    static_cast<uint32_t*>(scales_offsets_.ptr)};
+    auto need = [&](const std::optional<Array>& a, const char* name) -> void* {
+      const int64_t bytes = epcomm::desc_bytes(descs_, name);
+      if (bytes == 0) return nullptr;
+      if (!a) invalid(c.op + ": out." + name + " is missing: give every output or none");
+      check_out(c, (std::string("out.") + name).c_str(), *a, bytes);
+      return a->data();
+    };
+    epcomm::DispatchOutput o;
+    o.tokens = need(tokens, "tokens");
+    o.row_offsets = static_cast<uint32_t*>(need(row_offsets, "row_offsets"));
+    o.expert_ids = static_cast<int32_t*>(need(expert_ids, "expert_ids"));
+    o.src_info = static_cast<epcomm::SrcInfo*>(need(src_info, "src_info"));
+    o.scales = need(scales, "scales");
+    o.scales_offsets = static_cast<uint32_t*>(need(scales_offsets, "scales_offsets"));
+    return o;
+  }
+
+  epcomm::DispatchInput dispatch_input(const Ctx& c, const Array& tokens, const Array& topk_ids,
+                                       const std::optional<Array>& weights) const {
+    const epcomm::Config& cfg = live()->config();
+    check_array(c, "tokens", tokens, Elem::kBf16, {-1, cfg.hidden},
+                "[T, hidden] (hidden from the config)");
+    const int64_t T = int64_t(tokens.shape(0));
+    if (T > cfg.max_tokens_per_rank)
+      invalid(c.op + ": tokens has " + std::to_string(T) +
+              " rows but the group was set up with "
+              "max_tokens_per_rank = " +
+              std::to_string(cfg.max_tokens_per_rank));
+    check_array(c, "topk_ids", topk_ids, Elem::kI32, {T, cfg.top_k},
+                "[T, top_k], T = tokens.shape[0]");
+    epcomm::DispatchInput in;
+    in.tokens = present(tokens);
+    in.topk_ids = static_cast<const int32_t*>(present(topk_ids));
+    in.num_tokens = int32_t(T);
+    in.hidden = cfg.hidden;
+    if (weights) {
+      check_array(c, "weights", *weights, Elem::kF32, {T, cfg.top_k},
+                  "[T, top_k], T = tokens.shape[0]");
+      in.weights = static_cast<const float*>(present(*weights));
+    }
+    return in;
+  }
+
+  void dispatch(const Array& tokens, const Array& topk_ids, const std::optional<Array>& weights,
+                uintptr_t stream, const std::optional<Array>& o_tokens,
+                const std::optional<Array>& o_scales, const std::optional<Array>& o_row_offsets,
+                const std::optional<Array>& o_expert_ids, const std::optional<Array>& o_src_info,
+                const std::optional<Array>& o_scales_offsets) {
+    const Ctx c = ctx("dispatch");
+    const epcomm::DispatchInput in = dispatch_input(c, tokens, topk_ids, weights);
+    const epcomm::DispatchOutput out = dispatch_output(c, o_tokens, o_scales, o_row_offsets,
+                                                       o_expert_ids, o_src_info, o_scales_offsets);
+    DeviceGuard guard;
+    {
+      nb::gil_scoped_release nogil;
+      live()->dispatch(in, out, as_stream(stream));
+    }
+  }
+
+  void dispatch_async(const Array& tokens, const Array& topk_ids,
+                      const std::optional<Array>& weights, uintptr_t stream) {
+    const Ctx c = ctx("dispatch_async");
+    const epcomm::DispatchInput in = dispatch_input(c, tokens, topk_ids, weights);
+    DeviceGuard guard;
+    {
+      nb::gil_scoped_release nogil;
+      live()->dispatch_async(in, as_stream(stream));
+    }
+  }
+
+  void dispatch_wait(uintptr_t stream, const std::optional<Array>& o_tokens,
+                     const std::optional<Array>& o_scales,
+                     const std::optional<Array>& o_row_offsets,
+                     const std::optional<Array>& o_expert_ids,
+                     const std::optional<Array>& o_src_info,
+                     const std::optional<Array>& o_scales_offsets) {
+    const Ctx c = ctx("dispatch_wait");
+    const epcomm::DispatchOutput out = dispatch_output(c, o_tokens, o_scales, o_row_offsets,
+                                                       o_expert_ids, o_src_info, o_scales_offsets);
+    DeviceGuard guard;
+    {
+      nb::gil_scoped_release nogil;
+      live()->dispatch_wait(out, as_stream(stream));
+    }
+  }
+
+  // used_rows: the caller has read row_offsets[G] of the last dispatch from the device (after
+  // it completed) and vouches that combine reads no row past it; -1: the host does not know it,
+  // so expert_out must hold every row the dispatch output can have.
+  epcomm::CombineInput combine_input(const Ctx& c, const Array& expert_out,
+                                     const std::optional<Array>& row_offsets,
+                                     const std::optional<Array>& src_info,
+                                     int64_t used_rows) const {
+    const epcomm::Config& cfg = live()->config();
+    const epcomm::Sizes& s = live()->sizes();
+    check_array(c, "expert_out", expert_out, Elem::kBf16, {-1, cfg.hidden},
+                "[rows, hidden], rows >= the dispatch output's rows (sizes.max_recv_rows)");
+    const int64_t need = used_rows >= 0 ? std::min(used_rows, s.max_recv_rows) : s.max_recv_rows;
+    if (int64_t(expert_out.shape(0)) < need)
+      invalid(c.op + ": expert_out has " + std::to_string(expert_out.shape(0)) +
+              " rows; it needs " +
+              (used_rows >= 0 ? "the " + std::to_string(need) + " rows the dispatch produced"
+                              : "the dispatch output's " + std::to_string(need) +
+                                    " (sizes.max_recv_rows): combine reads rows up to "
+                                    "row_offsets[G], which only the device knows"));
+    if (bool(row_offsets) != bool(src_info))
+      invalid(c.op +
+              ": give both row_offsets and src_info (the dispatch output's), or neither "
+              "(the group's own dispatch output)");
+    epcomm::CombineInput in;
+    in.expert_out = present(expert_out);
+    in.hidden = cfg.hidden;
+    if (row_offsets) {
+      check_array(c, "row_offsets", *row_offsets, Elem::kI32,
+                  epcomm::find_desc(descs_, "row_offsets")->shape, "[G + 1]");
+      check_out(c, "src_info", *src_info, epcomm::desc_bytes(descs_, "src_info"));
+      in.row_offsets = static_cast<const uint32_t*>(row_offsets->data());
+      in.src_info = static_cast<const epcomm::SrcInfo*>(src_info->data());
+    } else {
+      in.row_offsets = static_cast<const uint32_t*>(row_offsets_.ptr);
+      in.src_info = static_cast<const epcomm::SrcInfo*>(src_info_.ptr);
+    }
+    return in;
+  }
+
+  // The combine output for the last dispatch: the caller's `out` or the group's buffer.
+  epcomm::CombineOutput combine_output(const Ctx& c, const std::optional<Array>& weights,
+                                       const std::optional<Array>& out, uintptr_t stream) {
+    const epcomm::Config& cfg = live()->config();
+    const epcomm::DispatchRecord last = live()->last_dispatch();
+    if (last.num_tokens < 0) invalid(c.op + ": no dispatch has completed on this group yet");
+    const int64_t T = last.num_tokens;
+    epcomm::CombineOutput o;
+    if (weights) {
+      if (last.weights)
+        invalid(c.op +
+                ": the last dispatch carried router weights, so combine reduces with "
+                "those on the expert side: pass weights=None");
+      check_array(c, "weights", *weights, Elem::kF32, {T, cfg.top_k},
+                  "[T, top_k] for the T tokens of the last dispatch");
+      o.weights = static_cast<const float*>(present(*weights));
+    }
+    const bool reduced = weights || last.weights;
+    if (out) {
+      check_array(c, "out", *out, Elem::kBf16,
+                  epcomm::combine_output_desc(cfg, int32_t(T), reduced).shape,
+                  reduced ? "[T, hidden] for the T tokens of the last dispatch"
+                          : "[T, top_k, hidden] (no router weights: the un-reduced rows)");
+      o.out = const_cast<void*>(present(*out));  // T = 0: a null tensor is fine
+    } else if (reduced) {
+      o.out = out_.ptr;
+    } else {
+      o.out = unreduced_buffer(c, stream);
+    }
+    return o;
+  }
+
+  void* unreduced_buffer(const Ctx& c, uintptr_t stream) {
+    if (!unreduced_.ptr) {
+      cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+      cuda_check(cudaStreamIsCapturing(as_stream(stream), &st), "cudaStreamIsCapturing");
+      if (st != cudaStreamCaptureStatusNone)
+        invalid(c.op +
+                ": the un-reduced [T, top_k, hidden] output is allocated at its first "
+                "use, which cannot happen during graph capture: run one un-reduced combine "
+                "before capturing, or pass out=");
+      const epcomm::Config& cfg = live()->config();
+      DeviceGuard guard;
+      cuda_check(cudaSetDevice(live()->device()), "cudaSetDevice");
+      unreduced_.allocate(live()->device(),
+                          epcomm::combine_output_desc(cfg, cfg.max_tokens_per_rank, false).bytes());
+    }
+    return unreduced_.ptr;
+  }
+
+  // Returns whether the output is reduced ([T, H]) and T.
+  nb::tuple combine(const Array& expert_out, const std::optional<Array>& weights, uintptr_t stream,
+                    const std::optional<Array>& out, const std::optional<Array>& row_offsets,
+                    const std::optional<Array>& src_info, int64_t used_rows) {
+    const Ctx c = ctx("combine");
+    const epcomm::CombineInput in = combine_input(c, expert_out, row_offsets, src_info, used_rows);
+    const epcomm::CombineOutput o = combine_output(c, weights, out, stream);
+    DeviceGuard guard;
+    {
+      nb::gil_scoped_release nogil;
+      live()->combine(in, o, as_stream(stream));
+    }
+    return nb::make_tuple(o.weights != nullptr || last_weighted(), last_tokens());
+  }
+
+  void combine_async(const Array& expert_out, uintptr_t stream,
+                     const std::optional<Array>& row_offsets,
+                     const std::optional<Array>& src_info, int64_t used_rows) {
+    const Ctx c = ctx("combine_async");
+    const epcomm::CombineInput in = combine_input(c, expert_out, row_offsets, src_info, used_rows);
+    DeviceGuard guard;
+    nb::gil_scoped_release nogil;
+    live()->combine_async(in, as_stream(stream));
+  }
+
+  nb::tuple combine_wait(const std::optional<Array>& weights, uintptr_t stream,
+                         const std::optional<Array>& out) {
+    const Ctx c = ctx("combine_wait");
+    const epcomm::CombineOutput o = combine_output(c, weights, out, stream);
+    DeviceGuard guard;
+    {
+      nb::gil_scoped_release nogil;
+      live()->combine_wait(o, as_stream(stream));
+    }
+    return nb::make_tuple(o.weights != nullptr || last_weighted(), last_tokens());
+  }
+
+  // One of the group's buffers as an array (no framework: the Python side converts it once
+  // through DLPack). The element types are the plain ones every framework has; python/epcomm
+  // views the codes as float8 where the framework has it.
+  // plain: bfloat16 buffers as uint16 (for frameworks without bfloat16).
+  Array buffer(const std::string& name, bool plain, nb::handle owner) {
+    const epcomm::Config& c = live()->config();
+    auto make = [&](const DeviceBuffer& b, const epcomm::TensorDesc& d) {
+      const std::vector<size_t> shape(d.shape.begin(), d.shape.end());
+      return Array(b.ptr, shape.size(), shape.data(), owner, nullptr, dlpack_dtype(d.dtype, plain),
+                   nb::device::cuda::value, live()->device());
+    };
+    if (const epcomm::TensorDesc* d = epcomm::find_desc(descs_, name))
+      return make(dispatch_buffer(name), *d);
+    if (name == "out")
+      return make(out_, epcomm::combine_output_desc(c, c.max_tokens_per_rank, true));
+    if (name == "out_unreduced") {
+      unreduced_buffer(ctx("combine"), 0);
+      return make(unreduced_, epcomm::combine_output_desc(c, c.max_tokens_per_rank, false));
+    }
+    invalid("epcomm: no buffer named '" + name + "'");
+  }
+
+  int32_t last_tokens() const { return live()->last_dispatch().num_tokens; }
+  bool last_weighted() const { return live()->last_dispatch().weights; }
+
+ private:
+  // The element type a description's tensor crosses DLPack as: the plain types every framework
+  // has (python/epcomm views e4m3 codes as float8 where the framework has it).
+  static nb::dlpack::dtype dlpack_dtype(epcomm::DType t, bool plain) {
+    switch (t) {
+      case epcomm::DType::kBF16:
+        return plain ? nb::dtype<uint16_t>()
+                     : nb::dlpack::dtype{uint8_t(nb::dlpack::dtype_code::Bfloat), 16, 1};
+      case epcomm::DType::kF32:
+        return nb::dtype<float>();
+      case epcomm::DType::kI32:
+        return nb::dtype<int32_t>();
+      case epcomm::DType::kU8:
+      case epcomm::DType::kFloat8E4M3:
+        break;
+    }
+    return nb::dtype<uint8_t>();
+  }
+  // The group's buffer of the dispatch output named `name` (a name of dispatch_output_descs).
+  DeviceBuffer& dispatch_buffer(const std::string& name) {
+    if (name == "tokens") return tokens_;
+    if (name == "scales") return scales_;
+    if (name == "row_offsets") return row_offsets_;
+    if (name == "expert_ids") return expert_ids_;
+    if (name == "src_info") return src_info_;
+    if (name == "scales_offsets") return scales_offsets_;
+    invalid("epcomm: no dispatch output named '" + name + "'");
+  }
+
+  epcomm::Group* live() const {
+    if (!g_) invalid("epcomm: this group was closed");
+    return g_.get();
+  }
+  std::unique_ptr<epcomm::Group> g_;
+  std::vector<epcomm::TensorDesc> descs_;  // the dispatch outputs (epcomm/tensors.h)
+  DeviceBuffer tokens_, scales_, row_offsets_, expert_ids_, src_info_, scales_offsets_, out_,
+      unreduced_;
+};
+
+}  // namespace
+
+void bind_group(nb::module_& m) {
+  nb::class_<PyGroup>(m, "Group", "One rank of an expert-parallel group (epcomm/group.h).")
+      .def_static(
+          "create",
+          [](const epcomm::Config& cfg, epcomm::Bootstrap& bs, int device) {
+            std::unique_ptr<epcomm::Group> g;
+            {
+              DeviceGuard guard;
+              nb::gil_scoped_release nogil;
+              g = epcomm::Group::create(cfg, bs, device);
+            }
+            return new PyGroup(std::move(g));
+          },
+          "config"_a, "bootstrap"_a, "device"_a, nb::rv_policy::take_ownership,
+          nb::keep_alive<0, 2>())  // the group uses its bootstrap until it is destroyed
+      .def_static(
+          "create_local",
+          [](const epcomm::Config& cfg, std::vector<int> devices) {
+            std::vector<std::unique_ptr<epcomm::Group>> gs;
+            {
+              DeviceGuard guard;
+              nb::gil_scoped_release nogil;
+              gs = epcomm::Group::create_local(cfg, devices);
+            }
+            nb::list out;
+            for (auto& g : gs)
+              out.append(nb::cast(new PyGroup(std::move(g)), nb::rv_policy::take_ownership));
+            return out;
+          },
+          "config"_a, "devices"_a = std::vector<int>{})
+      .def_prop_ro("rank", [](const PyGroup& g) { return g.g().rank(); })
+      .def_prop_ro("n_ranks", [](const PyGroup& g) { return g.g().n_ranks(); })
+      .def_prop_ro("device", [](const PyGroup& g) { return g.g().device(); })
+      .def_prop_ro("config", [](const PyGroup& g) { return g.g().config(); })
+      .def_prop_ro("sizes", [](const PyGroup& g) { return g.g().sizes(); })
+      .def_prop_ro("poisoned", [](const PyGroup& g) { return g.g().poisoned(); })
+      .def_prop_ro("last_tokens", &PyGroup::last_tokens)
+      .def_prop_ro("last_weighted", &PyGroup::last_weighted)
+      .def("check", [](PyGroup& g) { g.g().check(); })
+      .def("close", &PyGroup::close)
+      .def_prop_ro("closed", &PyGroup::closed)
+      .def(
+          "synchronize",
+          [](PyGroup& g, uintptr_t stream) {
+            DeviceGuard guard;
+            nb::gil_scoped_release nogil;
+            g.g().synchronize(as_stream(stream));
+          },
+          "stream"_a)
+      .def("dispatch", &PyGroup::dispatch, "tokens"_a, "topk_ids"_a, "weights"_a.none(), "stream"_a,
+           "out_tokens"_a.none() = nb::none(), "out_scales"_a.none() = nb::none(),
+           "out_row_offsets"_a.none() = nb::none(), "out_expert_ids"_a.none() = nb::none(),
+           "out_src_info"_a.none() = nb::none(), "out_scales_offsets"_a.none() = nb::none())
+      .def("dispatch_async", &PyGroup::dispatch_async, "tokens"_a, "topk_ids"_a, "weights"_a.none(),
+           "stream"_a)
+      .def("dispatch_wait", &PyGroup::dispatch_wait, "stream"_a, "out_tokens"_a.none() = nb::none(),
+           "out_scales"_a.none() = nb::none(), "out_row_offsets"_a.none() = nb::none(),
+           "out_expert_ids"_a.none() = nb::none(), "out_src_info"_a.none() = nb::none(),
+           "out_scales_offsets"_a.none() = nb::none())
+      .def("combine", &PyGroup::combine, "expert_out"_a, "weights"_a.none(), "stream"_a,
+           "out"_a.none() = nb::none(), "row_offsets"_a.none() = nb::none(),
+           "src_info"_a.none() = nb::none(), "used_rows"_a = -1)
+      .def("combine_async", &PyGroup::combine_async, "expert_out"_a, "stream"_a,
+           "row_offsets"_a.none() = nb::none(), "src_info"_a.none() = nb::none(),
+           "used_rows"_a = -1)
+      .def("combine_wait", &PyGroup::combine_wait, "weights"_a.none(), "stream"_a,
+           "out"_a.none() = nb::none())
+      .def(
+          "buffer",
+          [](nb::handle self, const std::string& name, bool plain) {
+            return nb::cast<PyGroup&>(self).buffer(name, plain, self);
+          },
+          "name"_a, "plain"_a = false);
+}
+
+}  // namespace epcomm_py
