@@ -32,7 +32,7 @@ send/recv baseline, timed and checked against the CPU reference.
                           whatever the hardware; traffic between them goes through NVSHMEM
                           (a build with -DEPCOMM_WITH_NVSHMEM=ON, one process per rank)
   --timeout S             Config::timeout_seconds: the bound on every wait for a peer (default
-                          5); raise it where processes are time-sliced on a shared GPU
+                          300, or EPCOMM_TIMEOUT_SECONDS)
   --iters N               timed iterations (default 100)
   --warmup N              warm-up iterations (default 10)
   --json FILE             write every figure, with the machine and commit, to FILE

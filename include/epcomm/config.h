@@ -40,6 +40,13 @@ std::optional<DispatchPath> dispatch_path_from_name(const std::string& name);
 // Every path's name, quoted, comma-separated (for error messages).
 std::string dispatch_path_names();
 
+// Config::timeout_seconds's default: EPCOMM_TIMEOUT_SECONDS from the environment when set (a
+// number of seconds; a value that is not one is kept as NaN, which validation reports naming
+// the variable), else kDefaultTimeoutSeconds.
+constexpr double kDefaultTimeoutSeconds = 300.0;
+constexpr double kMaxTimeoutSeconds = 3600.0;
+double default_timeout_seconds();
+
 struct Config {
   int32_t hidden = 0;               // H: a multiple of format_hidden_multiple(format)
   int32_t top_k = 0;                // K: 1..kMaxTopK
@@ -49,7 +56,11 @@ struct Config {
   float nvfp4_global_scale = 1.0f;  // NVFP4's global input scale gs (positive, finite)
   int32_t num_sms = 24;             // SMs the dispatch/combine kernels may occupy; today one
                                     // block per SM
-  double timeout_seconds = 5.0;     // bound on every wait for a peer
+  // The bound on every wait for a peer (seconds). The default, default_timeout_seconds(), is
+  // long enough for healthy peers that arrive late (a first call compiling, a rank still
+  // loading weights, processes time-sliced on one GPU); a peer that is really gone is named
+  // when it expires. An expired wait poisons the group (group.h).
+  double timeout_seconds = default_timeout_seconds();
   bool trace = false;               // stamp each stage of every kernel (trace.h; profiling)
   // Several ranks may run on one GPU: ranks of one process (Group::create_local(cfg, {0, 0}))
   // or processes sharing a device (their windows are mapped through CUDA IPC). Off (the

@@ -139,7 +139,8 @@ class Buffer:
                            no such bound; epcomm sizes its buffers by it). Default 4096.
       share_gpus           let ranks share a GPU (tests on fewer GPUs than ranks); default: on
                            exactly when two ranks of the group are on one GPU.
-      timeout_seconds      the bound on every wait for a peer (epcomm's, default 5 s).
+      timeout_seconds      the bound on every wait for a peer (default: epcomm's, 300 s or
+                           EPCOMM_TIMEOUT_SECONDS).
     num_nvl_bytes and num_rdma_bytes are accepted and not used: epcomm sizes its buffers from
     the shapes of the first call of each kind."""
 
@@ -150,7 +151,7 @@ class Buffer:
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
                  explicitly_destroy: bool = False, enable_shrink: bool = False, comm=None, *,
                  max_tokens_per_rank: int = 4096, share_gpus: Optional[bool] = None,
-                 timeout_seconds: float = 5.0):
+                 timeout_seconds: Optional[float] = None):
         call = "Buffer"
         if comm is not None:
             _bad(call, "comm (an mpi4py communicator) is not supported: pass group, a "
@@ -182,7 +183,8 @@ class Buffer:
         self.explicitly_destroy = bool(explicitly_destroy)
         self.enable_shrink = False
         self.max_tokens_per_rank = int(max_tokens_per_rank)
-        self.timeout_seconds = float(timeout_seconds)
+        self.timeout_seconds = (_C.Config().timeout_seconds if timeout_seconds is None
+                                else float(timeout_seconds))
         # The GPU is taken at the first call that needs it (the current device then).
         self.device = torch.cuda.current_device() if torch.cuda.is_available() else None
         self._bootstrap = torch_bootstrap(group)

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <sstream>
 #include <string>
 #include <type_traits>
@@ -110,6 +111,14 @@ void require(bool ok, const std::string& field, const std::string& rule, long lo
 }
 }  // namespace
 
+double default_timeout_seconds() {
+  const char* env = std::getenv("EPCOMM_TIMEOUT_SECONDS");
+  if (env == nullptr || *env == '\0') return kDefaultTimeoutSeconds;
+  char* end = nullptr;
+  const double v = std::strtod(env, &end);
+  return end != env && *end == '\0' ? v : std::nan("");
+}
+
 void Config::validate(int n_ranks) const {
   // Every message names the field as kConfigFields does.
   auto name = [](auto member) { return config_field_name(member); };
@@ -135,10 +144,14 @@ void Config::validate(int n_ranks) const {
                 "epcomm config: " + std::string(name(&Config::nvfp4_global_scale)) + " = " +
                     std::to_string(nvfp4_global_scale) + " is invalid: a positive finite number");
   require(num_sms >= 1 && num_sms <= 1024, name(&Config::num_sms), "between 1 and 1024", num_sms);
-  if (!(timeout_seconds > 0 && timeout_seconds <= 3600))
-    throw Error(ErrorCode::kInvalidArgument,
-                "epcomm config: " + std::string(name(&Config::timeout_seconds)) + " = " +
-                    std::to_string(timeout_seconds) + " is invalid: between 0 and 3600 seconds");
+  if (!(timeout_seconds > 0 && timeout_seconds <= kMaxTimeoutSeconds)) {
+    std::ostringstream os;
+    os << "epcomm config: " << name(&Config::timeout_seconds) << " = " << timeout_seconds
+       << " is invalid: more than 0 and at most " << kMaxTimeoutSeconds << " seconds";
+    if (const char* env = std::getenv("EPCOMM_TIMEOUT_SECONDS"))
+      os << " (its default comes from EPCOMM_TIMEOUT_SECONDS = '" << env << "')";
+    throw Error(ErrorCode::kInvalidArgument, os.str());
+  }
   require(int32_t(dispatch_path) >= 0 && int32_t(dispatch_path) < kNumDispatchPaths,
           name(&Config::dispatch_path), "one of DispatchPath's values", int(dispatch_path));
   if (dispatch_path == DispatchPath::kLowLatency)

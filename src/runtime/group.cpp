@@ -585,7 +585,9 @@ static std::string describe_timeout(const detail::GroupState& s) {
   os << "epcomm rank " << e->rank << ": " << op_name(e->op) << ": timed out after "
      << s.cfg.timeout_seconds << " s waiting for rank(s) "
      << ranks_of(e->peer_mask, e->peer_mask_hi) << " " << wait_name(e->wait_what)
-     << "; the group is poisoned and must be set up again";
+     << "; the group is poisoned and must be set up again. If those ranks are alive but late "
+        "(a first call compiling, weights still loading, processes time-sliced on one GPU), "
+        "raise Config::timeout_seconds or set EPCOMM_TIMEOUT_SECONDS";
   return os.str();
 }
 

@@ -1,5 +1,7 @@
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstdlib>
 #include <optional>
 #include <set>
 #include <string>
@@ -373,4 +375,31 @@ TEST(Config, ModesAreCheckedAndSized) {
   s = compute_sizes(c, 8);
   EXPECT_EQ(s.num_groups, 32);
   EXPECT_EQ(s.max_routed_rows, 128 * 8);
+}
+
+// The wait bound's default does not abort healthy jobs whose peers arrive late, and the
+// environment sets it (a bad value is reported naming the variable).
+TEST(Config, TimeoutDefaultAndEnvironment) {
+  const char* saved = std::getenv("EPCOMM_TIMEOUT_SECONDS");
+  const std::string keep = saved ? saved : "";
+  unsetenv("EPCOMM_TIMEOUT_SECONDS");
+  EXPECT_EQ(Config{}.timeout_seconds, kDefaultTimeoutSeconds);
+  EXPECT_GE(kDefaultTimeoutSeconds, 60.0);
+  setenv("EPCOMM_TIMEOUT_SECONDS", "1800", 1);
+  EXPECT_EQ(Config{}.timeout_seconds, 1800.0);
+  Config c = good();
+  c.validate(2);
+  setenv("EPCOMM_TIMEOUT_SECONDS", "30min", 1);
+  Config bad = good();
+  EXPECT_TRUE(std::isnan(bad.timeout_seconds));
+  try {
+    bad.validate(2);
+    ADD_FAILURE() << "a timeout of NaN accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("EPCOMM_TIMEOUT_SECONDS = '30min'"), std::string::npos)
+        << e.what();
+  }
+  if (saved) setenv("EPCOMM_TIMEOUT_SECONDS", keep.c_str(), 1);
+  else unsetenv("EPCOMM_TIMEOUT_SECONDS");
 }

@@ -384,6 +384,8 @@ TEST(Failure, MissingRankTimesOutNamingIt) {
         const std::string w = e.what();
         EXPECT_NE(w.find("rank(s) 1"), std::string::npos) << w;
         EXPECT_NE(w.find("dispatch"), std::string::npos) << w;
+        EXPECT_NE(w.find("raise Config::timeout_seconds or set EPCOMM_TIMEOUT_SECONDS"),
+                  std::string::npos) << w;  // says what to raise for a peer that is only late
       }
       EXPECT_TRUE(lg.groups[size_t(r)]->poisoned());
       try {
