@@ -1,6 +1,6 @@
-// Combine over NVLink peer stores. Header-only so that a caller's epilogue functor can be
-// compiled into the kernel (epcomm/combine_epilogue.cuh); the library instantiates the plain
-// bf16 store.
+// Combine over the transport seam (transport.cuh: NVLink peer stores, NVSHMEM puts). Header-only
+// so that a caller's epilogue functor can be compiled into the kernel
+// (epcomm/combine_epilogue.cuh); the library instantiates the plain bf16 store.
 //
 // Protocol, per call `seq` (= combine calls completed on this rank + 1):
 //  send  wait until every token owner acknowledged the previous call (its combine buffer is
@@ -25,6 +25,7 @@
 #include "epcomm/detail/bulk.cuh"
 #include "epcomm/detail/device.cuh"
 #include "epcomm/detail/launch.h"
+#include "epcomm/detail/transport.cuh"
 
 namespace epcomm {
 namespace detail {
@@ -202,19 +203,15 @@ __device__ inline void combine_send_expert_side(const CombineParams& p, const in
       w = e.weight;
     }
     const int64_t at = wl.combine_recv_offset() + cl.offset(token, slot);
-    const bool far = remote(g, s);  // staged, then put
-    char* dst =
-        far ? outbox_at(g, g.outbox_layout().combine_offset(
-                               int64_t(g.nodes().remote_index(g.rank, s)) * g.max_tokens + m))
-            : window_at(g, s, at);
+    char* dst = put_buffer(g, s, at, [&] {
+      return outbox_at(g, g.outbox_layout().combine_offset(
+                              int64_t(g.nodes().remote_index(g.rank, s)) * g.max_tokens + m));
+    });
     auto store = [&](int32_t c, const float(&acc)[8]) {
       st_v4(dst + int64_t(c) * 2, pack_bf16x8(acc));
     };
     sum_rows<kWholeRows>(row, w, n, H, part, ws.column_stride(), LoadNc{}, store);
-    if (far) {
-      __syncwarp();
-      warp_put(g, s, at, dst, int64_t(H) * 2);
-    }
+    warp_put(g, s, at, dst, int64_t(H) * 2);
   }
 }
 
@@ -285,16 +282,14 @@ __device__ inline void combine_send(const CombineParams& p, unsigned long long s
         continue;  // padding rows, and never a write outside a peer's buffer
       if (kDirectSelf && owner == g.rank) continue;  // read in place by the receive
       const int64_t at = wl.combine_recv_offset() + cl.offset(token, slot) + int64_t(v0) * 16;
-      const bool far = remote(g, owner);  // staged at the row's place in the outbox, then put
-      char* dst = far ? outbox_at(g, g.outbox_layout().combine_offset(r)) + int64_t(v0) * 16
-                      : window_at(g, owner, at);
+      // Staged at the row's place in the outbox for a rank of another node.
+      char* dst = put_buffer(g, owner, at, [=, &g] {
+        return outbox_at(g, g.outbox_layout().combine_offset(r)) + int64_t(v0) * 16;
+      });
       const int32_t n = min(kPiece, n_vec - v0);
       copy_vectors(in + (r * g.hidden + int64_t(v0) * 8) * 2, n, 1, LoadNc{},
                    [&](int32_t) { return dst; });
-      if (far) {
-        __syncwarp();
-        warp_put(g, owner, at, dst, int64_t(n) * 16);
-      }
+      warp_put(g, owner, at, dst, int64_t(n) * 16);
     }
   }
   block_signal_all(g, WindowLayout::kCombineArrived);
@@ -374,7 +369,7 @@ __device__ void combine_recv(const CombineParams& p, unsigned long long seq, Epi
   if (last_block_done(g, &g.state->combine_done) && threadIdx.x == 0) {
     for (int32_t s = 0; s < g.n_ranks; ++s)
       set_signal(g, s, WindowLayout::kCombineAck, g.rank, seq);
-    if (any_remote(g)) put_quiet();
+    put_quiet(g);
     g.state->combine_seq = seq;
   }
   trace_mark(g, kTraceCombine, kTraceDone);

@@ -10,7 +10,7 @@
 // acks (stage 2) keep a sender from overwriting messages and flags a destination has not read.
 #pragma once
 
-#include "epcomm/detail/device.cuh"
+#include "epcomm/detail/transport.cuh"
 #include "kernels/dispatch/meta.cuh"
 #include "kernels/dispatch/rank.cuh"
 #include "kernels/dispatch/send.cuh"
@@ -30,9 +30,9 @@ __device__ void put_part(const GroupView& g, int32_t d, int32_t slot, int32_t pa
   if (part == 0) warp_put(g, d, at, src, ml.header_bytes());
   warp_put(g, d, at + ml.part_codes_offset(part), src + ml.part_codes_offset(part),
            ml.part_codes_bytes(part));
-  put_fence();
-  warp_put(g, d, at + ml.part_scales_offset(part), src + ml.part_scales_offset(part),
-           ml.part_scales_bytes(part), wl.part_flag_offset(g.rank, slot, part), seq);
+  put_fence(g);
+  warp_put_signal(g, d, at + ml.part_scales_offset(part), src + ml.part_scales_offset(part),
+                  ml.part_scales_bytes(part), wl.part_flag_offset(g.rank, slot, part), seq);
 }
 
 template <TokenFormat F>
@@ -45,7 +45,7 @@ __device__ __noinline__ bool ll_send(const DispatchParams& p, unsigned long long
   // loaded now, in flight during the ranking, and waited for only if one was not in yet.
   unsigned long long ack = seq - 1;
   if (threadIdx.x < g.n_ranks)
-    ack = ld_acquire_sys(signal_word(g, g.rank, WindowLayout::kDispatchAck, threadIdx.x));
+    ack = signal_load(signal_word(g, g.rank, WindowLayout::kDispatchAck, threadIdx.x));
   LocalRanks lr;
   const bool bad = rank_local(p, seq, smem, lr);
   trace_mark(g, kTraceDispatch, kTraceRanked);
@@ -122,24 +122,22 @@ __device__ __noinline__ bool ll_send(const DispatchParams& p, unsigned long long
     }
     // Ordering: every warp's stores -> __syncthreads -> thread 0's system fence (acq_rel) -> its
     // relaxed flag stores (a release pattern): a destination that acquires a flag sees the
-    // piece.
+    // piece. (A rank of another node had its flag with the put, put_part.)
     __syncthreads();
     if (threadIdx.x == 0) {
       fence_acq_rel_sys();
       for (int32_t w = 0; w < kWarps; ++w)
         for (int32_t j = 0; j < n_flags[w]; ++j)
           if (!remote(g, flag_rank[w][j]))
-            st_relaxed_sys(reinterpret_cast<unsigned long long*>(window_at(
-                               g, flag_rank[w][j],
-                               wl.part_flag_offset(g.rank, flag_slot[w][j], flag_part[w]))),
-                           seq);
+            signal_set_fenced(g, flag_rank[w][j],
+                              wl.part_flag_offset(g.rank, flag_slot[w][j], flag_part[w]), seq);
     }
     __syncthreads();  // the flag lists are refilled next round
   }
   // Every put and signal of this call completed before the kernel ends: a receiver may
   // acknowledge without waiting for them (a call it rejects), and the next call reuses the
   // outbox and the flags.
-  if (any_remote(g)) put_quiet();
+  put_quiet(g);
   trace_mark(g, kTraceDispatch, kTraceSent);
   return true;
 }

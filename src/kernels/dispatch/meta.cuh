@@ -13,7 +13,7 @@
 #pragma once
 
 #include "kernels/dispatch/rank.cuh"
-#include "epcomm/detail/device.cuh"
+#include "epcomm/detail/transport.cuh"
 
 namespace epcomm {
 namespace detail {
@@ -38,9 +38,10 @@ __device__ void write_meta(const GroupView& g, unsigned long long seq, int32_t d
                            int32_t stream_count, int32_t n_chunks, ChunkStart chunk_start) {
   const int lane = threadIdx.x % kWarpSize;
   const MetaLayout ml = g.layout().meta();
-  const bool far = remote(g, d);  // staged in the outbox, then put
-  char* meta = far ? outbox_at(g, g.outbox_layout().meta_offset(g.nodes().remote_index(g.rank, d)))
-                   : window_at(g, d, g.layout().meta_offset(g.rank));
+  const int64_t at = g.layout().meta_offset(g.rank);
+  char* meta = put_buffer(g, d, at, [&] {
+    return outbox_at(g, g.outbox_layout().meta_offset(g.nodes().remote_index(g.rank, d)));
+  });
   int32_t* counts = reinterpret_cast<int32_t*>(meta + ml.counts_offset());
   for (int32_t j = lane; j < g.n_local(); j += kWarpSize)
     counts[j] = count(j);
@@ -52,14 +53,9 @@ __device__ void write_meta(const GroupView& g, unsigned long long seq, int32_t d
   for (int32_t c = lane; c <= n_chunks; c += kWarpSize)
     starts[c] = c == n_chunks ? stream_count : chunk_start(c);
   __syncwarp();
-  if (far) {  // the record after its seq word, then seq as the put's signal
-    const int64_t at = g.layout().meta_offset(g.rank);
-    warp_put(g, d, at + ml.stream_count_offset(), meta + ml.stream_count_offset(),
-             ml.bytes() - ml.stream_count_offset(), at + ml.seq_offset(), seq);
-  } else if (lane == 0) {
-    fence_acq_rel_sys();
-    st_release_sys(reinterpret_cast<unsigned long long*>(meta + ml.seq_offset()), seq);
-  }
+  // The record after its seq word, then seq as the signal.
+  warp_put_signal(g, d, at + ml.stream_count_offset(), meta + ml.stream_count_offset(),
+                  ml.bytes() - ml.stream_count_offset(), at + ml.seq_offset(), seq);
 }
 
 __device__ void send_meta(const DispatchParams& p, unsigned long long seq, bool bad) {

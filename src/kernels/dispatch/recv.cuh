@@ -14,7 +14,7 @@
 
 #include <cub/block/block_scan.cuh>
 
-#include "epcomm/detail/device.cuh"
+#include "epcomm/detail/transport.cuh"
 #include "kernels/dispatch/common.cuh"
 #include "kernels/dispatch/meta.cuh"
 
@@ -182,7 +182,7 @@ __device__ inline void dispatch_done(const GroupView& g, unsigned long long seq)
   if (last_block_done(g, &g.state->dispatch_done) && threadIdx.x == 0) {
     for (int32_t s = 0; s < g.n_ranks; ++s)
       set_signal(g, s, WindowLayout::kDispatchAck, g.rank, seq);
-    if (any_remote(g)) put_quiet();
+    put_quiet(g);
     g.state->dispatch_seq = seq;
   }
 }
@@ -194,7 +194,7 @@ __device__ inline bool warp_wait_chunk(const GroupView& g, int32_t src, int32_t 
   const unsigned long long* flag = reinterpret_cast<const unsigned long long*>(
       window_at(g, g.rank, g.layout().chunk_flag_offset(src, chunk)));
   const bool ok = warp_wait_peers(g, rank_bit(src), kOpDispatchRecv, kWaitData,
-                                  [&](int32_t) { return ld_acquire_sys(flag) >= seq; });
+                                  [&](int32_t) { return signal_load(flag) >= seq; });
   __syncwarp();  // the other lanes read the chunk after lane src's acquire
   return ok;
 }
@@ -209,7 +209,7 @@ __device__ inline bool warp_wait_part(const GroupView& g, int32_t src, int32_t m
   const auto* flag = reinterpret_cast<const unsigned long long*>(
       window_at(g, g.rank, wl.part_flag_offset(src, m, part)));
   const bool ok = warp_wait_peers(g, rank_bit(src), kOpDispatchRecv, kWaitData, [&](int32_t) {
-    return ld_acquire_sys(flag) >= seq && ld_acquire_sys(head) >= seq;
+    return signal_load(flag) >= seq && signal_load(head) >= seq;
   });
   __syncwarp();  // the other lanes read the part after lane src's acquire
   return ok;

@@ -16,7 +16,7 @@
 #include <utility>
 
 #include "epcomm/detail/bulk.cuh"
-#include "epcomm/detail/device.cuh"
+#include "epcomm/detail/transport.cuh"
 #include "kernels/dispatch/meta.cuh"
 #include "kernels/dispatch/rank.cuh"
 #include "kernels/quant_unit.cuh"
@@ -122,10 +122,7 @@ struct ChunkSignals {
         last = 1;
         __threadfence_system();
         for (int32_t d = 0; d < g.n_ranks; ++d)
-          if (!remote(g, d))
-            st_relaxed_sys(reinterpret_cast<unsigned long long*>(
-                               window_at(g, d, wl.chunk_flag_offset(g.rank, chunk))),
-                           seq);
+          if (!remote(g, d)) signal_set_fenced(g, d, wl.chunk_flag_offset(g.rank, chunk), seq);
       }
     }
     __syncwarp();
@@ -133,7 +130,7 @@ struct ChunkSignals {
     // the flag goes as a signal alone.
     if (any_remote(g) && threadIdx.x % kWarpSize == 0 && last)
       for (int32_t d = 0; d < g.n_ranks; ++d)
-        if (remote(g, d)) remote_signal(g, d, wl.chunk_flag_offset(g.rank, chunk), seq, false);
+        if (remote(g, d)) signal_set(g, d, wl.chunk_flag_offset(g.rank, chunk), seq);
     __syncwarp();
   }
 };
@@ -145,9 +142,10 @@ __device__ __forceinline__ int64_t message_offset(const GroupView& g, int32_t sl
   return g.layout().dispatch_recv_offset() + g.layout().dispatch_recv().offset(g.rank, slot);
 }
 __device__ __forceinline__ char* message_at(const GroupView& g, int32_t d, int32_t slot) {
-  if (!remote(g, d)) return window_at(g, d, message_offset(g, slot));
-  return outbox_at(g, g.outbox_layout().stream_offset(g.nodes().remote_index(g.rank, d)) +
-                          int64_t(slot) * g.layout().msg().bytes());
+  return put_buffer(g, d, message_offset(g, slot), [&] {
+    return outbox_at(g, g.outbox_layout().stream_offset(g.nodes().remote_index(g.rank, d)) +
+                            int64_t(slot) * g.layout().msg().bytes());
+  });
 }
 
 // Where one token goes, one value per lane: lane k < K holds top-k slot k (its expert id, -1 if
@@ -273,19 +271,18 @@ __device__ void send_messages(const DispatchParams& p, int32_t num_tokens, int32
       send_token<F>(p, t, route_from_scratch(p, t), 0, p.g.hidden / kLaneValues, true,
                     [&](const Dests& d) {
                       if (!any_remote(p.g)) return;
-                      // The messages staged for ranks of other nodes: put.
-                      __syncwarp();
+                      // The messages staged for ranks of other nodes: put (nothing to do for
+                      // the ranks of this node).
                       const MessageLayout ml = p.g.layout().msg();
                       for (int32_t j = 0; j < d.n; ++j)
-                        if (remote(p.g, d.rank[j]))
-                          warp_put(p.g, d.rank[j], message_offset(p.g, d.slot[j]),
-                                   d.payload[j] - ml.payload_offset(), ml.bytes());
+                        warp_put(p.g, d.rank[j], message_offset(p.g, d.slot[j]),
+                                 d.payload[j] - ml.payload_offset(), ml.bytes());
                     });
-      if (any_remote(p.g)) put_quiet();  // completed before this warp arrives on the chunk
+      put_quiet(p.g);  // completed before this warp arrives on the chunk
     }
     signals.arrive(p.g, chunk, it, seq);
   }
-  if (any_remote(p.g)) put_quiet();  // the chunk flags' signals too, before the next call
+  put_quiet(p.g);  // the chunk flags' signals too, before the next call
 }
 
 // Ranking uses every block; then blocks [0, n_senders) send (the others go on to receive, in

@@ -1,0 +1,61 @@
+// The NVLink transport (transport.cuh): a peer of this node, whose window is mapped into this
+// process (GroupView::window_of). Data go as plain stores through the peer pointer, made by the
+// sending threads themselves, so a put has nothing left to do and completes as it is issued;
+// a signal is a system-scope release store or reduction on the peer's word, ordered after the
+// data by the caller (its threads' stores -> __syncthreads/__syncwarp -> the signalling
+// thread's fence or release), so fence and quiet have nothing to do here.
+#pragma once
+
+#include <cstdint>
+
+#include "epcomm/detail/device.cuh"
+
+namespace epcomm {
+namespace detail {
+namespace nvlink {
+
+__device__ __forceinline__ unsigned long long* word_at(const GroupView& g, int32_t peer,
+                                                       int64_t offset) {
+  return reinterpret_cast<unsigned long long*>(window_at(g, peer, offset));
+}
+
+// Thread: where bytes bound for `offset` of peer's window are written: the window itself.
+__device__ __forceinline__ char* put_buffer(const GroupView& g, int32_t peer, int64_t offset) {
+  return window_at(g, peer, offset);
+}
+
+// Whole warp, after its lanes' stores to `buf` (put_buffer's pointer for `offset` of the peer's
+// window) and a __syncwarp(): lane 0 releases the word at sig_offset of the same window (a
+// fence, then a release store: the other lanes' stores, ordered before lane 0's fence by the
+// __syncwarp, are visible to whoever acquires the word). The word is found from `buf`, which
+// the caller holds already, rather than from the window pointer again.
+__device__ __forceinline__ void warp_signal_after_stores(const void* buf, int64_t offset,
+                                                         int64_t sig_offset,
+                                                         unsigned long long value) {
+  if (threadIdx.x % kWarpSize == 0) {
+    fence_acq_rel_sys();
+    st_release_sys(reinterpret_cast<unsigned long long*>(
+                       const_cast<char*>(static_cast<const char*>(buf)) + (sig_offset - offset)),
+                   value);
+  }
+}
+
+// Thread: signals with release semantics of their own.
+__device__ __forceinline__ void signal_set(const GroupView& g, int32_t peer, int64_t offset,
+                                           unsigned long long value) {
+  st_release_sys(word_at(g, peer, offset), value);
+}
+__device__ __forceinline__ void signal_add(const GroupView& g, int32_t peer, int64_t offset,
+                                           unsigned long long value) {
+  red_release_sys_add(word_at(g, peer, offset), value);
+}
+// Thread, after its own system fence (one fence, then many signals): a relaxed store, a release
+// together with the fence.
+__device__ __forceinline__ void signal_set_fenced(const GroupView& g, int32_t peer,
+                                                  int64_t offset, unsigned long long value) {
+  st_relaxed_sys(word_at(g, peer, offset), value);
+}
+
+}  // namespace nvlink
+}  // namespace detail
+}  // namespace epcomm
