@@ -15,7 +15,7 @@
 //
 // The protocol the kernels build on it: data first (put_buffer, then the lanes' stores, then
 // warp_put), then a signal that orders after them (warp_put_signal; or the caller's barrier, a
-// system fence and signal_set_fenced; or put_quiet, a barrier and signal_set / signal_add). The
+// system fence and signal<kSetFenced>; or put_quiet, a barrier and signal<kSet / kAdd>). The
 // receiver polls a word of its own window (signal_load, the block_wait family), where every
 // transport's signals land, and reads the data after the acquire.
 #pragma once
@@ -93,37 +93,24 @@ __device__ __forceinline__ void warp_put_signal(const GroupView& g, int32_t peer
 
 // ---- signals --------------------------------------------------------------------------------
 
-// Thread: sets (signal_set) or adds to (signal_add) the u64 word at `offset` of peer's window,
-// with release semantics: after this thread's earlier stores (NVLink) or completed puts
-// (NVSHMEM: put_quiet first; other threads' data: a barrier and a system fence first).
-__device__ __forceinline__ void signal_set(const GroupView& g, int32_t peer, int64_t offset,
-                                           unsigned long long value) {
+// Thread: sets or adds to (SignalOp) the u64 word at `offset` of peer's window. kSet and kAdd
+// release: they follow this thread's earlier stores (NVLink) or completed puts (NVSHMEM:
+// put_quiet first; other threads' data: a barrier and a system fence first). kSetFenced follows
+// the thread's own system fence, a release together with it: one fence for many signals
+// (NVLink: a relaxed store).
+template <SignalOp kOp>
+__device__ __forceinline__ void signal(const GroupView& g, int32_t peer, int64_t offset,
+                                       unsigned long long value) {
 #if EPCOMM_NVSHMEM
-  if (remote(g, peer)) return shmem::signal(g, peer, offset, value, false);
+  if (remote(g, peer)) return shmem::signal(g, peer, offset, value, kOp == SignalOp::kAdd);
 #endif
-  nvlink::signal_set(g, peer, offset, value);
-}
-__device__ __forceinline__ void signal_add(const GroupView& g, int32_t peer, int64_t offset,
-                                           unsigned long long value) {
-#if EPCOMM_NVSHMEM
-  if (remote(g, peer)) return shmem::signal(g, peer, offset, value, true);
-#endif
-  nvlink::signal_add(g, peer, offset, value);
-}
-// Thread, after its own system fence: sets the word, a release together with the fence (one
-// fence for many signals; NVLink: a relaxed store).
-__device__ __forceinline__ void signal_set_fenced(const GroupView& g, int32_t peer,
-                                                  int64_t offset, unsigned long long value) {
-#if EPCOMM_NVSHMEM
-  if (remote(g, peer)) return shmem::signal(g, peer, offset, value, false);
-#endif
-  nvlink::signal_set_fenced(g, peer, offset, value);
+  nvlink::signal<kOp>(g, peer, offset, value);
 }
 // Thread: signal s[index] of rank `owner` (WindowLayout::signal_offset), set with release.
 __device__ __forceinline__ void set_signal(const GroupView& g, int32_t owner,
                                            WindowLayout::Signal s, int32_t index,
                                            unsigned long long value) {
-  signal_set(g, owner, g.layout().signal_offset(s, index), value);
+  signal<SignalOp::kSet>(g, owner, g.layout().signal_offset(s, index), value);
 }
 
 // ---- order and completion -------------------------------------------------------------------
@@ -152,7 +139,7 @@ __device__ __forceinline__ void block_signal_all(const GroupView& g, WindowLayou
   if (threadIdx.x == 0) {
     __threadfence_system();
     for (int32_t peer = 0; peer < g.n_ranks; ++peer)
-      signal_add(g, peer, g.layout().signal_offset(s, g.rank), 1ull);
+      signal<SignalOp::kAdd>(g, peer, g.layout().signal_offset(s, g.rank), 1ull);
     put_quiet(g);
   }
 }

@@ -12,6 +12,11 @@
 
 namespace epcomm {
 namespace detail {
+
+// How a signal changes its word (transport.cuh's signal): set or add, each a release of its
+// own; or set after the signalling thread's own system fence (one fence, many signals).
+enum class SignalOp { kSet, kAdd, kSetFenced };
+
 namespace nvlink {
 
 __device__ __forceinline__ unsigned long long* word_at(const GroupView& g, int32_t peer,
@@ -40,20 +45,18 @@ __device__ __forceinline__ void warp_signal_after_stores(const void* buf, int64_
   }
 }
 
-// Thread: signals with release semantics of their own.
-__device__ __forceinline__ void signal_set(const GroupView& g, int32_t peer, int64_t offset,
-                                           unsigned long long value) {
-  st_release_sys(word_at(g, peer, offset), value);
-}
-__device__ __forceinline__ void signal_add(const GroupView& g, int32_t peer, int64_t offset,
-                                           unsigned long long value) {
-  red_release_sys_add(word_at(g, peer, offset), value);
-}
-// Thread, after its own system fence (one fence, then many signals): a relaxed store, a release
-// together with the fence.
-__device__ __forceinline__ void signal_set_fenced(const GroupView& g, int32_t peer,
-                                                  int64_t offset, unsigned long long value) {
-  st_relaxed_sys(word_at(g, peer, offset), value);
+// Thread: a signal (SignalOp): a release store or reduction, or after the caller's fence a
+// relaxed store.
+template <SignalOp kOp>
+__device__ __forceinline__ void signal(const GroupView& g, int32_t peer, int64_t offset,
+                                       unsigned long long value) {
+  unsigned long long* word = word_at(g, peer, offset);
+  if constexpr (kOp == SignalOp::kSet)
+    st_release_sys(word, value);
+  else if constexpr (kOp == SignalOp::kAdd)
+    red_release_sys_add(word, value);
+  else
+    st_relaxed_sys(word, value);
 }
 
 }  // namespace nvlink

@@ -129,8 +129,9 @@ __device__ __noinline__ bool ll_send(const DispatchParams& p, unsigned long long
       for (int32_t w = 0; w < kWarps; ++w)
         for (int32_t j = 0; j < n_flags[w]; ++j)
           if (!remote(g, flag_rank[w][j]))
-            signal_set_fenced(g, flag_rank[w][j],
-                              wl.part_flag_offset(g.rank, flag_slot[w][j], flag_part[w]), seq);
+            signal<SignalOp::kSetFenced>(
+                g, flag_rank[w][j], wl.part_flag_offset(g.rank, flag_slot[w][j], flag_part[w]),
+                seq);
     }
     __syncthreads();  // the flag lists are refilled next round
   }

@@ -122,7 +122,8 @@ struct ChunkSignals {
         last = 1;
         __threadfence_system();
         for (int32_t d = 0; d < g.n_ranks; ++d)
-          if (!remote(g, d)) signal_set_fenced(g, d, wl.chunk_flag_offset(g.rank, chunk), seq);
+          if (!remote(g, d))
+            signal<SignalOp::kSetFenced>(g, d, wl.chunk_flag_offset(g.rank, chunk), seq);
       }
     }
     __syncwarp();
@@ -130,7 +131,7 @@ struct ChunkSignals {
     // the flag goes as a signal alone.
     if (any_remote(g) && threadIdx.x % kWarpSize == 0 && last)
       for (int32_t d = 0; d < g.n_ranks; ++d)
-        if (remote(g, d)) signal_set(g, d, wl.chunk_flag_offset(g.rank, chunk), seq);
+        if (remote(g, d)) signal<SignalOp::kSet>(g, d, wl.chunk_flag_offset(g.rank, chunk), seq);
     __syncwarp();
   }
 };
