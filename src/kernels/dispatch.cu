@@ -83,7 +83,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_cons
   if (block_aborted(p.g)) return;
   trace_begin(p.g, kTraceDispatch, kSend ? kTraceStart : kTraceRecvStart,
               kRecv ? kTraceMarks : kTraceRecvStart);
-  const int32_t blocks = gridDim.x, b = blockIdx.x;
+  const int32_t blocks = p.g.num_blocks, b = blockIdx.x;
   if (p.g.low_latency) {  // every block sends its pieces, then receives
     if (kSend && !ll_send<F>(p, seq, smem)) return;
     if (!kRecv) {

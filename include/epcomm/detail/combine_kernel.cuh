@@ -60,14 +60,18 @@ __device__ __forceinline__ void emit8(StoreBf16& epi, int32_t token, int32_t col
 struct WorkSplit {
   int32_t split;
   int64_t items;
-  __device__ static WorkSplit make(int64_t rows, int32_t hidden) {
-    const int32_t split = combine_split(rows, hidden, int64_t(gridDim.x) * kCombineWarps);
+  __device__ static WorkSplit make(const GroupView& g, int64_t rows) {
+    const int32_t split = combine_split(rows, g.hidden, stride(g));
     return WorkSplit{split, rows * split};
   }
   __device__ static int64_t first_item() {
     return int64_t(blockIdx.x) * kCombineWarps + threadIdx.x / kWarpSize;
   }
-  __device__ static int64_t stride() { return int64_t(gridDim.x) * kCombineWarps; }
+  // The grid's warps (num_blocks taken as the unsigned count it is: the compiler then knows the
+  // items' indices are never negative).
+  __device__ static int64_t stride(const GroupView& g) {
+    return int64_t(uint32_t(g.num_blocks)) * kCombineWarps;
+  }
   // Columns between one step of a part and its next.
   __device__ int32_t column_stride() const { return split * kCombineStep; }
 };
@@ -180,8 +184,8 @@ __device__ inline void combine_send_expert_side(const CombineParams& p, const in
     most = count[s] > most ? count[s] : most;
   // A row for a rank of another node is put whole, once summed: one item per row there.
   const WorkSplit ws = any_remote(g) ? WorkSplit{1, int64_t(most) * g.n_ranks}
-                                     : WorkSplit::make(int64_t(most) * g.n_ranks, H);
-  for (int64_t item = WorkSplit::first_item(); item < ws.items; item += WorkSplit::stride()) {
+                                     : WorkSplit::make(g, int64_t(most) * g.n_ranks);
+  for (int64_t item = WorkSplit::first_item(); item < ws.items; item += WorkSplit::stride(g)) {
     const int64_t slot_item = item / ws.split;
     const int32_t part = int32_t(item % ws.split);
     const int32_t m = int32_t(slot_item / g.n_ranks);
@@ -263,7 +267,7 @@ __device__ inline void combine_send(const CombineParams& p, unsigned long long s
   // one before each (the fused kernel skips this rank's own rows at the cost of a shuffle).
   constexpr int32_t kPiece = kCopyUnroll * kWarpSize;  // vectors
   const int32_t pieces = (n_vec + kPiece - 1) / kPiece;
-  const int64_t items = rows * pieces, step = WorkSplit::stride();
+  const int64_t items = rows * pieces, step = WorkSplit::stride(g);
   const int lane = threadIdx.x % kWarpSize;
   for (int64_t batch = WorkSplit::first_item(); batch < items; batch += kWarpSize * step) {
     const int64_t mine = batch + lane * step;
@@ -312,7 +316,7 @@ __device__ void combine_recv(const CombineParams& p, unsigned long long seq, Epi
   const char* recv = window_at(g, g.rank, wl.combine_recv_offset());
 
   // Work items are (token, part) (WorkSplit).
-  const WorkSplit ws = WorkSplit::make(num_tokens, H);
+  const WorkSplit ws = WorkSplit::make(g, num_tokens);
   const int32_t split = ws.split;
   const ExpertMap em = g.experts();
   // kDirectSelf: this rank's own expert rows are read in expert_out, at rows below what the
@@ -320,7 +324,7 @@ __device__ void combine_recv(const CombineParams& p, unsigned long long seq, Epi
   int64_t self_rows = 0;
   if (kDirectSelf) self_rows = min(int64_t(p.row_offsets[g.n_local()]), g.output().rows);
   const char* expert_out = static_cast<const char*>(p.expert_out);
-  for (int64_t item = WorkSplit::first_item(); item < ws.items; item += WorkSplit::stride()) {
+  for (int64_t item = WorkSplit::first_item(); item < ws.items; item += WorkSplit::stride(g)) {
     const int32_t t = int32_t(item / split), part = int32_t(item % split);
     // Lane k holds slot k's id and row; sum_rows shuffles them to the warp.
     const int32_t id = lane < K ? p.topk[int64_t(t) * K + lane] : -1;

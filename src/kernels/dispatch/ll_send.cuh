@@ -77,7 +77,7 @@ __device__ __noinline__ bool ll_send(const DispatchParams& p, unsigned long long
   // share, was slower: one H100, decode-bf16, 132 blocks, 41.2 against 38.0 us; every block
   // then built its layout only after its own round.)
   for (int64_t round = int64_t(blockIdx.x) * kWarps; round < items;
-       round += int64_t(gridDim.x) * kWarps) {
+       round += int64_t(uint32_t(g.num_blocks)) * kWarps) {
     const int64_t i = round + warp;
     if (i < items) {
       const int32_t t = int32_t(i / n_parts), part = int32_t(i % n_parts);

@@ -130,7 +130,7 @@ __device__ void rank_units(const DispatchParams& p, unsigned long long seq, uint
   const int32_t n_units = (p.num_tokens + kUnitTokens - 1) / kUnitTokens;
   uint32_t* bm = bitmap + warp * nk;
 
-  for (int32_t u = blockIdx.x; u < n_units; u += gridDim.x) {
+  for (int32_t u = blockIdx.x; u < n_units; u += g.num_blocks) {
     const int32_t t = u * kUnitTokens + warp * kWarpSize + lane;
     const bool valid = t < p.num_tokens;
     int32_t ids[kMaxTopK];
@@ -186,7 +186,8 @@ __device__ void rank_units(const DispatchParams& p, unsigned long long seq, uint
 __device__ void scan_units(const DispatchParams& p) {
   const int32_t nk = p.g.experts().num_keys();
   const int32_t n_units = (p.num_tokens + kUnitTokens - 1) / kUnitTokens;
-  for (int32_t key = blockIdx.x * kThreads + threadIdx.x; key < nk; key += gridDim.x * kThreads) {
+  for (int32_t key = blockIdx.x * kThreads + threadIdx.x; key < nk;
+       key += p.g.num_blocks * kThreads) {
     int32_t run = 0;
     for (int32_t u = 0; u < n_units; ++u) {
       p.scratch.unit_prefix[int64_t(u) * nk + key] = run;
