@@ -1,7 +1,7 @@
 // The transport seam: every write a kernel makes into a peer's window, and every signal it
-// sends or waits for, goes through the functions below, whoever the peer is. Each names who
-// takes part: `thread` (any one thread), `warp_` (the whole warp, converged), `block_` (every
-// thread of the block).
+// sends or waits for, goes through the functions below, whoever the peer is. Who takes part is
+// in the name: a warp_ function is called by the whole warp (converged), a block_ function by
+// every thread of the block, any other by one thread (or each thread, for itself).
 //
 // A peer's window is reached by one of two transports, chosen per peer by remote(g, peer):
 //  - NVLink (transport_nvlink.cuh), a rank of this node: the window is mapped here; data are
