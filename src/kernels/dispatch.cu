@@ -1,4 +1,5 @@
-// Dispatch over NVLink peer stores (docs/design.md has the protocol in full).
+// Dispatch over the transport seam (transport.cuh: NVLink peer stores, NVSHMEM puts);
+// docs/design.md has the protocol in full.
 //
 // Per call `seq` (= dispatch calls completed on this rank + 1; every rank counts the same calls,
 // so seq agrees across ranks without any exchange):
