@@ -1,6 +1,6 @@
-// Combine over NVLink peer stores. Header-only so that a caller's epilogue functor can be
-// compiled into the kernel (epcomm/combine_epilogue.cuh); the library instantiates the plain
-// bf16 store.
+// Combine over the transport seam (transport.cuh: NVLink peer stores, NVSHMEM puts). Header-only
+// so that a caller's epilogue functor can be compiled into the kernel
+// (epcomm/combine_epilogue.cuh); the library instantiates the plain bf16 store.
 //
 // Protocol, per call `seq` (= combine calls completed on this rank + 1):
 //  send  wait until every token owner acknowledged the previous call (its combine buffer is
@@ -25,6 +25,7 @@
 #include "epcomm/detail/bulk.cuh"
 #include "epcomm/detail/device.cuh"
 #include "epcomm/detail/launch.h"
+#include "epcomm/detail/transport.cuh"
 
 namespace epcomm {
 namespace detail {
@@ -59,14 +60,18 @@ __device__ __forceinline__ void emit8(StoreBf16& epi, int32_t token, int32_t col
 struct WorkSplit {
   int32_t split;
   int64_t items;
-  __device__ static WorkSplit make(int64_t rows, int32_t hidden) {
-    const int32_t split = combine_split(rows, hidden, int64_t(gridDim.x) * kCombineWarps);
+  __device__ static WorkSplit make(const GroupView& g, int64_t rows) {
+    const int32_t split = combine_split(rows, g.hidden, stride(g));
     return WorkSplit{split, rows * split};
   }
   __device__ static int64_t first_item() {
     return int64_t(blockIdx.x) * kCombineWarps + threadIdx.x / kWarpSize;
   }
-  __device__ static int64_t stride() { return int64_t(gridDim.x) * kCombineWarps; }
+  // The grid's warps (num_blocks taken as the unsigned count it is: the compiler then knows the
+  // items' indices are never negative).
+  __device__ static int64_t stride(const GroupView& g) {
+    return int64_t(uint32_t(g.num_blocks)) * kCombineWarps;
+  }
   // Columns between one step of a part and its next.
   __device__ int32_t column_stride() const { return split * kCombineStep; }
 };
@@ -179,8 +184,8 @@ __device__ inline void combine_send_expert_side(const CombineParams& p, const in
     most = count[s] > most ? count[s] : most;
   // A row for a rank of another node is put whole, once summed: one item per row there.
   const WorkSplit ws = any_remote(g) ? WorkSplit{1, int64_t(most) * g.n_ranks}
-                                     : WorkSplit::make(int64_t(most) * g.n_ranks, H);
-  for (int64_t item = WorkSplit::first_item(); item < ws.items; item += WorkSplit::stride()) {
+                                     : WorkSplit::make(g, int64_t(most) * g.n_ranks);
+  for (int64_t item = WorkSplit::first_item(); item < ws.items; item += WorkSplit::stride(g)) {
     const int64_t slot_item = item / ws.split;
     const int32_t part = int32_t(item % ws.split);
     const int32_t m = int32_t(slot_item / g.n_ranks);
@@ -202,19 +207,15 @@ __device__ inline void combine_send_expert_side(const CombineParams& p, const in
       w = e.weight;
     }
     const int64_t at = wl.combine_recv_offset() + cl.offset(token, slot);
-    const bool far = remote(g, s);  // staged, then put
-    char* dst =
-        far ? outbox_at(g, g.outbox_layout().combine_offset(
-                               int64_t(g.nodes().remote_index(g.rank, s)) * g.max_tokens + m))
-            : window_at(g, s, at);
+    char* dst = put_buffer(g, s, at, [&] {
+      return outbox_at(g, g.outbox_layout().combine_offset(
+                              int64_t(g.nodes().remote_index(g.rank, s)) * g.max_tokens + m));
+    });
     auto store = [&](int32_t c, const float(&acc)[8]) {
       st_v4(dst + int64_t(c) * 2, pack_bf16x8(acc));
     };
     sum_rows<kWholeRows>(row, w, n, H, part, ws.column_stride(), LoadNc{}, store);
-    if (far) {
-      __syncwarp();
-      warp_put(g, s, at, dst, int64_t(H) * 2);
-    }
+    warp_put(g, s, at, dst, int64_t(H) * 2);
   }
 }
 
@@ -266,7 +267,7 @@ __device__ inline void combine_send(const CombineParams& p, unsigned long long s
   // one before each (the fused kernel skips this rank's own rows at the cost of a shuffle).
   constexpr int32_t kPiece = kCopyUnroll * kWarpSize;  // vectors
   const int32_t pieces = (n_vec + kPiece - 1) / kPiece;
-  const int64_t items = rows * pieces, step = WorkSplit::stride();
+  const int64_t items = rows * pieces, step = WorkSplit::stride(g);
   const int lane = threadIdx.x % kWarpSize;
   for (int64_t batch = WorkSplit::first_item(); batch < items; batch += kWarpSize * step) {
     const int64_t mine = batch + lane * step;
@@ -285,16 +286,14 @@ __device__ inline void combine_send(const CombineParams& p, unsigned long long s
         continue;  // padding rows, and never a write outside a peer's buffer
       if (kDirectSelf && owner == g.rank) continue;  // read in place by the receive
       const int64_t at = wl.combine_recv_offset() + cl.offset(token, slot) + int64_t(v0) * 16;
-      const bool far = remote(g, owner);  // staged at the row's place in the outbox, then put
-      char* dst = far ? outbox_at(g, g.outbox_layout().combine_offset(r)) + int64_t(v0) * 16
-                      : window_at(g, owner, at);
+      // Staged at the row's place in the outbox for a rank of another node.
+      char* dst = put_buffer(g, owner, at, [=, &g] {
+        return outbox_at(g, g.outbox_layout().combine_offset(r)) + int64_t(v0) * 16;
+      });
       const int32_t n = min(kPiece, n_vec - v0);
       copy_vectors(in + (r * g.hidden + int64_t(v0) * 8) * 2, n, 1, LoadNc{},
                    [&](int32_t) { return dst; });
-      if (far) {
-        __syncwarp();
-        warp_put(g, owner, at, dst, int64_t(n) * 16);
-      }
+      warp_put(g, owner, at, dst, int64_t(n) * 16);
     }
   }
   block_signal_all(g, WindowLayout::kCombineArrived);
@@ -317,7 +316,7 @@ __device__ void combine_recv(const CombineParams& p, unsigned long long seq, Epi
   const char* recv = window_at(g, g.rank, wl.combine_recv_offset());
 
   // Work items are (token, part) (WorkSplit).
-  const WorkSplit ws = WorkSplit::make(num_tokens, H);
+  const WorkSplit ws = WorkSplit::make(g, num_tokens);
   const int32_t split = ws.split;
   const ExpertMap em = g.experts();
   // kDirectSelf: this rank's own expert rows are read in expert_out, at rows below what the
@@ -325,7 +324,7 @@ __device__ void combine_recv(const CombineParams& p, unsigned long long seq, Epi
   int64_t self_rows = 0;
   if (kDirectSelf) self_rows = min(int64_t(p.row_offsets[g.n_local()]), g.output().rows);
   const char* expert_out = static_cast<const char*>(p.expert_out);
-  for (int64_t item = WorkSplit::first_item(); item < ws.items; item += WorkSplit::stride()) {
+  for (int64_t item = WorkSplit::first_item(); item < ws.items; item += WorkSplit::stride(g)) {
     const int32_t t = int32_t(item / split), part = int32_t(item % split);
     // Lane k holds slot k's id and row; sum_rows shuffles them to the warp.
     const int32_t id = lane < K ? p.topk[int64_t(t) * K + lane] : -1;
@@ -374,7 +373,7 @@ __device__ void combine_recv(const CombineParams& p, unsigned long long seq, Epi
   if (last_block_done(g, &g.state->combine_done) && threadIdx.x == 0) {
     for (int32_t s = 0; s < g.n_ranks; ++s)
       set_signal(g, s, WindowLayout::kCombineAck, g.rank, seq);
-    if (any_remote(g)) put_quiet();
+    put_quiet(g);
     g.state->combine_seq = seq;
   }
   trace_mark(g, kTraceCombine, kTraceDone);

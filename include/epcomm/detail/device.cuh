@@ -1,5 +1,7 @@
 // Device primitives shared by every epcomm kernel: system-scope signals, bounded waits that
 // report which peer is missing, the grid barrier and the last-block election, 16-byte copies.
+// What goes to a peer's window (data, signals) and the waits on this rank's own window go
+// through the transport seam, transport.cuh.
 //
 // Memory ordering. A sender's data stores are made visible to a peer before the signal that
 // announces them: the block's threads store, __syncthreads(), then one thread issues a
@@ -15,14 +17,6 @@
 #include "epcomm/detail/params.h"
 #include "epcomm/error.h"
 #include "epcomm/trace.h"
-
-// EPCOMM_NVSHMEM: the build with the NVSHMEM component (relocatable device code), where a
-// group may span nodes. Without it every peer is a rank of this node and the kernels hold no
-// NVSHMEM code.
-#if EPCOMM_NVSHMEM
-#include <nvshmem.h>
-#include <nvshmemx.h>
-#endif
 
 namespace epcomm {
 namespace detail {
@@ -147,79 +141,6 @@ __device__ __forceinline__ unsigned long long* signal_word(const GroupView& g, i
       window_at(g, owner, g.layout().signal_offset(s, peer)));
 }
 
-// ---- ranks of other nodes (NVSHMEM) --------------------------------------------------------
-// A rank of another node has no window pointer: what goes there is staged in this rank's outbox
-// (OutboxLayout) and put into the peer's window at the same offset, which in NVSHMEM's terms is
-// the symmetric address of this rank's own window at that offset. A signal (a u64 word of the
-// window) goes after its data: put-with-signal, or puts, a fence or quiet, then the signal.
-__device__ __forceinline__ bool any_remote(const GroupView& g) {
-#if EPCOMM_NVSHMEM
-  return g.multi_node();
-#else
-  return false;
-#endif
-}
-__device__ __forceinline__ bool remote(const GroupView& g, int32_t peer) {
-  return any_remote(g) && g.nodes().remote(g.rank, peer);
-}
-__device__ __forceinline__ char* outbox_at(const GroupView& g, int64_t offset) {
-  return g.outbox + offset;
-}
-#if EPCOMM_NVSHMEM
-__device__ __forceinline__ uint64_t* symmetric_word(const GroupView& g, int64_t offset) {
-  return reinterpret_cast<uint64_t*>(g.window_of(g.rank) + offset);
-}
-#endif
-// Whole warp: puts `bytes` from `src` into peer's window at `offset`; with sig_offset >= 0,
-// then sets the word there to `value` once the data has landed (put-with-signal).
-__device__ inline void warp_put(const GroupView& g, int32_t peer, int64_t offset, const void* src,
-                                int64_t bytes, int64_t sig_offset = -1,
-                                unsigned long long value = 0) {
-#if EPCOMM_NVSHMEM
-  void* dst = g.window_of(g.rank) + offset;
-  if (sig_offset >= 0 && bytes > 0) {
-    nvshmemx_putmem_signal_nbi_warp(dst, src, size_t(bytes), symmetric_word(g, sig_offset),
-                                    uint64_t(value), NVSHMEM_SIGNAL_SET, peer);
-    return;
-  }
-  if (bytes > 0) nvshmemx_putmem_nbi_warp(dst, src, size_t(bytes), peer);
-  if (sig_offset >= 0 && threadIdx.x % kWarpSize == 0)
-    nvshmemx_signal_op(symmetric_word(g, sig_offset), uint64_t(value), NVSHMEM_SIGNAL_SET, peer);
-  __syncwarp();
-#endif
-}
-// One thread: sets (or adds to) the u64 word at `offset` of peer's window, after every put
-// this thread issued before (the caller fences or quiets first where other threads put).
-__device__ inline void remote_signal(const GroupView& g, int32_t peer, int64_t offset,
-                                     unsigned long long value, bool add) {
-#if EPCOMM_NVSHMEM
-  nvshmemx_signal_op(symmetric_word(g, offset), uint64_t(value),
-                     add ? NVSHMEM_SIGNAL_ADD : NVSHMEM_SIGNAL_SET, peer);
-#endif
-}
-// Orders this thread's puts to each peer before its later ones (nvshmem_fence); completes them
-// (nvshmem_quiet).
-__device__ __forceinline__ void put_fence() {
-#if EPCOMM_NVSHMEM
-  nvshmem_fence();
-#endif
-}
-__device__ __forceinline__ void put_quiet() {
-#if EPCOMM_NVSHMEM
-  nvshmem_quiet();
-#endif
-}
-
-// Sets signal s[peer's index `index`] of rank `owner` to `value` (release): a store for a rank
-// of this node, an NVSHMEM signal for one of another node. One thread.
-__device__ inline void set_signal(const GroupView& g, int32_t owner, WindowLayout::Signal s,
-                                  int32_t index, unsigned long long value) {
-  if (remote(g, owner))
-    remote_signal(g, owner, g.layout().signal_offset(s, index), value, false);
-  else
-    st_release_sys(signal_word(g, owner, s, index), value);
-}
-
 // The first error since the host's last clear wins; later ones are dropped. The record lives in
 // host-mapped memory, which takes no atomics from the GPU where the host has no native atomics
 // (PCIe; compute-sanitizer reports them as invalid): the claim is an atomic on a device-memory
@@ -295,50 +216,6 @@ __device__ bool warp_wait_peers(const GroupView& g, RankMask mask, Op op, WaitWh
 
 __device__ __forceinline__ RankMask all_ranks_mask(const GroupView& g) {
   return g.n_ranks >= 64 ? ~RankMask(0) : rank_bit(g.n_ranks) - 1;
-}
-
-// The block waits until word(peer) >= target(peer) for every peer in `mask` (acquire); returns
-// false for every thread if the wait failed.
-template <class Word, class Target>
-__device__ __noinline__ bool block_wait(const GroupView& g, RankMask mask, Op op, WaitWhat what,
-                                        Word word, Target target) {
-  __shared__ int ok;
-  __syncthreads();
-  if (threadIdx.x < kWarpSize) {
-    const bool r = warp_wait_peers(
-        g, mask, op, what,
-        [&](int32_t peer) { return ld_acquire_sys(word(peer)) >= target(peer); });
-    if (threadIdx.x == 0) ok = r;
-  }
-  __syncthreads();
-  return ok != 0;
-}
-
-// The block waits until signal s[peer] of this rank's window reaches target(peer), for every
-// peer in `mask`.
-template <class Target>
-__device__ bool block_wait_signal(const GroupView& g, RankMask mask, WindowLayout::Signal s, Op op,
-                                  WaitWhat what, Target target) {
-  return block_wait(
-      g, mask, op, what, [&](int32_t peer) { return signal_word(g, g.rank, s, peer); }, target);
-}
-
-// After this block's stores (and puts) to every peer: add 1 to signal s[my rank] in every
-// peer's window. Every thread completes its own puts first (nvshmem_quiet), so the signal of a
-// rank of another node follows all of the block's data.
-__device__ inline void block_signal_all(const GroupView& g, WindowLayout::Signal s) {
-  if (any_remote(g)) put_quiet();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence_system();
-    for (int32_t peer = 0; peer < g.n_ranks; ++peer) {
-      if (remote(g, peer))
-        remote_signal(g, peer, g.layout().signal_offset(s, g.rank), 1ull, true);
-      else
-        red_release_sys_add(signal_word(g, peer, s, g.rank), 1ull);
-    }
-    if (any_remote(g)) put_quiet();
-  }
 }
 
 // Grid-wide barrier over the kernel's blocks (launched cooperatively, so all are resident).

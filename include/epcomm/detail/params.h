@@ -90,7 +90,7 @@ struct GroupView {
   int32_t n_experts;
   RouteMap route;
   int32_t max_tokens;
-  int32_t num_blocks;     // grid size of every epcomm kernel
+  int32_t num_blocks;     // blocks of the grid; today one per SM, Config::num_sms
   TokenFormat format;     // the dispatch output's format
   float nvfp4_global_scale;
   int32_t low_latency;    // DispatchPath::kLowLatency (Config::resolved_path)
@@ -98,7 +98,7 @@ struct GroupView {
   unsigned long long timeout_ns;
   // Every rank's symmetric window, as seen from here; null for ranks of other nodes, which are
   // reached through NVSHMEM at the same offsets of this rank's own window (its symmetric
-  // address).
+  // address; transport.cuh).
   // Ranks 0..kInlineWindows-1 here; ranks from kInlineWindows on in window_rest, a device
   // array: GroupView travels by value in every kernel's parameters, and a kernel that hands it
   // to an out-of-line function copies it to local memory, so it stays small (64 window pointers

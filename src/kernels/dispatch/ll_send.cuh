@@ -1,0 +1,148 @@
+// Dispatch, the low-latency send (Config::dispatch_path, T <= kUnitTokens): for decode, where a
+// grid barrier and a chunk's worth of waiting cost more than moving the data.
+//
+// No grid-wide barrier: every block ranks all of the call's tokens in shared memory (rank_local),
+// so each knows every position it needs; block 0 writes the meta records (without chunk starts)
+// and keeps the validated ids for combine; then the grid's warps take (token, part) pieces in
+// turn, each stored to every destination and announced by its own part flag, so a receiver
+// expands a part as soon as it lands. Thread 0 of each block raises its warps' flags after one
+// system fence per round. Flags carry seq and only grow (nothing is reset between calls); the
+// acks (stage 2) keep a sender from overwriting messages and flags a destination has not read.
+#pragma once
+
+#include "epcomm/detail/transport.cuh"
+#include "kernels/dispatch/meta.cuh"
+#include "kernels/dispatch/rank.cuh"
+#include "kernels/dispatch/send.cuh"
+
+namespace epcomm {
+namespace detail {
+namespace {
+
+// Whole warp: part `part` of message `slot` of this rank's stream to `d`, a rank of another
+// node, from the outbox into d's receive buffer; then its part flag.
+__device__ void put_part(const GroupView& g, int32_t d, int32_t slot, int32_t part,
+                         unsigned long long seq) {
+  const WindowLayout wl = g.layout();
+  const MessageLayout ml = wl.msg();
+  const int64_t at = message_offset(g, slot);
+  const char* src = message_at(g, d, slot);
+  if (part == 0) warp_put(g, d, at, src, ml.header_bytes());
+  warp_put(g, d, at + ml.part_codes_offset(part), src + ml.part_codes_offset(part),
+           ml.part_codes_bytes(part));
+  put_fence(g);
+  warp_put_signal(g, d, at + ml.part_scales_offset(part), src + ml.part_scales_offset(part),
+                  ml.part_scales_bytes(part), wl.part_flag_offset(g.rank, slot, part), seq);
+}
+
+template <TokenFormat F>
+__device__ __noinline__ bool ll_send(const DispatchParams& p, unsigned long long seq, char* smem) {
+  const GroupView& g = p.g;
+  const ExpertMap em = g.experts();
+  const int32_t K = g.top_k, n_local = g.n_local();
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  // The destinations must have finished reading the previous call's messages: their acks are
+  // loaded now, in flight during the ranking, and waited for only if one was not in yet.
+  unsigned long long ack = seq - 1;
+  if (threadIdx.x < g.n_ranks)
+    ack = signal_load(signal_word(g, g.rank, WindowLayout::kDispatchAck, threadIdx.x));
+  LocalRanks lr;
+  const bool bad = rank_local(p, seq, smem, lr);
+  trace_mark(g, kTraceDispatch, kTraceRanked);
+  const int32_t num_tokens = bad ? 0 : p.num_tokens;
+  if (blockIdx.x == 0 && threadIdx.x == 0) g.state->num_tokens = num_tokens;
+  if (!__syncthreads_and(ack >= seq - 1) &&
+      !block_wait_signal(g, all_ranks_mask(g), WindowLayout::kDispatchAck, kOpDispatchSend,
+                         kWaitAck, [&](int32_t) { return seq - 1; }))
+    return false;
+  trace_mark(g, kTraceDispatch, kTraceAcked);
+  if (blockIdx.x == 0)
+    for (int32_t d = warp; d < g.n_ranks; d += kWarps)
+      write_meta(
+          g, seq, d, [&](int32_t j) { return bad ? 0 : lr.totals[d * n_local + j]; },
+          bad ? 0 : lr.totals[em.rank_key(d)], 0, [](int32_t) { return 0; });
+
+  const WindowLayout wl = g.layout();
+  const int32_t n_parts = num_parts(g.hidden);
+  const int64_t items = int64_t(num_tokens) * n_parts;
+  // Rounds of one piece per warp. After each, one system fence per block, and thread 0 raises
+  // the flags of the block's pieces: a fence per piece cost more than the pieces' stores (one
+  // H100, decode-bf16, 896 pieces on 132 blocks: the last piece was flagged 10 us after the
+  // first).
+  __shared__ int32_t n_flags[kWarps], flag_part[kWarps];
+  __shared__ int32_t flag_rank[kWarps][kMaxDests];
+  __shared__ int32_t flag_slot[kWarps][kMaxDests];
+  // Pieces are dealt from the first warp of the grid up; the receive deals its items from the
+  // last warp down. (Dealing pieces round-robin over the blocks, so that every SM stores a
+  // share, was slower: one H100, decode-bf16, 132 blocks, 41.2 against 38.0 us; every block
+  // then built its layout only after its own round.)
+  for (int64_t round = int64_t(blockIdx.x) * kWarps; round < items;
+       round += int64_t(uint32_t(g.num_blocks)) * kWarps) {
+    const int64_t i = round + warp;
+    if (i < items) {
+      const int32_t t = int32_t(i / n_parts), part = int32_t(i % n_parts);
+      LaneRoute r;
+      if (lane < K) {
+        r.id = view_expert(p, t, lane);  // valid: the call is not bad
+        if (r.id >= 0) {
+          r.pos = lr.pos(t, r.id);
+          r.weight = view_weight(p, t, lane);
+        }
+      }
+      const int32_t dr = r.id >= 0 ? em.rank_of(r.id) : -1;
+      const uint32_t lo = __reduce_or_sync(0xffffffffu, dr >= 0 && dr < kWarpSize ? 1u << dr : 0u);
+      const uint32_t hi =
+          __reduce_or_sync(0xffffffffu, dr >= kWarpSize ? 1u << (dr - kWarpSize) : 0u);
+      if ((lo >> lane) & 1u) r.slot = lr.pos(t, em.rank_key(lane));
+      if ((hi >> lane) & 1u) r.slot_hi = lr.pos(t, em.rank_key(lane + kWarpSize));
+      if (lane == 0) {
+        n_flags[warp] = 0;
+        flag_part[warp] = part;
+      }
+      send_token<F>(p, t, r, part * kPartUnits, (part + 1) * kPartUnits, part == 0,
+                    [&](const Dests& d) {
+                      // Ranks of other nodes: this warp puts the piece it staged, with its flag
+                      // as the signal.
+                      if (any_remote(g)) {
+                        __syncwarp();
+                        for (int32_t j = 0; j < d.n; ++j)
+                          if (remote(g, d.rank[j])) put_part(g, d.rank[j], d.slot[j], part, seq);
+                      }
+                      if (lane == 0) {
+                        const int32_t n0 = n_flags[warp];
+                        for (int32_t j = 0; j < d.n; ++j) {
+                          flag_rank[warp][n0 + j] = d.rank[j];
+                          flag_slot[warp][n0 + j] = d.slot[j];
+                        }
+                        n_flags[warp] = n0 + d.n;
+                      }
+                    });
+    } else if (lane == 0) {
+      n_flags[warp] = 0;
+    }
+    // Ordering: every warp's stores -> __syncthreads -> thread 0's system fence (acq_rel) -> its
+    // relaxed flag stores (a release pattern): a destination that acquires a flag sees the
+    // piece. (A rank of another node had its flag with the put, put_part.)
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      fence_acq_rel_sys();
+      for (int32_t w = 0; w < kWarps; ++w)
+        for (int32_t j = 0; j < n_flags[w]; ++j)
+          if (!remote(g, flag_rank[w][j]))
+            signal<SignalOp::kSetFenced>(
+                g, flag_rank[w][j], wl.part_flag_offset(g.rank, flag_slot[w][j], flag_part[w]),
+                seq);
+    }
+    __syncthreads();  // the flag lists are refilled next round
+  }
+  // Every put and signal of this call completed before the kernel ends: a receiver may
+  // acknowledge without waiting for them (a call it rejects), and the next call reuses the
+  // outbox and the flags.
+  put_quiet(g);
+  trace_mark(g, kTraceDispatch, kTraceSent);
+  return true;
+}
+
+}  // namespace
+}  // namespace detail
+}  // namespace epcomm

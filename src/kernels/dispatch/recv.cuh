@@ -1,0 +1,400 @@
+// Dispatch stage 4, receive: wait for every source's meta record, lay out the output (row_offsets
+// with the format's padding, each (source, group) base row; padding rows and unused scale slots
+// written before any data), then expand each chunk (or, on the low-latency path, each part) as
+// its flag arrives: one read of the message, up to K output rows.
+//
+// Who waits on what: a warp waits on one chunk flag of one source (or a part's flag and part
+// 0's, which carries the header), so rows are expanded while later chunks are still in flight.
+// The throughput path's warps take items from a per-call counter (recv_item[seq & 1]) rather than
+// by index, so senders that are done join and a warp that waited long holds no items others
+// could take; receiver block 0 zeroes the next call's counter (no two receives of a group
+// overlap), the one reset of the protocol. The last block to finish releases kDispatchAck = seq
+// in every source: its receive buffer here is free for the next call (stage 2 waits on it).
+#pragma once
+
+#include <cub/block/block_scan.cuh>
+
+#include "epcomm/detail/transport.cuh"
+#include "kernels/dispatch/common.cuh"
+#include "kernels/dispatch/meta.cuh"
+
+namespace epcomm {
+namespace detail {
+namespace {
+
+// Writes scale columns [c_begin, c_end) of one message into output row `row` of group `grp`, in
+// the format's output layout (c_end = the row's scale count: the rest of the row too). Called
+// by the whole warp.
+template <TokenFormat F>
+__device__ void place_scales(const DispatchParams& p, const RecvGroups& rg, const char* scales,
+                             int32_t grp, int64_t row, int32_t c_begin, int32_t c_end) {
+  const GroupView& g = p.g;
+  const DispatchOutputLayout out = g.output();
+  const int lane = threadIdx.x % kWarpSize;
+  const int32_t cols = format_scales_per_row(F, g.hidden);
+  if constexpr (F == TokenFormat::kFp8Blockwise) {
+    const Fp8ScaleLayout l = out.fp8();
+    float* dst = static_cast<float*>(p.out_scales);
+    for (int32_t c = c_begin + lane; c < c_end; c += kWarpSize)
+      dst[l.offset(row, c)] = reinterpret_cast<const float*>(scales)[c];
+  } else if constexpr (F == TokenFormat::kMxfp4) {
+    const Mxfp4ScaleLayout l = out.mxfp4();
+    uint8_t* dst = static_cast<uint8_t*>(p.out_scales);
+    for (int32_t c = c_begin + lane; c < c_end; c += kWarpSize)
+      dst[l.offset(row, c)] = reinterpret_cast<const uint8_t*>(scales)[c];
+  } else {  // swizzled: four scale columns per aligned 32-bit word; columns past cols are zero
+    const SwizzledScaleLayout l = out.swizzled();
+    const int64_t scale_row = int64_t(rg.tile_start[grp]) * SwizzledScaleLayout::kTileRows +
+                              (row - rg.row_offset[grp]);
+    uint8_t* dst = static_cast<uint8_t*>(p.out_scales);
+    const uint8_t* src = reinterpret_cast<const uint8_t*>(scales);
+    const int32_t w_end = c_end >= cols ? l.col_tiles() : c_end / SwizzledScaleLayout::kTileCols;
+    for (int32_t w = c_begin / SwizzledScaleLayout::kTileCols + lane; w < w_end; w += kWarpSize) {
+      uint32_t word = 0;
+#pragma unroll
+      for (int i = 0; i < SwizzledScaleLayout::kTileCols; ++i) {
+        const int32_t c = w * SwizzledScaleLayout::kTileCols + i;
+        if (c < cols) word |= uint32_t(src[c]) << (8 * i);
+      }
+      *reinterpret_cast<uint32_t*>(dst + l.offset(scale_row, w * SwizzledScaleLayout::kTileCols)) =
+          word;
+    }
+  }
+}
+
+// Expands units [unit_begin, unit_end) of message m of source src (8 values each: the whole
+// message, or one part) into its rows: one wire copy, up to K output rows; the part at unit 0
+// also writes the rows' src_info. Called by the whole warp.
+template <TokenFormat F>
+__device__ void expand_message(const DispatchParams& p, const RecvGroups& rg, int32_t src,
+                               int32_t m, int32_t unit_begin, int32_t unit_end) {
+  const GroupView& g = p.g;
+  const WindowLayout wl = g.layout();
+  const MessageLayout ml = wl.msg();
+  const int lane = threadIdx.x % kWarpSize;
+  const int32_t n_local = g.n_local();
+  const int64_t row_bytes = format_row_bytes(F, g.hidden);  // a multiple of 16 (Config)
+  const int64_t row_limit = g.output().rows;
+  char* out = static_cast<char*>(p.out_tokens);
+
+  const char* msg = window_at(g, g.rank, wl.dispatch_recv_offset() + wl.dispatch_recv().offset(src, m));
+  const int32_t units = g.hidden / kLaneValues;
+  // A whole message: its payload into L2 at once, while the header is read.
+  if (lane == 0 && unit_begin == 0 && unit_end >= units)
+    prefetch_l2(msg + ml.payload_offset(), uint32_t(align_up(ml.payload_bytes(), 16)));
+  const MessageHeader* h = reinterpret_cast<const MessageHeader*>(msg);
+  MessageEntry e{};
+  if (lane < g.top_k) e = h->entries[lane];  // with the header's words: one round trip
+  const int32_t token = h->token;
+  const int32_t n = min(int32_t(h->n_entries), g.top_k);
+  int64_t row = -1;
+  int32_t grp = -1;
+  if (lane < n) {
+    grp = e.group();
+    if (grp < n_local) row = int64_t(rg.base[src * n_local + grp]) + e.pos;
+    if (row >= row_limit) row = -1;  // never write outside the output
+    if (row >= 0 && unit_begin == 0)
+      p.src_info[row] = SrcInfo{token, int16_t(g.route.caller_rank(src)), int16_t(e.slot())};
+    // This rank's own token: where its slot's row went, for the fused combine.
+    if (src == g.rank && unit_begin == 0 && token >= 0 && token < g.max_tokens && e.slot() >= 0 &&
+        e.slot() < g.top_k)
+      p.scratch.self_row[int64_t(token) * g.top_k + e.slot()] = int32_t(row);
+  }
+  unit_end = unit_end < units ? unit_end : units;
+  const int64_t unit_bytes = format_row_bytes(F, kLaneValues);  // 16, 8 or 4
+  const int64_t first = unit_begin * unit_bytes;  // a multiple of 16: parts are whole vectors
+  // The shuffles below sit in loops every lane runs the same number of times (n and the vector
+  // count are the warp's).
+  copy_vectors(msg + ml.payload_offset() + first,
+               int32_t((unit_end - unit_begin) * unit_bytes / 16), n, LoadCoherent{},
+               [&](int32_t j) {
+                 const int64_t r = __shfl_sync(0xffffffffu, row, j);
+                 return r < 0 ? nullptr : out + r * row_bytes + first;
+               });
+  if constexpr (F != TokenFormat::kBF16) {
+    constexpr int32_t kUnitsPerScale = format_scale_group(F) / kLaneValues;
+    for (int32_t j = 0; j < n; ++j) {
+      const int64_t r = __shfl_sync(0xffffffffu, row, j);
+      const int32_t gj = __shfl_sync(0xffffffffu, grp, j);
+      if (r >= 0)
+        place_scales<F>(p, rg, msg + ml.scales_offset(), gj, r, unit_begin / kUnitsPerScale,
+                        unit_end / kUnitsPerScale);
+    }
+  }
+}
+
+// Output slots no message fills, written before any data arrives (they depend only on the
+// counts): FP8's padding rows (src_info {-1,-1,-1}, zero codes, zero scales), and the swizzled
+// layouts' unused scale slots (the rest of each group's last tile, and the tiles no group uses).
+// Spread over every warp of the grid.
+template <TokenFormat F>
+__device__ void fill_padding(const DispatchParams& p, const RecvGroups& rg, int32_t rb,
+                             int32_t n_rb) {
+  const GroupView& g = p.g;
+  const DispatchOutputLayout out = g.output();
+  const int32_t n_local = g.n_local();
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t warp = int64_t(rb) * kWarps + threadIdx.x / kWarpSize;
+  const int64_t warps = int64_t(n_rb) * kWarps;
+  if constexpr (F == TokenFormat::kFp8Blockwise) {
+    constexpr int32_t kPad = Fp8ScaleLayout::kRowAlign - 1;  // padding rows per group, at most
+    const Fp8ScaleLayout l = out.fp8();
+    const int64_t row_bytes = out.row_bytes();
+    for (int64_t i = warp; i < int64_t(n_local) * kPad; i += warps) {
+      const int32_t grp = int32_t(i / kPad);
+      const int64_t row = int64_t(rg.row_offset[grp]) + rg.rows[grp] + i % kPad;
+      if (row >= rg.row_offset[grp + 1]) continue;
+      if (lane == 0) p.src_info[row] = SrcInfo{-1, -1, -1};
+      char* codes = static_cast<char*>(p.out_tokens) + row * row_bytes;
+      for (int64_t v = lane; v < row_bytes / 16; v += kWarpSize)
+        st_v4(codes + v * 16, make_uint4(0, 0, 0, 0));
+      for (int32_t c = lane; c < l.cols(); c += kWarpSize)
+        static_cast<float*>(p.out_scales)[l.offset(row, c)] = 0.0f;
+    }
+  } else if constexpr (format_swizzled(F)) {
+    constexpr int64_t kTileRows = SwizzledScaleLayout::kTileRows;
+    const SwizzledScaleLayout l = out.swizzled();
+    uint8_t* scales = static_cast<uint8_t*>(p.out_scales);
+    // The rest of every group's last tile: scale rows past its m_g rows.
+    for (int64_t i = warp; i < int64_t(n_local) * kTileRows; i += warps) {
+      const int32_t grp = int32_t(i / kTileRows);
+      const int64_t r = i % kTileRows;  // row inside the group's last tile
+      const int64_t tiles = rg.tile_start[grp + 1] - rg.tile_start[grp];
+      if (tiles == 0 || (tiles - 1) * kTileRows + r < rg.rows[grp]) continue;
+      const int64_t scale_row = (rg.tile_start[grp] + tiles - 1) * kTileRows + r;
+      for (int32_t w = lane; w < l.col_tiles(); w += kWarpSize)
+        *reinterpret_cast<uint32_t*>(scales + l.offset(scale_row, w * SwizzledScaleLayout::kTileCols)) =
+            0u;
+    }
+    // Whole tiles past the last group's.
+    const int64_t used = rg.tile_start[n_local] < l.row_tiles ? rg.tile_start[n_local] : l.row_tiles;
+    const int64_t begin = l.tile_offset(used, 0) / 16, end = l.size() / 16;
+    for (int64_t v = begin + int64_t(rb) * kThreads + threadIdx.x; v < end;
+         v += int64_t(n_rb) * kThreads)
+      st_v4(scales + v * 16, make_uint4(0, 0, 0, 0));
+  }
+}
+
+// Every block of a fused or receive kernel arrives here once; the last one to arrive releases
+// kDispatchAck[me] = seq in every source (its receive buffer is free again) and bumps the local
+// dispatch_seq.
+__device__ inline void dispatch_done(const GroupView& g, unsigned long long seq) {
+  if (last_block_done(g, &g.state->dispatch_done) && threadIdx.x == 0) {
+    for (int32_t s = 0; s < g.n_ranks; ++s)
+      set_signal(g, s, WindowLayout::kDispatchAck, g.rank, seq);
+    put_quiet(g);
+    g.state->dispatch_seq = seq;
+  }
+}
+
+// The warp waits until chunk `chunk` of source src has arrived; false after a timeout (recorded,
+// naming src) or an abort.
+__device__ inline bool warp_wait_chunk(const GroupView& g, int32_t src, int32_t chunk,
+                                       unsigned long long seq) {
+  const unsigned long long* flag = reinterpret_cast<const unsigned long long*>(
+      window_at(g, g.rank, g.layout().chunk_flag_offset(src, chunk)));
+  const bool ok = warp_wait_peers(g, rank_bit(src), kOpDispatchRecv, kWaitData,
+                                  [&](int32_t) { return signal_load(flag) >= seq; });
+  __syncwarp();  // the other lanes read the chunk after lane src's acquire
+  return ok;
+}
+
+// The low-latency path's twin: the warp waits until part `part` of message m of source src,
+// and part 0 (the header), have arrived.
+__device__ inline bool warp_wait_part(const GroupView& g, int32_t src, int32_t m, int32_t part,
+                                      unsigned long long seq) {
+  const WindowLayout wl = g.layout();
+  const auto* head = reinterpret_cast<const unsigned long long*>(
+      window_at(g, g.rank, wl.part_flag_offset(src, m, 0)));
+  const auto* flag = reinterpret_cast<const unsigned long long*>(
+      window_at(g, g.rank, wl.part_flag_offset(src, m, part)));
+  const bool ok = warp_wait_peers(g, rank_bit(src), kOpDispatchRecv, kWaitData, [&](int32_t) {
+    return signal_load(flag) >= seq && signal_load(head) >= seq;
+  });
+  __syncwarp();  // the other lanes read the part after lane src's acquire
+  return ok;
+}
+
+// The low-latency path's receive: items (message, source, part), message-major, dealt to the
+// grid's warps in turn; a warp waits for its part's flag (and part 0's, which carries the
+// header), then expands it.
+template <TokenFormat F>
+__device__ void expand_parts(const DispatchParams& p, const RecvGroups& rg, unsigned long long seq,
+                             int32_t rb, int32_t n_rb) {
+  const GroupView& g = p.g;
+  const int32_t n_ranks = g.n_ranks;
+  const int32_t n_parts = num_parts(g.hidden);
+  int32_t most = 0;
+  for (int32_t s = 0; s < n_ranks; ++s)
+    most = max(most, rg.stream_count[s]);
+  const int64_t items = int64_t(most) * n_ranks * n_parts;
+  // Dealt from the last warp of the grid backwards: the send dealt its pieces from the first,
+  // so the blocks that had none (and built the layout first) take the first items. Dealt from
+  // the first warp too, a decode's 896 items all went to the 56 blocks that were still
+  // sending (one H100, decode-bf16, 132 blocks: 44.5 us; from the last warp: 38.0 us).
+  const int64_t warps = int64_t(n_rb) * kWarps;
+  for (int64_t i = warps - 1 - (int64_t(rb) * kWarps + threadIdx.x / kWarpSize); i < items;
+       i += warps) {
+    const int32_t part = int32_t(i % n_parts);
+    const int32_t s = int32_t((i / n_parts) % n_ranks);
+    const int32_t m = int32_t(i / (int64_t(n_parts) * n_ranks));
+    if (m >= rg.stream_count[s]) continue;
+    if (!warp_wait_part(g, s, m, part, seq)) break;
+    expand_message<F>(p, rg, s, m, part * kPartUnits, (part + 1) * kPartUnits);
+  }
+}
+
+// The throughput path's receive: work items (chunk, source, part) of the chunks' messages.
+template <TokenFormat F>
+__device__ void expand_chunks(const DispatchParams& p, const RecvGroups& rg, unsigned long long seq,
+                              int32_t n_rb) {
+  const GroupView& g = p.g;
+  const int32_t n_ranks = g.n_ranks;
+  const MetaLayout ml = g.layout().meta();
+  const int lane = threadIdx.x % kWarpSize;
+  // Work items (chunk, source, part), chunk-major so they come due in the order the chunks
+  // arrive: a warp takes the next item from the call's counter, waits for the chunk's flag, then
+  // expands messages part, part + parts, ... of it. A chunk holds up to 16 messages per source;
+  // parts spread them over more warps, at least 4 and up to one message per item when there are
+  // few chunks (decode: 8 per source), so that every warp of the grid has items. Taking items
+  // from a counter (not by warp index) lets senders that are done join, and keeps a warp that
+  // waited long from holding items others could take.
+  int32_t max_chunks = 0;
+  for (int32_t s = 0; s < n_ranks; ++s)
+    max_chunks = max(max_chunks, rg.n_chunks[s]);
+  const int64_t cells = max(int64_t(1), int64_t(max_chunks) * n_ranks);
+  const int64_t want = (2 * int64_t(n_rb) * kWarps + cells - 1) / cells;
+  const int32_t parts = int32_t(min(int64_t(kChunkTokens), max(int64_t(4), want)));
+  const int64_t items = cells * parts;
+  unsigned long long* counter = &g.state->recv_item[seq & 1];
+  unsigned long long taken = lane == 0 ? atomicAdd(counter, 1ull) : 0ull;
+  for (;;) {
+    const int64_t i = int64_t(__shfl_sync(0xffffffffu, taken, 0));
+    if (i >= items) break;
+    if (lane == 0) taken = atomicAdd(counter, 1ull);  // the next item, in flight meanwhile
+    const int32_t part = int32_t(i % parts);
+    const int32_t s = int32_t((i / parts) % n_ranks);
+    const int32_t c = int32_t(i / (int64_t(parts) * n_ranks));
+    if (c >= rg.n_chunks[s]) continue;
+    const int32_t* starts = reinterpret_cast<const int32_t*>(
+        window_at(g, g.rank, g.layout().meta_offset(s)) + ml.chunk_start_offset());
+    const int32_t end = min(starts[c + 1], rg.stream_count[s]);
+    if (starts[c] + part >= end) continue;  // no message of this part: nothing to wait for
+    if (!warp_wait_chunk(g, s, c, seq)) break;
+    for (int32_t m = starts[c] + part; m < end; m += parts)
+      expand_message<F>(p, rg, s, m, 0, g.hidden / kLaneValues);
+  }
+}
+
+// Receiver block rb of n_rb (all blocks of dispatch_wait; the non-senders of the fused kernel),
+// or a sender of the fused kernel that has sent its chunks and joins in (rb < 0: it takes work
+// items only; the receivers write the padding and the combine's bookkeeping).
+template <TokenFormat F>
+__device__ __noinline__ void dispatch_recv(const DispatchParams& p, unsigned long long seq, char* smem,
+                              int32_t rb, int32_t n_rb) {
+  const GroupView& g = p.g;
+  if (rb == 0 && threadIdx.x == 0) g.state->recv_item[(seq + 1) & 1] = 0;  // the next call's
+  const WindowLayout wl = g.layout();
+  const MetaLayout ml = wl.meta();
+  const int32_t n_local = g.n_local(), n_ranks = g.n_ranks;
+  const RecvGroups rg = RecvGroups::carve(smem, n_ranks, n_local);
+
+  auto meta_at = [&](int32_t s) { return window_at(g, g.rank, wl.meta_offset(s)); };
+  if (!block_wait(
+          g, all_ranks_mask(g), kOpDispatchRecv, kWaitMeta,
+          [&](int32_t s) {
+            return reinterpret_cast<const unsigned long long*>(meta_at(s) + ml.seq_offset());
+          },
+          [&](int32_t) { return seq; }))
+    return;
+  for (int32_t i = threadIdx.x; i < n_ranks * n_local; i += kThreads) {
+    const int32_t s = i / n_local, j = i % n_local;
+    rg.counts[i] = reinterpret_cast<const volatile int32_t*>(meta_at(s) + ml.counts_offset())[j];
+  }
+  if (threadIdx.x < n_ranks) {
+    rg.stream_count[threadIdx.x] =
+        *reinterpret_cast<const volatile int32_t*>(meta_at(threadIdx.x) + ml.stream_count_offset());
+    rg.n_chunks[threadIdx.x] =
+        *reinterpret_cast<const volatile int32_t*>(meta_at(threadIdx.x) + ml.n_chunks_offset());
+  }
+  __syncthreads();
+  if (check_sources(p, rg, ml, meta_at, rb) != 0) {
+    // Nothing is written but empty groups (row_offsets all 0, so combine sends nothing back
+    // from here); the call still completes, so the group stays usable.
+    if (rb == 0) {
+      for (int32_t grp = threadIdx.x; grp <= n_local; grp += kThreads) {
+        p.row_offsets[grp] = 0;
+        if (grp < n_local) p.expert_ids[grp] = g.route.group_expert(grp);
+        if (format_swizzled(F) && grp < n_local) p.scales_offsets[grp] = 0;
+      }
+      if (threadIdx.x < n_ranks) p.scratch.recv_count[threadIdx.x] = 0;
+    }
+    dispatch_done(g, seq);
+    return;
+  }
+
+  // row_offsets: exclusive scan of the group totals, each padded to the format's row alignment;
+  // the swizzled formats also scan each group's scale tiles (n_local <= 1024 = 2 per thread).
+  const GroupRows rows{rg.counts, n_ranks, n_local};
+  constexpr int32_t kAlign = format_row_align(F);
+  constexpr int32_t kTileRows = SwizzledScaleLayout::kTileRows;
+  using Scan = cub::BlockScan<int32_t, kThreads>;
+  __shared__ typename Scan::TempStorage scan_tmp;
+  int32_t item[2], tiles[2], total = 0, total_tiles = 0;
+  for (int i = 0; i < 2; ++i) {
+    const int32_t grp = threadIdx.x * 2 + i;
+    const int32_t m = grp < n_local ? rows.group_total(grp) : 0;
+    if (grp < n_local) rg.rows[grp] = m;
+    item[i] = int32_t(align_up(m, kAlign));
+    tiles[i] = (m + kTileRows - 1) / kTileRows;
+  }
+  Scan(scan_tmp).ExclusiveSum(item, item, total);
+  if constexpr (format_swizzled(F)) {
+    __syncthreads();  // scan_tmp is reused
+    Scan(scan_tmp).ExclusiveSum(tiles, tiles, total_tiles);
+  }
+  for (int i = 0; i < 2; ++i) {
+    const int32_t grp = threadIdx.x * 2 + i;
+    if (grp < n_local) {
+      rg.row_offset[grp] = item[i];
+      rg.tile_start[grp] = tiles[i];
+    }
+  }
+  if (threadIdx.x == 0) {
+    rg.row_offset[n_local] = total;
+    rg.tile_start[n_local] = total_tiles;
+  }
+  __syncthreads();
+  // Block 0 also keeps the bases and message counts for the expert-side combine.
+  for (int32_t grp = threadIdx.x; grp < n_local; grp += kThreads) {
+    for (int32_t s = 0; s < n_ranks; ++s) {
+      const int32_t base = rg.row_offset[grp] + rows.source_offset(s, grp);
+      rg.base[s * n_local + grp] = base;
+      if (rb == 0) p.scratch.recv_base[s * n_local + grp] = base;
+    }
+  }
+  if (rb == 0) {
+    if (threadIdx.x < n_ranks) p.scratch.recv_count[threadIdx.x] = rg.stream_count[threadIdx.x];
+    for (int32_t grp = threadIdx.x; grp <= n_local; grp += kThreads) {
+      p.row_offsets[grp] = uint32_t(rg.row_offset[grp]);
+      if (grp < n_local) p.expert_ids[grp] = g.route.group_expert(grp);
+      if (format_swizzled(F) && grp < n_local)
+        p.scales_offsets[grp] = uint32_t(rg.tile_start[grp] - rg.row_offset[grp] / kTileRows);
+    }
+  }
+  __syncthreads();
+  if (rb >= 0) fill_padding<F>(p, rg, rb, n_rb);
+  trace_mark(g, kTraceDispatch, kTraceReady);
+  if (g.low_latency)
+    expand_parts<F>(p, rg, seq, rb, n_rb);
+  else
+    expand_chunks<F>(p, rg, seq, n_rb);
+  // A warp that gave up has set the abort flag (or found it set): the block stops here.
+  if (block_aborted(g)) return;
+  dispatch_done(g, seq);
+  trace_mark(g, kTraceDispatch, kTraceDone);
+}
+
+}  // namespace
+}  // namespace detail
+}  // namespace epcomm
