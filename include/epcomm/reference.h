@@ -1,5 +1,5 @@
 // The CPU reference model of dispatch and combine: host code with the semantics and row order
-// of the GPU path (SPEC §3, §4). The GPU tests and the benchmark check against it.
+// of the GPU path (docs/design.md "Dispatch", "Combine"). The GPU tests and the benchmark check against it.
 #pragma once
 
 #include <cstdint>
@@ -27,7 +27,7 @@ struct Problem {
   int32_t top_k = 0;
   int32_t n_experts = 0;
   std::vector<RankInput> ranks;  // n_ranks entries
-  // Modes (SPEC §7; Config's fields of the same names). With skip_a2a every rank's dispatch
+  // Modes (docs/design.md "Modes"; Config's fields of the same names). With skip_a2a every rank's dispatch
   // reads only its own input (make_replicated_problem gives every rank the same one).
   bool shared_expert = false;
   bool skip_a2a = false;
@@ -43,6 +43,9 @@ struct Problem {
 // the model answers as the device does (validate_topk). Every function below that takes a
 // Problem calls it first, and checks its own other arguments likewise.
 void check_problem(const Problem& p);
+// Rank `rank`'s input; throws Error(kInvalidArgument) naming `what` for a rank outside p.
+const RankInput& rank_input(const Problem& p, int32_t rank, const char* what);
+RankInput& rank_input(Problem& p, int32_t rank, const char* what);
 
 // The first problem with a rank's topk_ids, as the device reports it.
 struct TopkError {

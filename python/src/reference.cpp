@@ -73,7 +73,7 @@ void def_compare_combine(nb::module_& r, const char* name,
         return compare(std::vector<T>(ref.data(), ref.data() + ref.size()), out.data(),
                        int64_t(out.size()));
       },
-      "ref"_a, "out"_a);
+      "ref"_a.noconvert(), "out"_a.noconvert());
 }
 
 }  // namespace
@@ -89,28 +89,35 @@ void bind_reference(nb::module_& m) {
       .def_rw("shared_expert", &epcomm::reference::Problem::shared_expert)
       .def_rw("skip_a2a", &epcomm::reference::Problem::skip_a2a)
       .def_rw("allreduce_world_size", &epcomm::reference::Problem::allreduce_world_size)
-      .def("num_tokens", [](const epcomm::reference::Problem& p,
-                            int rank) { return p.ranks.at(size_t(rank)).num_tokens; })
+      .def("num_tokens",
+           [](const epcomm::reference::Problem& p, int rank) {
+             return epcomm::reference::rank_input(p, rank, "num_tokens").num_tokens;
+           })
       .def("tokens",
            [](const epcomm::reference::Problem& p, int rank) {
-             const auto& in = p.ranks.at(size_t(rank));
+             const auto& in = epcomm::reference::rank_input(p, rank, "tokens");
              return to_numpy(in.tokens, {size_t(in.num_tokens), size_t(p.hidden)});
            })
       .def("topk_ids",
            [](const epcomm::reference::Problem& p, int rank) {
-             const auto& in = p.ranks.at(size_t(rank));
+             const auto& in = epcomm::reference::rank_input(p, rank, "topk_ids");
              return to_numpy(in.topk_ids, {size_t(in.num_tokens), size_t(p.top_k)});
            })
       .def("weights",
            [](const epcomm::reference::Problem& p, int rank) {
-             const auto& in = p.ranks.at(size_t(rank));
+             const auto& in = epcomm::reference::rank_input(p, rank, "weights");
              return to_numpy(in.weights, {size_t(in.num_tokens), size_t(p.top_k)});
            })
-      .def("set_topk_ids", [](epcomm::reference::Problem& p, int rank, const I32& ids) {
-        auto& in = p.ranks.at(size_t(rank));
-        if (int64_t(ids.size()) != int64_t(in.num_tokens) * p.top_k) invalid("set_topk_ids: shape");
-        in.topk_ids = from_numpy(ids);
-      });
+      .def(
+          "set_topk_ids",
+          [](epcomm::reference::Problem& p, int rank, const I32& ids) {
+            auto& in = epcomm::reference::rank_input(p, rank, "set_topk_ids");
+            if (int64_t(ids.size()) != int64_t(in.num_tokens) * p.top_k)
+              invalid("set_topk_ids: " + std::to_string(ids.size()) + " ids for " +
+                      std::to_string(in.num_tokens) + " tokens x top_k " + std::to_string(p.top_k));
+            in.topk_ids = from_numpy(ids);
+          },
+          "rank"_a, "ids"_a.noconvert());
   r.def(
       "make_problem",
       [](int n_ranks, int hidden, int top_k, int n_experts, std::vector<int32_t> num_tokens,
@@ -194,11 +201,12 @@ void bind_reference(nb::module_& m) {
         for (const auto& a : expert_out)
           y.push_back(from_numpy(a));
         std::vector<double> v = epcomm::reference::combine(p, layouts, y, rank, weighted);
-        const size_t T = size_t(p.ranks.at(size_t(rank)).num_tokens), H = size_t(p.hidden);
+        const size_t T = size_t(epcomm::reference::rank_input(p, rank, "combine").num_tokens),
+                     H = size_t(p.hidden);
         return weighted ? to_numpy(std::move(v), {T, H})
                         : to_numpy(std::move(v), {T, size_t(p.top_k), H});
       },
-      "problem"_a, "layouts"_a, "expert_out"_a, "rank"_a, "weighted"_a);
+      "problem"_a, "layouts"_a, "expert_out"_a.noconvert(), "rank"_a, "weighted"_a);
   r.def(
       "combine_expert_side",
       [](const epcomm::reference::Problem& p,
@@ -208,10 +216,12 @@ void bind_reference(nb::module_& m) {
         for (const auto& a : expert_out)
           y.push_back(from_numpy(a));
         std::vector<float> v = epcomm::reference::combine_expert_side(p, layouts, y, rank);
-        return to_numpy(std::move(v),
-                        {size_t(p.ranks.at(size_t(rank)).num_tokens), size_t(p.hidden)});
+        return to_numpy(
+            std::move(v),
+            {size_t(epcomm::reference::rank_input(p, rank, "combine_expert_side").num_tokens),
+             size_t(p.hidden)});
       },
-      "problem"_a, "layouts"_a, "expert_out"_a, "rank"_a);
+      "problem"_a, "layouts"_a, "expert_out"_a.noconvert(), "rank"_a);
   r.def(
       "compare_dispatch",
       [](const epcomm::reference::DispatchResult& ref, const I32& row_offsets,
@@ -227,7 +237,8 @@ void bind_reference(nb::module_& m) {
             ref, reinterpret_cast<const uint32_t*>(row_offsets.data()), expert_ids.data(),
             reinterpret_cast<const epcomm::SrcInfo*>(src_info.data()), tokens.data(), hidden);
       },
-      "ref"_a, "row_offsets"_a, "expert_ids"_a, "src_info"_a, "tokens"_a, "hidden"_a,
+      "ref"_a, "row_offsets"_a.noconvert(), "expert_ids"_a.noconvert(), "src_info"_a.noconvert(),
+      "tokens"_a.noconvert(), "hidden"_a,
       "'' when a dispatch output equals the reference, else the first difference.");
   r.def(
       "compare_dispatch_quantized",
@@ -254,8 +265,9 @@ void bind_reference(nb::module_& m) {
         v.scales_offsets = reinterpret_cast<const uint32_t*>(scales_offsets.data());
         return epcomm::reference::compare_dispatch_quantized(ref, v);
       },
-      "ref"_a, "rows"_a, "row_bytes"_a, "row_offsets"_a, "expert_ids"_a, "src_info"_a, "codes"_a,
-      "scales"_a, "scales_offsets"_a,
+      "ref"_a, "rows"_a, "row_bytes"_a, "row_offsets"_a.noconvert(), "expert_ids"_a.noconvert(),
+      "src_info"_a.noconvert(), "codes"_a.noconvert(), "scales"_a.noconvert(),
+      "scales_offsets"_a.noconvert(),
       "'' when a quantised dispatch output equals the reference bit for bit, else the first "
       "difference (scales as raw bytes).");
   def_compare_combine(r, "compare_combine_bf16", &epcomm::reference::compare_combine_bf16);

@@ -98,6 +98,17 @@ void check_problem(const Problem& p) {
   }
 }
 
+const RankInput& rank_input(const Problem& p, int32_t rank, const char* what) {
+  check_rank(p, rank, what);
+  if (size_t(rank) >= p.ranks.size())
+    bad_argument(std::string(what) + ": the problem holds " + std::to_string(p.ranks.size()) +
+                 " ranks' inputs");
+  return p.ranks[size_t(rank)];
+}
+RankInput& rank_input(Problem& p, int32_t rank, const char* what) {
+  return const_cast<RankInput&>(rank_input(static_cast<const Problem&>(p), rank, what));
+}
+
 RouteMap Problem::route(int32_t rank) const {
   return RouteMap::make(n_experts, top_k, n_ranks, rank, shared_expert, skip_a2a,
                         allreduce_world_size);
