@@ -1,4 +1,4 @@
-// The dispatch formats as the benchmark sees them (SPEC §5):
+// The dispatch formats as the benchmark sees them (docs/design.md "Token formats"):
 // - MessageFormat: one (token, destination rank) message of a format, codes then the token's
 //   scales. Its size is what logical GB/s counts per message, and its rows (padded to 16 bytes)
 //   are what the NCCL baseline quantises into and moves.

@@ -7,25 +7,28 @@
 #   RUNS      benchmark argument sets, separated by ';' (default: prefill and prefill-fp8 at 24
 #             SMs; decode-bf16 and decode at 132)
 #   REPS      rounds (default 2)
-# Output: one line per (round, tree, workload, op): median and min in µs; raw text under $OUT.
+# Output: one line per (round, tree, workload, op): median and min in µs; the raw logs in
+# $OUT/ab_logs.tar.gz (the device tool brings back few files).
 set -uo pipefail
 . "$(dirname "$0")/device_env.sh"
 BASE=${BASE:-.ab/base}
 REPS=${REPS:-2}
 RUNS=${RUNS:-"--workload prefill,prefill-fp8 --sms 24;--workload decode-bf16,decode --sms 132"}
 ROOT=$PWD
+LOGS=$OUT/ab
+mkdir -p "$LOGS"
 build_tree() {  # build_tree SRC BUILD_DIR LOG_PREFIX
   (cd "$1" && cmake_build "$2" "$3" --target epcomm_bench -- -DEPCOMM_BUILD_TESTS=OFF \
      -DEPCOMM_BUILD_EXAMPLES=OFF) || { echo "build of $1 failed"; return 1; }
 }
-build_tree "$BASE" "$ROOT/build-ab-base" base_ || exit 1
-build_tree "$ROOT" "$ROOT/build-ab-head" head_ || exit 1
+build_tree "$BASE" "$ROOT/build-ab-base" ab/base_ || exit 1
+build_tree "$ROOT" "$ROOT/build-ab-head" ab/head_ || exit 1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | sed 's/^/gpu: /'
 IFS=';' read -r -a runs <<<"$RUNS"
 for rep in $(seq 1 "$REPS"); do
   for tree in base head; do
     for i in "${!runs[@]}"; do
-      log="$OUT/ab_${tree}_r${rep}_$i.txt"
+      log="$LOGS/${tree}_r${rep}_$i.txt"
       # shellcheck disable=SC2086
       timeout ${RUN_TIMEOUT:-120} "$ROOT/build-ab-$tree/bench/epcomm_bench" ${runs[$i]} --no-nccl \
         >"$log" 2>"${log%.txt}.err"
@@ -38,3 +41,4 @@ for rep in $(seq 1 "$REPS"); do
     done
   done
 done
+tar czf "$OUT/ab_logs.tar.gz" -C "$OUT" ab && rm -rf "$LOGS"

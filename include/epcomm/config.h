@@ -13,12 +13,12 @@
 
 namespace epcomm {
 
-// Hard limits of this build (SPEC §9).
+// Hard limits of this build (docs/design.md "Limits").
 constexpr int kMaxTopK = 16;
 constexpr int kMaxExperts = 1024;
 constexpr int kMaxRanks = 64;  // EP64: 8 nodes of 8 GPUs (WindowLayout::kMaxPeers)
 
-// Which dispatch kernels a group runs (SPEC: modes). Both give the same outputs, bit for bit.
+// Which dispatch kernels a group runs (docs/design.md "Modes"). Both give the same outputs, bit for bit.
 enum class DispatchPath : int32_t {
   // kLowLatency where max_tokens_per_rank <= kLowLatencyMaxTokens, else kThroughput.
   kAuto = 0,
@@ -89,7 +89,7 @@ struct Config {
   // divide n_ranks. Ranks of one node must be able to map each other's memory.
   int32_t ranks_per_node = 0;
 
-  // Modes (SPEC §7).
+  // Modes (docs/design.md "Modes").
   // Fused shared expert: group 0 of every rank's dispatch output holds this rank's own tokens
   // (rows [0, T), token order, in the dispatch format; expert_ids[0] = kSharedExpertId), the
   // local experts are groups 1..n_local, and combine adds the shared expert's output row of

@@ -45,7 +45,7 @@ namespace epcomm {
 
 // Inputs of dispatch on this rank. All device pointers, 16-byte aligned.
 //
-// Router weights are given once, to dispatch or to combine (SPEC §4):
+// Router weights are given once, to dispatch or to combine (docs/design.md "Combine"):
 //   to dispatch (weights here): each message carries its slots' weights; combine then reduces on
 //     the expert side: a rank sums w * y over its own experts of a token (fp32, top-k slot
 //     ascending), rounds that to bf16 and sends one row per (token, rank) back instead of one
@@ -68,7 +68,7 @@ struct DispatchInput {
 // this format: dispatch_output_descs(config(), sizes()) (epcomm/tensors.h describes them once).
 //
 // Rows are expert-major: group g is rows [row_offsets[g], row_offsets[g + 1]), and within a group
-// by source rank, then source token. The quantised formats (Config::format, SPEC §5):
+// by source rank, then source token. The quantised formats (Config::format, docs/design.md "Token formats"):
 //   kFp8Blockwise: every group's row count is padded to a multiple of 4 and row_offsets include
 //     the padding. A padding row has src_info {-1, -1, -1}, zero codes and zero scales.
 //   kNvfp4, kMxfp8: scales in the 128x4 swizzled layout, every group starting a fresh 128-row

@@ -24,7 +24,7 @@ EPCOMM_HD constexpr int64_t max_routed_rows(int32_t max_tokens, int32_t n_ranks,
 // expert_ids[g] of the shared expert's group (group 0 with Config::shared_expert).
 constexpr int32_t kSharedExpertId = -1;
 
-// How the caller's routing becomes the routing the kernels run (SPEC §7 modes). The kernels see
+// How the caller's routing becomes the routing the kernels run (docs/design.md "Modes" modes). The kernels see
 // a "view" of the group: its ranks, experts and top-k slots, which equal the caller's unless
 //  - shared_expert: every rank gets one more expert, its local expert 0 (group 0), to which it
 //    routes its own tokens only, through one more top-k slot (slot K, weight 1, last); the

@@ -1,4 +1,4 @@
-// The fused SiLU / SwiGLU kernels (SPEC §6): after the first grouped GEMM, z = silu(gate) * up
+// The fused SiLU / SwiGLU kernels (docs/design.md "Fused SiLU / SwiGLU"): after the first grouped GEMM, z = silu(gate) * up
 // (or the clamped SwiGLU) of every dispatch output row, in fp32, stored as bf16 or quantised for
 // the second grouped GEMM, z by the functions of epcomm/formats/silu_math.h. The CPU reference
 // of every output is in epcomm/formats/reference_silu.h (the epcomm_reference library); the

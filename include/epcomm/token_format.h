@@ -1,4 +1,4 @@
-// The dispatch token formats (SPEC §5) and the per-format facts every layer needs: the config,
+// The dispatch token formats (docs/design.md "Token formats") and the per-format facts every layer needs: the config,
 // the message layout, the kernels, the CPU reference and the tests. Host and device.
 //
 //   format         codes per row        scale per     scale type    output scales

@@ -1,4 +1,4 @@
-// The fused SiLU / SwiGLU kernels (SPEC §6, epcomm/silu.h).
+// The fused SiLU / SwiGLU kernels (docs/design.md "Fused SiLU / SwiGLU", epcomm/silu.h).
 //
 // Protocol. One launch per call, on the caller's stream, no host synchronisation. The host knows
 // only max_rows; every thread reads the row count n = min(row_offsets[G], max_rows) on the

@@ -1,4 +1,4 @@
-// CPU reference of the quantised dispatch outputs (SPEC §5): the bf16 dispatch rows of
+// CPU reference of the quantised dispatch outputs (docs/design.md "Token formats"): the bf16 dispatch rows of
 // reference::dispatch, padded per group where the format pads, encoded by the row encoders of
 // formats_reference.cpp and laid out by the scale layouts of scale_layouts.h; and the comparison
 // of a dispatch output with it.

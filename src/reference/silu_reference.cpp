@@ -1,4 +1,4 @@
-// CPU reference of the fused SiLU / SwiGLU kernels (SPEC §6): z for every element by the
+// CPU reference of the fused SiLU / SwiGLU kernels (docs/design.md "Fused SiLU / SwiGLU"): z for every element by the
 // pointwise functions the kernels use, then the grouped quantisers of the dispatch outputs.
 #include <algorithm>
 #include <cmath>

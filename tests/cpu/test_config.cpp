@@ -328,7 +328,7 @@ TEST(Config, NamesRoundTrip) {
   }
 }
 
-// The modes of SPEC §7: the shared expert takes a top-k slot; allreduce_world_size is at most
+// The modes of docs/design.md "Modes": the shared expert takes a top-k slot; allreduce_world_size is at most
 // the group; every mode field must agree between ranks; the sizes count the shared group and
 // skip_a2a's single source.
 TEST(Config, ModesAreCheckedAndSized) {

@@ -1,4 +1,4 @@
-// The quantised dispatch reference: output shapes per format (SPEC §3, §5, §8.3), a hand-worked
+// The quantised dispatch reference: output shapes per format (docs/design.md "Dispatch", "Token formats", design rule 3), a hand-worked
 // problem, and random problems with large magnitudes and zero tokens, whose outputs are checked
 // row by row against the bf16 dispatch: the row map and padding, codes and scales against the
 // row encoders, scales at their layout positions, and decode(encode) within each format's bound.
@@ -46,7 +46,7 @@ TEST(QuantDispatchReference, OutputShapes) {
   // H = 256, at most 16 routed rows in 4 groups.
   const QuantOutputShape fp8 =
       reference::dispatch_output_shape(QuantFormat::kFp8Blockwise, 256, 16, 4);
-  EXPECT_EQ(fp8.rows, 28);  // 16 + 4 * 3 padding rows, a multiple of 4 (SPEC §8.3)
+  EXPECT_EQ(fp8.rows, 28);  // 16 + 4 * 3 padding rows, a multiple of 4 (docs/design.md design rule 3)
   EXPECT_EQ(fp8.row_bytes(), 256);
   EXPECT_EQ(fp8.codes_size(), 28 * 256);
   EXPECT_EQ(fp8.scales_size(), 2 * 28);  // [H / 128, rows]
@@ -266,7 +266,7 @@ void check_rank(const reference::Problem& p, int32_t rank, QuantFormat f, float 
   ASSERT_LE(q.rows(), shape.rows);
   ASSERT_EQ(int64_t(q.row_offsets.back()), q.rows());
 
-  // scales_offsets by SPEC §5: exclusive prefix of ceil(m_g / 128) minus row_offsets[g] / 128.
+  // scales_offsets by docs/design.md "Token formats": exclusive prefix of ceil(m_g / 128) minus row_offsets[g] / 128.
   if (swizzled) {
     ASSERT_EQ(q.out.scales_offsets.size(), size_t(G));
     uint32_t prefix = 0;

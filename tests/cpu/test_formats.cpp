@@ -660,7 +660,7 @@ float step_ulps(float x, int k) {
 
 // x / s and x * (1 / s) differ in the last bit now and then, and next to an e4m3 tie that changes
 // the code. Find such values (x within a few ulps of midpoint * s) and check the encoder divides,
-// as SPEC's q = x / s says.
+// as docs/design.md's q = x / s says.
 TEST(FormatsFp8Blockwise, DividesByTheScale) {
   std::mt19937_64 gen(11);
   int found = 0;

@@ -236,7 +236,7 @@ TEST(Layout, RouteMapSkipA2a) {
 }
 
 // skip_a2a + shared expert: the W shares tile the tokens in order, sizes within one of each
-// other, share r of (T + W - r - 1) / W tokens (SPEC §7); a token is shared on exactly one share.
+// other, share r of (T + W - r - 1) / W tokens (docs/design.md "Modes"); a token is shared on exactly one share.
 TEST(Layout, RouteMapSharedSplitTilesTheTokens) {
   for (int W = 1; W <= 8; ++W) {
     for (int T = 0; T <= 40; ++T) {

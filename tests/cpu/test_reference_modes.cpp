@@ -1,4 +1,4 @@
-// The CPU reference model's modes (SPEC §7): the fused shared expert and skip_a2a, by hand on a
+// The CPU reference model's modes (docs/design.md "Modes"): the fused shared expert and skip_a2a, by hand on a
 // small problem and as properties on random ones (the skip_a2a partial sums, added over the
 // ranks, give the whole layer's output).
 #include <gtest/gtest.h>

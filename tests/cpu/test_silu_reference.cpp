@@ -492,7 +492,7 @@ TEST(SiluReference, Nvfp4RandomWithinBoundAndSwizzled) {
   const SwizzledScaleLayout layout = q.shape.swizzled_layout();
   EXPECT_EQ(layout.row_tiles, (140 + 3 * 128) / 128);
   EXPECT_EQ(layout.col_tiles(), 4);
-  // scales_offsets by SPEC §5: exclusive prefix of ceil(m / 128) = {0, 2, 2}, minus
+  // scales_offsets by docs/design.md "Token formats": exclusive prefix of ceil(m / 128) = {0, 2, 2}, minus
   // row_offsets / 128 = {0, 1, 1}.
   EXPECT_EQ(q.scales_offsets, (std::vector<uint32_t>{0, 1, 1}));
 

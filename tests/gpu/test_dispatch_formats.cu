@@ -1,4 +1,4 @@
-// Dispatch in the quantised token formats (SPEC §5: blockwise FP8, NVFP4, MXFP8, MXFP4) on real
+// Dispatch in the quantised token formats (docs/design.md "Token formats": blockwise FP8, NVFP4, MXFP8, MXFP4) on real
 // GPUs, one process driving 2, 4 or 8 of them. Inputs stay bf16; the sending GPU quantises.
 //
 // Every dispatch output is poisoned (0xff) before the run and compared bit for bit with

@@ -1,4 +1,4 @@
-// The modes of SPEC §7 on real GPUs (ranks sharing one where there are fewer): the fused shared
+// The modes of docs/design.md "Modes" on real GPUs (ranks sharing one where there are fewer): the fused shared
 // expert, skip_a2a, and both together, with 1, 2, 3 and 8 ranks, both dispatch paths, fused and
 // async + wait forms, token- and expert-side reduction, every token format. Every round is
 // checked against the CPU reference with outputs poisoned first (run_round); the skip_a2a

@@ -80,7 +80,7 @@ struct LocalState {
 };
 
 // What every kernel knows about the group. rank, n_ranks, top_k and n_experts are those of the
-// routing view (RouteMap: the caller's, unless a mode of SPEC §7 is on); `route` maps the
+// routing view (RouteMap: the caller's, unless a mode of docs/design.md "Modes" is on); `route` maps the
 // caller's topk_ids and weights into it.
 struct GroupView {
   int32_t rank;

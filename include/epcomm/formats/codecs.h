@@ -1,4 +1,4 @@
-// Scalar codecs of the quantised token formats (SPEC §5, §6) and the per-block quantisers built
+// Scalar codecs of the quantised token formats (docs/design.md "Token formats", "Fused SiLU / SwiGLU") and the per-block quantisers built
 // on them. Everything here is host + device (EPCOMM_HD) and uses only integer bit manipulation
 // and correctly rounded fp32 operations, so the kernels, the CPU reference
 // (src/reference/formats_reference.cpp) and the tests get bit-identical results. The host build

@@ -1,4 +1,4 @@
-// The CPU reference encoders and decoders of the quantised token formats (SPEC §5), over
+// The CPU reference encoders and decoders of the quantised token formats (docs/design.md "Token formats"), over
 // [rows, hidden] fp32 matrices (bf16 tokens widen to fp32 exactly), and the error bound of each
 // format's quantise -> dequantise. The GPU path must match the encoders bit for bit on codes and
 // scales; both are built on the block quantisers of codecs.h. Host only.
@@ -72,7 +72,7 @@ void place_swizzled_scales(const uint8_t* row_scales, const uint32_t* row_offset
 
 // ---- grouped quantised outputs (dispatch_formats_reference.cpp) -----------------------------
 // A quantised matrix as the grouped GEMM reads it: rows grouped by row_offsets, codes
-// row-major, scales in the format's output layout (SPEC §5). Used by the dispatch output
+// row-major, scales in the format's output layout (docs/design.md "Token formats"). Used by the dispatch output
 // (dispatch_quantized below) and by the fused SiLU outputs (reference_silu.h).
 
 enum class QuantFormat : int32_t {
@@ -117,9 +117,9 @@ struct QuantOutputShape {
   bool swizzled() const { return format == QuantFormat::kNvfp4 || format == QuantFormat::kMxfp8; }
 };
 
-// The dispatch output of a format when at most `max_routed_rows` rows arrive (SPEC §3:
+// The dispatch output of a format when at most `max_routed_rows` rows arrive (docs/design.md "Dispatch":
 // max_tokens_per_rank * n_ranks * min(K, n_local), plus max_tokens_per_rank with the shared
-// expert) in `groups` groups. rows is SPEC's max_recv_rows, padding included (SPEC §8.3): for FP8
+// expert) in `groups` groups. rows is Sizes::max_recv_rows, padding included (docs/design.md design rule 3): for FP8
 // Fp8ScaleLayout::max_rows(max_routed_rows, groups) = align_up(max_routed_rows + 3 groups, 4),
 // else max_routed_rows (NVFP4 / MXFP8 pad scale tiles, not rows: swizzled_layout() has
 // (max_routed_rows + 128 groups) / 128 row tiles). Throws Error(kInvalidArgument) when hidden is

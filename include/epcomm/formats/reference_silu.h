@@ -1,4 +1,4 @@
-// The CPU reference of each output of the fused SiLU / SwiGLU kernels of SPEC §6, and for checks
+// The CPU reference of each output of the fused SiLU / SwiGLU kernels of docs/design.md "Fused SiLU / SwiGLU", and for checks
 // the kernels' z evaluated on the device (the epcomm_reference library). The pointwise
 // activation the kernels and this reference share is in silu_math.h.
 //

@@ -1,4 +1,4 @@
-// Where the dispatch output's scales live, per format (SPEC §5): small value types shared by the
+// Where the dispatch output's scales live, per format (docs/design.md "Token formats"): small value types shared by the
 // kernels, the CPU reference and the tests (tests/cpu/test_formats.cpp works them through on
 // small examples). Host and device.
 //
@@ -45,7 +45,7 @@ struct Fp8ScaleLayout {
 
   EPCOMM_HD static int64_t padded_rows(int64_t rows) { return align_up(rows, kRowAlign); }
   // The output rows needed when at most `routed_rows` rows arrive, spread over `groups` groups:
-  // padding adds at most kRowAlign - 1 rows per group (SPEC §8.3). A multiple of kRowAlign.
+  // padding adds at most kRowAlign - 1 rows per group (docs/design.md design rule 3). A multiple of kRowAlign.
   EPCOMM_HD static int64_t max_rows(int64_t routed_rows, int32_t groups) {
     return align_up(routed_rows + int64_t(kRowAlign - 1) * groups, kRowAlign);
   }
@@ -71,7 +71,7 @@ struct SwizzledScaleLayout {
   // The array of a dispatch output with room for `routed_rows` routed rows
   // (Sizes::max_routed_rows; the swizzled formats pad no rows) in `groups` groups, each group
   // starting a fresh tile: at most sum ceil(m_g / 128) <= (routed_rows + 127 G) / 128 tiles,
-  // so SPEC's (routed_rows + G * 128) / 128 is enough.
+  // so docs/design.md's (routed_rows + G * 128) / 128 is enough.
   EPCOMM_HD static int64_t row_tiles_for(int64_t routed_rows, int32_t groups) {
     return (routed_rows + int64_t(groups) * kTileRows) / kTileRows;
   }

@@ -1,4 +1,4 @@
-// The pointwise activation of the fused SiLU / SwiGLU kernels (SPEC §6), host + device: the
+// The pointwise activation of the fused SiLU / SwiGLU kernels (docs/design.md "Fused SiLU / SwiGLU"), host + device: the
 // kernels (epcomm/silu.h) and their CPU reference (reference_silu.h) both call these, so they
 // evaluate the same fp32 operations in the same order.
 //
@@ -38,7 +38,7 @@ EPCOMM_HD float silu_mul(float gate, float up) {
 }
 
 // The clamped SwiGLU (gpt-oss): limit L >= 0 and alpha, both finite.
-//   g' = min(g, L)        — clamped from above only, as SPEC says: a very negative gate is
+//   g' = min(g, L)        — clamped from above only, as docs/design.md says: a very negative gate is
 //                           already sent to zero by the sigmoid;
 //   u' = clamp(u, -L, L);
 //   z  = (u' + 1) * g' * sigmoid(alpha * g'), in fp32, in this order:

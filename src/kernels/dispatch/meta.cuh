@@ -104,7 +104,7 @@ struct RecvGroups {
 
 // Checks what the sources announced before anything is written: every count, message count and
 // chunk start in range (a peer's record is never trusted to stay inside the buffers), and the
-// rows routed here within the receive capacity (Config::max_recv_rows). Every receiving block
+// rows routed here within the receive capacity (Config::max_routed_rows). Every receiving block
 // finds the same verdict; block rb == 0 records the error. Returns 0, kBadPeerData or
 // kRecvCapacity.
 template <class MetaAt>
