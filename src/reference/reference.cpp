@@ -61,13 +61,15 @@ void check_combine_args(const Problem& p, const std::vector<DispatchResult>& lay
                  std::to_string(p.n_ranks) + " ranks (one of each per rank)");
   for (int32_t d = 0; d < p.n_ranks; ++d) {
     const DispatchResult& l = layouts[size_t(d)];
-    for (const SrcInfo& si : l.src_info)
+    for (const SrcInfo& si : l.src_info) {
+      if (si.rank == -1 && si.token == -1 && si.slot == -1) continue;  // a format's padding row
       if (si.rank < 0 || si.rank >= p.n_ranks || si.token < 0 || si.slot < 0 ||
           si.slot > p.top_k || si.token >= p.ranks[size_t(si.rank)].num_tokens)
         bad_argument("combine: layout " + std::to_string(d) +
                      " is not a dispatch result of this problem (a src_info entry names rank " +
                      std::to_string(si.rank) + ", token " + std::to_string(si.token) +
                      ", slot " + std::to_string(si.slot) + ")");
+    }
     if (int64_t(expert_out[size_t(d)].size()) < l.rows() * p.hidden)
       bad_argument("combine: expert output " + std::to_string(d) + " holds " +
                    std::to_string(expert_out[size_t(d)].size()) + " values, its layout needs " +

@@ -283,4 +283,9 @@ TEST(Reference, RejectsBadArguments) {
   bad.ranks[1].topk_ids.pop_back();
   refuses([&] { dispatch(bad, 0); }, "topk_ids");
   EXPECT_EQ(combine(p, layouts, ys, 0, true).size(), size_t(5 * 256));  // the good call works
+  auto padded = layouts;  // a padded format's layout: padding rows (src_info -1) are read by nobody
+  padded[1].src_info.push_back(SrcInfo{-1, -1, -1});
+  padded[1].row_offsets.back() += 1;
+  ys[1].resize(ys[1].size() + 256, 0x3f80);
+  EXPECT_EQ(combine(p, padded, ys, 0, true), combine(p, layouts, ys, 0, true));
 }
