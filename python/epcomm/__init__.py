@@ -287,8 +287,11 @@ class Group:
         t = self._views.get(key)
         if t is None:
             desc = self.dispatch_output_descs().get(name)
-            t = _fw.wrap(fw, self._impl.buffer(name, plain=(fw == _fw.CUPY)),
-                         desc.dtype if desc is not None else None)
+            if fw == _fw.DLPACK:
+                raw = _fw.DLPackBuffer(lambda: self._impl.buffer(name, plain=False), self.device)
+            else:
+                raw = self._impl.buffer(name, plain=(fw == _fw.CUPY))
+            t = _fw.wrap(fw, raw, desc.dtype if desc is not None else None)
             self._views[key] = t
         return t
 

@@ -3,8 +3,8 @@ stream, and turning the library's DLPack buffers into that framework's tensors.
 
 Supported: PyTorch and CuPy (zero-copy, on the framework's current stream), and any other
 DLPack producer (JAX included) through the generic path: inputs are read through DLPack on the
-legacy default stream after the producer is ready, and outputs are returned as the library's
-own DLPack arrays, which `<framework>.from_dlpack` takes.
+legacy default stream after the producer is ready, and outputs are returned as DLPackBuffer
+objects (the DLPack protocol), which `<framework>.from_dlpack` takes.
 """
 
 from __future__ import annotations
@@ -56,6 +56,27 @@ def ready(x) -> None:
         x.block_until_ready()
 
 
+class DLPackBuffer:
+    """One of a group's buffers for a generic DLPack consumer (jax.dlpack.from_dlpack, or any
+    other from_dlpack): the DLPack protocol's two methods. Each __dlpack__ call exports the
+    buffer afresh (a DLPack capsule can be consumed once). The buffer is ready when it is
+    returned (the call that returned it synchronised), so the consumer's stream needs no wait."""
+
+    kDLCUDA = 2
+
+    def __init__(self, export, device: int):
+        self._export, self._device = export, device
+
+    def __dlpack__(self, stream=None, max_version=None, dl_device=None, copy=None):
+        raw = self._export()
+        if hasattr(raw, "__dlpack__"):
+            return raw.__dlpack__()
+        return raw  # a DLPack capsule
+
+    def __dlpack_device__(self):
+        return (self.kDLCUDA, self._device)
+
+
 def _torch_dtype(name: str):
     import torch
 
@@ -64,7 +85,8 @@ def _torch_dtype(name: str):
 
 def wrap(framework: str, raw, view: str | None = None):
     """The framework's tensor over the library's buffer `raw` (no copy). `view` names the
-    element type the bytes hold where the framework has it ("float8_e4m3fn")."""
+    element type the bytes hold where the framework has it ("float8_e4m3fn"). For a generic
+    DLPack consumer, pass a DLPackBuffer as raw: it is returned as it is."""
     if framework == TORCH:
         import torch
 

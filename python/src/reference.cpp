@@ -6,6 +6,7 @@
 
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "arrays.h"
@@ -29,8 +30,8 @@ nb::ndarray<nb::numpy, T> to_numpy(std::vector<T> v, std::vector<size_t> shape) 
 }
 
 template <class T>
-std::vector<T> from_numpy(const nb::ndarray<T, nb::device::cpu, nb::c_contig>& a) {
-  return std::vector<T>(a.data(), a.data() + a.size());
+std::vector<std::remove_const_t<T>> from_numpy(const nb::ndarray<T, nb::device::cpu, nb::c_contig>& a) {
+  return std::vector<std::remove_const_t<T>>(a.data(), a.data() + a.size());
 }
 
 nb::ndarray<nb::numpy, int32_t> src_info_to(const std::vector<epcomm::SrcInfo>& v) {
@@ -39,9 +40,10 @@ nb::ndarray<nb::numpy, int32_t> src_info_to(const std::vector<epcomm::SrcInfo>& 
   return to_numpy(std::move(raw), {v.size(), 2});
 }
 
-using U16 = nb::ndarray<uint16_t, nb::device::cpu, nb::c_contig>;
-using I32 = nb::ndarray<int32_t, nb::device::cpu, nb::c_contig>;
-using U8 = nb::ndarray<uint8_t, nb::device::cpu, nb::c_contig>;
+// Inputs are read only: read-only arrays (numpy views of JAX arrays, say) are taken as they are.
+using U16 = nb::ndarray<const uint16_t, nb::device::cpu, nb::c_contig>;
+using I32 = nb::ndarray<const int32_t, nb::device::cpu, nb::c_contig>;
+using U8 = nb::ndarray<const uint8_t, nb::device::cpu, nb::c_contig>;
 
 // A reference dispatch result's class with the properties both kinds have: row_offsets,
 // expert_ids, src_info (numpy copies) and rows.
@@ -68,7 +70,7 @@ void def_compare_combine(nb::module_& r, const char* name,
                          std::string (*compare)(const std::vector<T>&, const uint16_t*, int64_t)) {
   r.def(
       name,
-      [compare](const nb::ndarray<T, nb::device::cpu, nb::c_contig>& ref, const U16& out) {
+      [compare](const nb::ndarray<const T, nb::device::cpu, nb::c_contig>& ref, const U16& out) {
         if (ref.size() != out.size()) return std::string("sizes differ");
         return compare(std::vector<T>(ref.data(), ref.data() + ref.size()), out.data(),
                        int64_t(out.size()));

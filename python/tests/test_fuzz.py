@@ -45,7 +45,10 @@ def arrays(draw, max_side=64):
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     raw = rng.integers(0, 256, size=n * np.dtype(dtype).itemsize, dtype=np.uint8)
     a = raw.view(dtype).reshape(shape)
-    return np.asfortranarray(a) if draw(st.booleans()) else a
+    a = np.asfortranarray(a) if draw(st.booleans()) else a
+    if draw(st.booleans()):
+        a.setflags(write=False)  # read-only inputs (numpy views of JAX arrays) are inputs too
+    return a
 
 
 @st.composite
@@ -150,6 +153,16 @@ def test_compares_with_random_arrays(p, data):
         attempt(R.compare_dispatch_quantized, q, data.draw(any_ints), data.draw(any_ints),
                 data.draw(arrays()), data.draw(arrays()), data.draw(arrays()),
                 data.draw(arrays()), data.draw(arrays()), data.draw(arrays()))
+
+
+def test_read_only_arrays_are_accepted():
+    p = R.make_problem(2, 64, 2, 4, [3, 2], 1)
+    ref = R.dispatch(p, 0)
+    arrays = [ref.row_offsets.astype(np.int32), ref.expert_ids.astype(np.int32),
+              ref.src_info.astype(np.int32), np.ascontiguousarray(ref.tokens)]
+    for a in arrays:
+        a.setflags(write=False)
+    assert R.compare_dispatch(ref, *arrays, 64) == ""
 
 
 def test_float_tokens_are_not_taken_for_bf16_bits():
