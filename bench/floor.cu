@@ -26,40 +26,88 @@ __device__ __forceinline__ void fma8(float w, const uint4& v, float (&acc)[8]) {
 constexpr int kRegsThreads = 1024;
 constexpr int kDispatchUnroll = 8;
 
-// One warp per message: load the bf16 row (kDispatchUnroll vectors per lane in flight), store
-// the codes' and scales' share of it to every row.
-template <bool kPrefetch>
-__global__ void __launch_bounds__(kRegsThreads, 1) dispatch_floor_regs(DispatchFloorArgs a) {
-  const int lane = threadIdx.x % 32;
-  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
+// One warp moves message i: loads the bf16 row (kUnroll vectors per lane in flight), stores the
+// codes' and scales' share of it to every row.
+template <int kUnroll, bool kPrefetch>
+__device__ __forceinline__ void dispatch_message(const DispatchFloorArgs& a, int64_t i, int lane) {
   const int32_t n_in = a.in_bytes / 16, n_code = a.code_bytes / 16;
   const int32_t n_out = n_code + a.scale_bytes / 16;
-  for (int64_t i = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; i < a.messages;
-       i += warps) {
-    const char* src = reinterpret_cast<const char*>(a.src[i]);
-    if (kPrefetch && lane == 0) prefetch_l2(src, uint32_t(a.in_bytes));  // the whole row at once
-    const int32_t r0 = a.first[i], r1 = a.first[i + 1];
-    for (int32_t v0 = 0; v0 < n_in; v0 += 32 * kDispatchUnroll) {
-      uint4 buf[kDispatchUnroll];
+  const char* src = reinterpret_cast<const char*>(a.src[i]);
+  if (kPrefetch && lane == 0) prefetch_l2(src, uint32_t(a.in_bytes));  // the whole row at once
+  const int32_t r0 = a.first[i], r1 = a.first[i + 1];
+  for (int32_t v0 = 0; v0 < n_in; v0 += 32 * kUnroll) {
+    uint4 buf[kUnroll];
 #pragma unroll
-      for (int u = 0; u < kDispatchUnroll; ++u) {
+    for (int u = 0; u < kUnroll; ++u) {
+      const int32_t v = v0 + u * 32 + lane;
+      if (v < n_in) buf[u] = ld_nc_v4(src + int64_t(v) * 16);
+    }
+    for (int32_t r = r0; r < r1; ++r) {
+      const int64_t row = a.rows[r];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
         const int32_t v = v0 + u * 32 + lane;
-        if (v < n_in) buf[u] = ld_nc_v4(src + int64_t(v) * 16);
-      }
-      for (int32_t r = r0; r < r1; ++r) {
-        const int64_t row = a.rows[r];
-#pragma unroll
-        for (int u = 0; u < kDispatchUnroll; ++u) {
-          const int32_t v = v0 + u * 32 + lane;
-          if (v < n_code)
-            *reinterpret_cast<uint4*>(a.out + row * a.code_bytes + int64_t(v) * 16) = buf[u];
-          else if (v < n_out)
-            *reinterpret_cast<uint4*>(a.scales + row * a.scale_bytes + int64_t(v - n_code) * 16) =
-                buf[u];
-        }
+        if (v < n_code)
+          *reinterpret_cast<uint4*>(a.out + row * a.code_bytes + int64_t(v) * 16) = buf[u];
+        else if (v < n_out)
+          *reinterpret_cast<uint4*>(a.scales + row * a.scale_bytes + int64_t(v - n_code) * 16) =
+              buf[u];
       }
     }
   }
+}
+
+// One warp per message, messages dealt out statically over the grid's warps.
+template <bool kPrefetch>
+__global__ void __launch_bounds__(kRegsThreads, 1) dispatch_floor_regs(DispatchFloorArgs a) {
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
+  for (int64_t i = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; i < a.messages;
+       i += warps)
+    dispatch_message<kDispatchUnroll, kPrefetch>(a, i, threadIdx.x % 32);
+}
+
+// ---- pinned launch shapes: several blocks per SM on exactly `sms` SMs -----------------------
+
+__device__ __forceinline__ uint32_t sm_id() {
+  uint32_t id;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
+  return id;
+}
+
+// The warps of blocks on SMs [first_sm, first_sm + sms) take items [0, n) one at a time from
+// counters[0] (the next grab issued before the current item's work, so its latency hides behind
+// it); blocks on other SMs take none. Every block then counts itself out on counters[1], and the grid's last
+// one zeroes both for the next launch (stream-ordered after this one).
+template <class Body>
+__device__ void pinned_items(unsigned long long* counters, int first_sm, int sms, int64_t n,
+                             Body body) {
+  if (sm_id() - uint32_t(first_sm) < uint32_t(sms)) {
+    const int lane = threadIdx.x % 32;
+    unsigned long long next = lane == 0 ? atomicAdd(&counters[0], 1ull) : 0ull;
+    next = __shfl_sync(0xffffffffu, next, 0);
+    while (int64_t(next) < n) {
+      const unsigned long long after = lane == 0 ? atomicAdd(&counters[0], 1ull) : 0ull;
+      body(int64_t(next), lane);
+      next = __shfl_sync(0xffffffffu, after, 0);
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(&counters[1], 1ull) == gridDim.x - 1) {
+      counters[0] = 0;
+      counters[1] = 0;
+      __threadfence();
+    }
+  }
+}
+
+template <int kThreads, int kBlocksPerSm, int kUnroll>
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm)
+    dispatch_floor_pinned(DispatchFloorArgs a, int sms) {
+  pinned_items(a.pinned, a.first_sm, sms, a.messages, [&](int64_t i, int lane) {
+    dispatch_message<kUnroll, false>(a, i, lane);
+  });
 }
 
 constexpr int kTmaMaxBarriers = 64;
@@ -105,49 +153,58 @@ constexpr int kCombineRegsThreads = 512;
 constexpr int kCombineRows = 8;  // rows' loads in flight together
 constexpr int kCombineU = 2;     // 256-column steps per pass
 
-// One warp per token: per pass, kCombineRows rows x kCombineU vectors per lane in flight, summed
-// in fp32 in k order, stored as bf16.
-template <bool kPrefetch>
-__global__ void __launch_bounds__(kCombineRegsThreads, 1) combine_floor_regs(CombineFloorArgs a) {
-  const int lane = threadIdx.x % 32;
-  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
+// One warp reduces token t: per pass, kCombineRows rows x kU vectors per lane in flight, summed
+// in fp32 in k order, stored as bf16. Row addresses and weights are taken from the lanes that
+// hold them when needed (no per-row arrays: they spilled under the smaller shapes' register
+// budgets); a masked row loads nothing and adds 0.
+template <int kU, bool kPrefetch>
+__device__ __forceinline__ void combine_token(const CombineFloorArgs& a, int64_t t, int lane) {
   const int32_t K = a.top_k, H = a.hidden;
-  for (int64_t t = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; t < a.tokens;
-       t += warps) {
-    const uint16_t* mine = lane < K ? a.src[t * K + lane] : nullptr;
-    if (kPrefetch && mine != nullptr) prefetch_l2(mine, uint32_t(H) * 2);  // whole rows at once
-    const float wmine = lane < K ? a.weights[t * K + lane] : 0.0f;
-    for (int32_t base = lane * 8; base < H; base += 32 * 8 * kCombineU) {
-      float acc[kCombineU][8] = {};
-      for (int32_t k0 = 0; k0 < K; k0 += kCombineRows) {
-        const uint16_t* src[kCombineRows];
-        float w[kCombineRows];
-        uint4 raw[kCombineRows][kCombineU];
+  const uint16_t* mine = lane < K ? a.src[t * K + lane] : nullptr;
+  if (kPrefetch && mine != nullptr) prefetch_l2(mine, uint32_t(H) * 2);  // whole rows at once
+  const float wmine = mine != nullptr ? a.weights[t * K + lane] : 0.0f;
+  for (int32_t base = lane * 8; base < H; base += 32 * 8 * kU) {
+    float acc[kU][8] = {};
+    for (int32_t k0 = 0; k0 < K; k0 += kCombineRows) {
+      uint4 raw[kCombineRows][kU];
 #pragma unroll
-        for (int j = 0; j < kCombineRows; ++j) {
-          src[j] = reinterpret_cast<const uint16_t*>(
-              __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(mine), (k0 + j) % 32));
-          w[j] = __shfl_sync(0xffffffffu, wmine, (k0 + j) % 32);
-          if (k0 + j >= K) src[j] = nullptr;
-        }
+      for (int j = 0; j < kCombineRows; ++j) {
+        const uint16_t* src = reinterpret_cast<const uint16_t*>(
+            __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(mine), (k0 + j) % 32));
+        const bool live = k0 + j < K && src != nullptr;
 #pragma unroll
-        for (int j = 0; j < kCombineRows; ++j)
-#pragma unroll
-          for (int u = 0; u < kCombineU; ++u)
-            if (src[j] != nullptr && base + u * 256 < H)
-              raw[j][u] = ld_nc_v4(src[j] + base + u * 256);
-#pragma unroll
-        for (int j = 0; j < kCombineRows; ++j)
-#pragma unroll
-          for (int u = 0; u < kCombineU; ++u)
-            if (src[j] != nullptr && base + u * 256 < H) fma8(w[j], raw[j][u], acc[u]);
+        for (int u = 0; u < kU; ++u)
+          raw[j][u] = live && base + u * 256 < H ? ld_nc_v4(src + base + u * 256)
+                                                 : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
-      for (int u = 0; u < kCombineU; ++u)
-        if (base + u * 256 < H)
-          *reinterpret_cast<uint4*>(a.out + t * H + base + u * 256) = pack_bf16x8(acc[u]);
+      for (int j = 0; j < kCombineRows; ++j) {
+        const float w = k0 + j < K ? __shfl_sync(0xffffffffu, wmine, (k0 + j) % 32) : 0.0f;
+#pragma unroll
+        for (int u = 0; u < kU; ++u) fma8(w, raw[j][u], acc[u]);
+      }
     }
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
+      if (base + u * 256 < H)
+        *reinterpret_cast<uint4*>(a.out + t * H + base + u * 256) = pack_bf16x8(acc[u]);
   }
+}
+
+// One warp per token, tokens dealt out statically over the grid's warps.
+template <bool kPrefetch>
+__global__ void __launch_bounds__(kCombineRegsThreads, 1) combine_floor_regs(CombineFloorArgs a) {
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
+  for (int64_t t = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; t < a.tokens;
+       t += warps)
+    combine_token<kCombineU, kPrefetch>(a, t, threadIdx.x % 32);
+}
+
+template <int kThreads, int kBlocksPerSm, int kU>
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm)
+    combine_floor_pinned(CombineFloorArgs a, int sms) {
+  pinned_items(a.pinned, a.first_sm, sms, a.tokens,
+               [&](int64_t t, int lane) { combine_token<kU, false>(a, t, lane); });
 }
 
 constexpr int kPiece = 1024;  // bytes of each row per ring slot
@@ -235,10 +292,80 @@ int combine_tma_warps(int top_k) {
   return warps;
 }
 
+
+// The pinned sweep's launch shapes and their kernels.
+template <class Args>
+struct PinnedKernel {
+  int threads, blocks_per_sm, depth;
+  void (*kernel)(Args, int);
+};
+const PinnedKernel<DispatchFloorArgs> kPinnedDispatch[] = {
+    {512, 1, 8, dispatch_floor_pinned<512, 1, 8>},   {1024, 1, 8, dispatch_floor_pinned<1024, 1, 8>},
+    {1024, 1, 4, dispatch_floor_pinned<1024, 1, 4>}, {512, 2, 8, dispatch_floor_pinned<512, 2, 8>},
+    {512, 2, 4, dispatch_floor_pinned<512, 2, 4>},   {1024, 2, 4, dispatch_floor_pinned<1024, 2, 4>},
+    {1024, 2, 2, dispatch_floor_pinned<1024, 2, 2>}, {256, 4, 8, dispatch_floor_pinned<256, 4, 8>},
+    {512, 4, 4, dispatch_floor_pinned<512, 4, 4>},
+};
+const PinnedKernel<CombineFloorArgs> kPinnedCombine[] = {
+    {512, 1, 2, combine_floor_pinned<512, 1, 2>},   {1024, 1, 1, combine_floor_pinned<1024, 1, 1>},
+    {1024, 1, 2, combine_floor_pinned<1024, 1, 2>}, {512, 2, 1, combine_floor_pinned<512, 2, 1>},
+    {512, 2, 2, combine_floor_pinned<512, 2, 2>},   {256, 4, 1, combine_floor_pinned<256, 4, 1>},
+    {256, 2, 2, combine_floor_pinned<256, 2, 2>},   {512, 3, 1, combine_floor_pinned<512, 3, 1>},
+};
+
+template <class Args, size_t N>
+const PinnedKernel<Args>& pinned_kernel(const PinnedKernel<Args> (&table)[N], const FloorVariant& v) {
+  for (const PinnedKernel<Args>& k : table)
+    if (k.threads == v.threads && k.blocks_per_sm == v.blocks_per_sm && k.depth == v.depth) return k;
+  throw std::runtime_error("--floor: no pinned kernel of shape " + floor_variant_name(v));
+}
+
+// The shapes of `table` whose blocks_per_sm blocks an SM of the current device holds (the
+// others would not be the shape they are named for).
+template <class Args, size_t N>
+void add_pinned(const PinnedKernel<Args> (&table)[N], std::vector<FloorVariant>* out) {
+  int device = 0;
+  CHECK_CUDA(cudaGetDevice(&device));
+  for (const PinnedKernel<Args>& k : table) {
+    int fit = 0;
+    CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, k.kernel, k.threads, 0));
+    if (fit >= k.blocks_per_sm)
+      out->push_back(FloorVariant{FloorVariant::kPinned, k.threads, k.blocks_per_sm, k.depth});
+  }
+}
+
+template <class Args, size_t N>
+void launch_pinned(const PinnedKernel<Args> (&table)[N], const Args& a, const FloorVariant& v,
+                   int sms, cudaStream_t stream) {
+  if (a.pinned == nullptr) throw std::runtime_error("--floor: the pinned variants need counters");
+  int device = 0, sm_count = 0;
+  CHECK_CUDA(cudaGetDevice(&device));
+  CHECK_CUDA(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
+  const PinnedKernel<Args>& k = pinned_kernel(table, v);
+  k.kernel<<<k.blocks_per_sm * sm_count, k.threads, 0, stream>>>(a, sms);
+}
+
 }  // namespace
 
-const char* floor_variant_name(FloorVariant v) {
-  return v == FloorVariant::kRegs ? "regs" : (v == FloorVariant::kRegsL2 ? "regs-l2" : "tma");
+std::string floor_variant_name(const FloorVariant& v) {
+  switch (v.kind) {
+    case FloorVariant::kRegs: return "regs";
+    case FloorVariant::kRegsL2: return "regs-l2";
+    case FloorVariant::kTma: return "tma";
+    case FloorVariant::kPinned: break;
+  }
+  return "pin" + std::to_string(v.threads) + "x" + std::to_string(v.blocks_per_sm) + "u" +
+         std::to_string(v.depth);
+}
+
+std::vector<FloorVariant> floor_variants(bool dispatch) {
+  std::vector<FloorVariant> v = {{FloorVariant::kRegs}, {FloorVariant::kRegsL2},
+                                 {FloorVariant::kTma}};
+  if (dispatch)
+    add_pinned(kPinnedDispatch, &v);
+  else
+    add_pinned(kPinnedCombine, &v);
+  return v;
 }
 
 void prepare_floor_kernels(int top_k, int hidden) {
@@ -249,36 +376,42 @@ void prepare_floor_kernels(int top_k, int hidden) {
     CHECK_CUDA(
         cudaFuncGetAttributes(&attr, l2 ? combine_floor_regs<true> : combine_floor_regs<false>));
   }
+  for (const auto& k : kPinnedDispatch) CHECK_CUDA(cudaFuncGetAttributes(&attr, k.kernel));
+  for (const auto& k : kPinnedCombine) CHECK_CUDA(cudaFuncGetAttributes(&attr, k.kernel));
   CHECK_CUDA(cudaFuncSetAttribute(dispatch_floor_tma, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   kDispatchTmaWarps * dispatch_tma_slots(2 * hidden) * 2 * hidden));
   CHECK_CUDA(cudaFuncSetAttribute(combine_floor_tma, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   combine_tma_warps(top_k) * kCombineSlots * top_k * kPiece));
 }
 
-void launch_dispatch_floor(const DispatchFloorArgs& a, FloorVariant v, int blocks,
+void launch_dispatch_floor(const DispatchFloorArgs& a, const FloorVariant& v, int sms,
                            cudaStream_t stream) {
-  if (v == FloorVariant::kRegs) {
-    dispatch_floor_regs<false><<<blocks, kRegsThreads, 0, stream>>>(a);
-  } else if (v == FloorVariant::kRegsL2) {
-    dispatch_floor_regs<true><<<blocks, kRegsThreads, 0, stream>>>(a);
-  } else {
+  if (v.kind == FloorVariant::kRegs) {
+    dispatch_floor_regs<false><<<sms, kRegsThreads, 0, stream>>>(a);
+  } else if (v.kind == FloorVariant::kRegsL2) {
+    dispatch_floor_regs<true><<<sms, kRegsThreads, 0, stream>>>(a);
+  } else if (v.kind == FloorVariant::kTma) {
     const int slots = dispatch_tma_slots(a.in_bytes);
-    dispatch_floor_tma<<<blocks, 32 * kDispatchTmaWarps, kDispatchTmaWarps * slots * a.in_bytes,
+    dispatch_floor_tma<<<sms, 32 * kDispatchTmaWarps, kDispatchTmaWarps * slots * a.in_bytes,
                          stream>>>(a, slots);
+  } else {
+    launch_pinned(kPinnedDispatch, a, v, sms, stream);
   }
   CHECK_CUDA(cudaGetLastError());
 }
 
-void launch_combine_floor(const CombineFloorArgs& a, FloorVariant v, int blocks,
+void launch_combine_floor(const CombineFloorArgs& a, const FloorVariant& v, int sms,
                           cudaStream_t stream) {
-  if (v == FloorVariant::kRegs) {
-    combine_floor_regs<false><<<blocks, kCombineRegsThreads, 0, stream>>>(a);
-  } else if (v == FloorVariant::kRegsL2) {
-    combine_floor_regs<true><<<blocks, kCombineRegsThreads, 0, stream>>>(a);
-  } else {
+  if (v.kind == FloorVariant::kRegs) {
+    combine_floor_regs<false><<<sms, kCombineRegsThreads, 0, stream>>>(a);
+  } else if (v.kind == FloorVariant::kRegsL2) {
+    combine_floor_regs<true><<<sms, kCombineRegsThreads, 0, stream>>>(a);
+  } else if (v.kind == FloorVariant::kTma) {
     const int warps = combine_tma_warps(a.top_k);
-    combine_floor_tma<<<blocks, 32 * warps, warps * kCombineSlots * a.top_k * kPiece, stream>>>(
+    combine_floor_tma<<<sms, 32 * warps, warps * kCombineSlots * a.top_k * kPiece, stream>>>(
         a, kCombineSlots);
+  } else {
+    launch_pinned(kPinnedCombine, a, v, sms, stream);
   }
   CHECK_CUDA(cudaGetLastError());
 }

@@ -8,8 +8,15 @@
 //             (format_scales_per_row * scale bytes, rounded up to 16).
 //   combine   each unmasked (token, k) expert row read once (2H bytes), one bf16 row of 2H
 //             written per token (the weighted fp32 sum).
-// Nothing else: no headers, no staging buffer, no signals. Each floor comes in three variants and
-// the fastest one counts:
+// Nothing else: no headers, no staging buffer, no signals. Each floor comes in several variants
+// and the fastest one counts, so that the floor is the best this benchmark can make it:
+//   pinned   (pin<threads>x<blocks per SM>u<depth>) a sweep of launch shapes on exactly the
+//            given SMs: the grid is blocks-per-SM x every SM of the GPU, blocks on SMs >= N exit
+//            at once, and the warps of the others take messages (tokens) one at a time from a
+//            counter, so several blocks of up to 1024 threads may share an SM, each lane with
+//            <depth> vectors (dispatch) or 8 rows x <depth> vectors (combine) in flight. One
+//            block per SM, as the fixed variants below run, leaves an SM half or a quarter of
+//            the loads in flight it can hold.
 //   regs     warps move rows through registers: dispatch 1024 threads per block, 8 vectors of a
 //            row per lane in flight; combine 512 threads, 2 vectors of each of 8 rows (16
 //            vectors per lane: faster than 1024 threads with one vector per row, 806 against
@@ -39,6 +46,8 @@ struct DispatchFloorArgs {
   int32_t scale_bytes = 0;  // per row, a multiple of 16 (0 for bf16)
   char* out = nullptr;      // [rows, code_bytes]
   char* scales = nullptr;   // [rows, scale_bytes]
+  unsigned long long* pinned = nullptr;  // [2], zeroed once: the pinned variants' work counters
+  int32_t first_sm = 0;  // the pinned variants run on SMs [first_sm, first_sm + sms)
 };
 
 struct CombineFloorArgs {
@@ -46,21 +55,28 @@ struct CombineFloorArgs {
   const float* weights = nullptr;        // [T, K]
   int32_t tokens = 0, top_k = 0, hidden = 0;
   uint16_t* out = nullptr;  // [T, H]
+  unsigned long long* pinned = nullptr;  // [2], zeroed once: the pinned variants' work counters
+  int32_t first_sm = 0;  // the pinned variants run on SMs [first_sm, first_sm + sms)
 };
 
-enum class FloorVariant { kRegs, kRegsL2, kTma };
-const char* floor_variant_name(FloorVariant v);
-constexpr FloorVariant kFloorVariants[] = {FloorVariant::kRegs, FloorVariant::kRegsL2,
-                                           FloorVariant::kTma};
+struct FloorVariant {
+  enum Kind { kRegs, kRegsL2, kTma, kPinned } kind = kRegs;
+  int threads = 0, blocks_per_sm = 0, depth = 0;  // kPinned's launch shape
+};
+// One word, no spaces: "regs", "regs-l2", "tma", "pin1024x2u4".
+std::string floor_variant_name(const FloorVariant& v);
+// Every variant of the dispatch (combine) floor, the pinned sweep included.
+std::vector<FloorVariant> floor_variants(bool dispatch);
 
 // Loads the floor kernels on the current device and sizes their shared memory, before any timed
 // launch: CUDA loads a kernel at its first launch and waits for the device to go idle to do so,
 // which would deadlock behind the benchmark's start gate.
 void prepare_floor_kernels(int top_k, int hidden);
-// Launch on the current device (after prepare_floor_kernels). Throws on a CUDA error.
-void launch_dispatch_floor(const DispatchFloorArgs& a, FloorVariant v, int blocks,
+// Launch on the current device (after prepare_floor_kernels), on `sms` SMs: the fixed variants
+// run one block per SM (sms blocks), the pinned ones their shape. Throws on a CUDA error.
+void launch_dispatch_floor(const DispatchFloorArgs& a, const FloorVariant& v, int sms,
                            cudaStream_t stream);
-void launch_combine_floor(const CombineFloorArgs& a, FloorVariant v, int blocks,
+void launch_combine_floor(const CombineFloorArgs& a, const FloorVariant& v, int sms,
                           cudaStream_t stream);
 
 }  // namespace epbench

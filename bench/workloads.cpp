@@ -49,9 +49,10 @@ send/recv baseline, timed and checked against the CPU reference.
                           back; default) or on the token side (one row per (token, k) back)
   --floor                 also time kernels that move exactly the HBM bytes each rank's dispatch
                           and combine must move (read each message once, write its rows; read
-                          each expert row once, write one row per token), with the same blocks,
-                          and print each operation's ratio to that floor (one process, every
-                          rank on one GPU)
+                          each expert row once, write one row per token), on the same SMs, in
+                          a sweep of launch shapes (up to 1024 threads and several blocks per
+                          SM, loads in flight per lane, bulk copies), and print each
+                          operation's ratio to the fastest (one process, every rank on one GPU)
   --trace N               after the timing, N more fused calls with Config::trace set: print
                           when each kernel's blocks pass each stage (epcomm/trace.h), µs after
                           the rank's kernel start, median over the N calls (the timed calls of
