@@ -43,18 +43,17 @@ namespace {
 // The fused kernel: every block ranks; then either the grid splits, some blocks sending while
 // the rest expand chunks as they arrive (each sender joining the receivers once its chunks are
 // sent), or (few blocks) every block sends and then receives.
-// What the split rests on, measured on prefill (8 x H200, bf16): sending is bound by the links
-// from about 8 blocks on (8 of 24 move it as fast as 64 do), below that by the blocks (2
-// senders took 3.9 ms); receiving is bound by the blocks (8 took 1.45 ms, 24 0.49 ms). With the
-// senders joining the receive (4 x H200, prefill, 24 blocks, one build per count): 8 senders
-// 787 µs, 10: 690, 12: 704, 16: 748. So:
-//  - fewer than kMinSplitBlocks blocks: no split (it would starve one side; 8 blocks split
-//    2 + 6 took 3.9 ms against 2.4 ms for send-then-receive);
+// What the split rests on, measured on prefill over NVLink (docs/results,
+// 2026-11-21_h200x8_gap_and_bounds.md and 2026-11-21_h200x4_f86df74.md): sending is bound by
+// the links from about 8 blocks on (8 of 24 move it as fast as 64 do), below that by the
+// blocks; receiving is bound by the blocks. With the senders joining the receive, about 10 of
+// 24 sending was fastest for bf16. So:
+//  - fewer than kMinSplitBlocks blocks: no split (it would starve one side: 8 blocks split
+//    2 + 6 were much slower than send-then-receive);
 //  - bf16: 5/12 of the blocks send, at least kLinkSenders;
-//  - quantised formats: 5/6 (quantising bounds the sender: before the join, prefill-fp8 with a
-//    third sending took 1995 µs against 1161 µs for async + wait on 24 blocks; with the join,
-//    4 x H200, 24 blocks, prefill-fp8 / gpt-oss: 10 senders 1333 / 172 µs, 12: 1133 / 153,
-//    16: 883 / 126, 20: 865 / 116, 23: 862 / 113);
+//  - quantised formats: 5/6 (quantising bounds the sender: with a third sending, prefill-fp8
+//    was slower than async + wait; with the join, every step from 10 to 23 senders of 24 was
+//    faster, for prefill-fp8 and gpt-oss alike);
 //  - never more senders than chunks (a sender takes whole chunks: decode's 128 tokens are 8),
 //    and at least one receiver.
 // Returns the number of senders; `blocks` means send, then receive.

@@ -30,10 +30,9 @@
 namespace epcomm {
 namespace detail {
 
-// Whole rows put in flight to L2 (bulk prefetch) before a warp sums them. Measured on one H100,
-// prefill, one rank: expert-side combine 949 against 1121 us without it at 8 SMs, 404 against
-// 445 at 24. With 8 ranks sharing the GPU (16 SMs each) it costs: 4532 against 3837 us, the
-// ranks' prefetches evicting each other from L2 (not yet bounded by the L2's size).
+// Whole rows put in flight to L2 (bulk prefetch) before a warp sums them: faster with one rank
+// (prefill, 8 to 24 SMs), slower with 8 ranks sharing one GPU, whose prefetches evict each
+// other from L2 (not yet bounded by the L2's size; docs/results/2026-11-25_h100_floor_154b545.md).
 constexpr bool kPrefetchRows = true;
 
 // The library's epilogue: round to bf16 and store out[token, column].
@@ -172,7 +171,7 @@ __device__ inline void combine_send_expert_side(const CombineParams& p, const in
   // Messages interleaved over sources, (message m, source) m-major, with each rank starting at
   // the source after itself: at any moment the grid's warps write to every owner at once. Taking
   // one source after another would make all ranks write to rank 0 first, then all to rank 1 ...
-  // (measured: the prefill send took 2070 µs that way, more than the token side's 8 rows).
+  // (measured: the prefill send then took longer than the token side's 8 rows).
   __shared__ int32_t count[WindowLayout::kMaxPeers];  // messages from source s, clamped
   if (threadIdx.x < g.n_ranks) {
     const int32_t c = p.recv_count[threadIdx.x];
@@ -262,7 +261,7 @@ __device__ inline void combine_send(const CombineParams& p, unsigned long long s
 
   // Items (row, piece): a piece is one pass of copy_vectors (every lane's loads in flight at
   // once), so a decode's few rows spread over every warp of the grid instead of one warp
-  // looping over a row's 28 vectors per lane (decode, one H100: the send took 10-16 us that way).
+  // looping over a row's 28 vectors per lane (measured several times slower on decode).
   // Lane l loads the SrcInfo of the warp's item l of each 32: one round trip per 32 items, not
   // one before each (the fused kernel skips this rank's own rows at the cost of a shuffle).
   constexpr int32_t kPiece = kCopyUnroll * kWarpSize;  // vectors

@@ -102,7 +102,7 @@ struct GroupView {
   // Ranks 0..kInlineWindows-1 here; ranks from kInlineWindows on in window_rest, a device
   // array: GroupView travels by value in every kernel's parameters, and a kernel that hands it
   // to an out-of-line function copies it to local memory, so it stays small (64 window pointers
-  // inline cost decode-bf16 dispatch 42.7 -> 58.4 us on one H100, 132 blocks).
+  // inline made decode dispatch a third slower: docs/results/2026-11-25_h100_64ranks_ab_ea3a73e.md).
   static constexpr int32_t kInlineWindows = 8;
   char* window[kInlineWindows];
   char* const* window_rest;  // [n_ranks - kInlineWindows], or null

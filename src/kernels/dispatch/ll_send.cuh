@@ -66,16 +66,14 @@ __device__ __noinline__ bool ll_send(const DispatchParams& p, unsigned long long
   const int32_t n_parts = num_parts(g.hidden);
   const int64_t items = int64_t(num_tokens) * n_parts;
   // Rounds of one piece per warp. After each, one system fence per block, and thread 0 raises
-  // the flags of the block's pieces: a fence per piece cost more than the pieces' stores (one
-  // H100, decode-bf16, 896 pieces on 132 blocks: the last piece was flagged 10 us after the
-  // first).
+  // the flags of the block's pieces: a fence per piece cost more than the pieces' stores
+  // (measured on decode; docs/results/2026-11-24_h100_decode_lowlatency_e8c6601.md).
   __shared__ int32_t n_flags[kWarps], flag_part[kWarps];
   __shared__ int32_t flag_rank[kWarps][kMaxDests];
   __shared__ int32_t flag_slot[kWarps][kMaxDests];
   // Pieces are dealt from the first warp of the grid up; the receive deals its items from the
   // last warp down. (Dealing pieces round-robin over the blocks, so that every SM stores a
-  // share, was slower: one H100, decode-bf16, 132 blocks, 41.2 against 38.0 us; every block
-  // then built its layout only after its own round.)
+  // share, was slower on decode: every block then built its layout only after its own round.)
   for (int64_t round = int64_t(blockIdx.x) * kWarps; round < items;
        round += int64_t(uint32_t(g.num_blocks)) * kWarps) {
     const int64_t i = round + warp;

@@ -47,8 +47,8 @@ __device__ __forceinline__ float view_weight(const DispatchParams& p, int32_t t,
 // ids and scratch.topk); a duplicate shows as the lane's own bit already set in the expert's
 // word (with skip_a2a, among this rank's experts only: the others' ids are dropped). The slot loops
 // are not unrolled: unrolled over kMaxTopK, with a pairwise duplicate check, the ranking was about
-// 60 KB of straight-line code, and fetching it after an L2 flush took 14 us per 512-token unit (x4
-// H200, stage trace). `record`: this block reports bad ids and keeps the validated copy for combine
+// 60 KB of straight-line code, and fetching it after an L2 flush dominated each 512-token unit
+// (stage trace, docs/results/2026-11-21_h200x4_96383ca_stage_trace.md). `record`: this block reports bad ids and keeps the validated copy for combine
 // (the low-latency path's blocks all rank the same tokens; block 0 records).
 __device__ RankMask enter_ids(const DispatchParams& p, int32_t t, unsigned long long seq,
                               uint32_t* bm, int32_t (&ids)[kMaxTopK], bool record, bool& bad) {

@@ -90,8 +90,9 @@ __device__ void quantize_to(const uint16_t* row, int32_t hidden, float gs, const
 
 // Chunk arrival flags, raised by the last of a sender block's warps to finish its token of the
 // chunk, while the other warps go on to their next tokens: a block-wide barrier per chunk left
-// the block's stores draining with nothing new issued while thread 0 fenced (8 senders moved
-// ~200 GB/s on 4 x H200 where the plain store kernel moves 326 GB/s with 8 blocks, nvlink_probe).
+// the block's stores draining with nothing new issued while thread 0 fenced (8 senders then
+// moved well under what the plain store kernel moves with 8 blocks: docs/results,
+// 2026-11-21_h200x4_dfa4a0a.md).
 // Each warp counts its arrival in the ring slot of its chunk iteration; a warp up to
 // kSignalRing iterations ahead waits (on shared memory only) for the slot's previous round.
 constexpr int32_t kSignalRing = 4;
@@ -195,8 +196,8 @@ __device__ LaneRoute route_from_scratch(const DispatchParams& p, int32_t t) {
 // A token's destinations go at most one per top-k slot (kMaxDests), taken kDestBatch at a
 // time in rank order: a batch's messages are written in one pass over the token (each value
 // loaded once per batch). Up to 8 destinations (every group of up to 8 ranks, every K <= 8) is
-// one batch; a larger Dests array cost decode-bf16 dispatch 42.8 -> 49.5 us (one H100, 132
-// blocks; it lives in local memory).
+// one batch; a larger Dests array lives in local memory and made decode dispatch measurably
+// slower (commit ea3a73e has the figures).
 constexpr int32_t kMaxDests =
     kMaxTopK < WindowLayout::kMaxPeers ? kMaxTopK : WindowLayout::kMaxPeers;
 constexpr int32_t kDestBatch = 8;
