@@ -161,9 +161,6 @@ class Buffer:
         if not allow_nvlink_for_low_latency_mode:
             _bad(call, "allow_nvlink_for_low_latency_mode=False asks for RDMA inside the node; "
                        "epcomm moves every byte over NVLink")
-        if allow_mnnvl:
-            _bad(call, "allow_mnnvl=True (multi-node NVLink) is not supported: epcomm connects "
-                       "the GPUs of one node")
         if enable_shrink:
             _bad(call, "enable_shrink=True (masking failed ranks) is not supported")
         if not dist.is_initialized():
@@ -181,6 +178,10 @@ class Buffer:
         self.low_latency_mode = bool(low_latency_mode)
         self.num_qps_per_rank = int(num_qps_per_rank)
         self.explicitly_destroy = bool(explicitly_destroy)
+        # Multi-node NVLink (an NVL72 domain): DeepEP may then treat GPUs of several hosts as one
+        # NVLink node. This layer's groups are one node of at most 8 ranks (refused above
+        # otherwise), where the flag changes nothing, so it is accepted (SGLang always passes it).
+        self.allow_mnnvl = bool(allow_mnnvl)
         self.enable_shrink = False
         self.max_tokens_per_rank = int(max_tokens_per_rank)
         self.timeout_seconds = (_C.Config().timeout_seconds if timeout_seconds is None

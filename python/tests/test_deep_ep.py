@@ -54,7 +54,8 @@ def test_constructor_rejects_what_it_cannot_honour(world):
     raises("group must be", Buffer, None)
     raises("allow_nvlink_for_low_latency_mode", Buffer, world,
            allow_nvlink_for_low_latency_mode=False)
-    raises("allow_mnnvl", Buffer, world, allow_mnnvl=True)
+    # allow_mnnvl (SGLang passes it always) means nothing on one node: accepted.
+    assert Buffer(world, allow_mnnvl=True, explicitly_destroy=True).allow_mnnvl
     raises("enable_shrink", Buffer, world, enable_shrink=True)
     raises("max_tokens_per_rank", Buffer, world, max_tokens_per_rank=0)
     raises("new_num_sms", Buffer.set_num_sms, 0)
