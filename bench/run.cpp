@@ -14,6 +14,7 @@
 #include "run.h"
 
 #include <algorithm>
+#include <numeric>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -527,6 +528,12 @@ class WorkloadRun {
       DeviceArray<int32_t> first, rows;
       DeviceArray<uint8_t> scales;
       DeviceArray<unsigned long long> pinned;  // the pinned variants' work counters
+      // The contiguous-rows diagnostic: the same messages and rows, laid out one after another.
+      DeviceArray<int32_t> contig_rows;
+      DeviceArray<const uint16_t*> contig_src;
+      DispatchFloorArgs contig_d;
+      CombineFloorArgs contig_c;
+      bool contig = false;
       DispatchFloorArgs d;
       CombineFloorArgs c;
       double dispatch_bytes = 0, combine_bytes = 0;
@@ -586,6 +593,23 @@ class WorkloadRun {
       p.d.pinned = p.pinned.get();
       p.c.pinned = p.pinned.get();
       p.d.first_sm = p.c.first_sm = int32_t(i) * cfg_.num_sms;
+      // Contiguous: message m's rows right after message m-1's, token t's slot k read from row
+      // t K + k of this rank's own expert outputs (it holds max_recv_rows >= T K rows here).
+      p.contig = int64_t(T) * K <= sizes_.max_recv_rows;
+      if (p.contig) {
+        std::vector<int32_t> seq(rows.size());
+        std::iota(seq.begin(), seq.end(), 0);
+        std::vector<const uint16_t*> csrc(combine_src.size(), nullptr);
+        const uint16_t* base = static_cast<const uint16_t*>(buffers_[i].expert_out());
+        for (size_t j = 0; j < csrc.size(); ++j)
+          if (combine_src[j] != nullptr) csrc[j] = base + int64_t(j) * H;
+        p.contig_rows = DeviceArray<int32_t>(device, seq);
+        p.contig_src = DeviceArray<const uint16_t*>(device, csrc);
+        p.contig_d = p.d;
+        p.contig_d.rows = p.contig_rows.get();
+        p.contig_c = p.c;
+        p.contig_c.src = p.contig_src.get();
+      }
       p.c.src = p.combine_src.get();
       p.c.weights = buffers_[i].sets[0].weights.get();
       p.c.tokens = T;
@@ -617,6 +641,31 @@ class WorkloadRun {
       c.bytes_per_rank = combine_bytes;
       result_.ops.push_back(c);
       if (opt_.check && !message_.quantized()) check_floor_combine(ref, name);
+    }
+    // A diagnostic, not a floor (epcomm's rows sit where the layout puts them): the same bytes
+    // with each message's rows and each token's expert rows contiguous, as a plain copy kernel
+    // lays them out, in the same launch shapes. Against the floor it separates what the
+    // expert-major layout's scattered rows cost from what the launch shape costs.
+    bool contig = true;
+    for (const Plan& p : plans) contig = contig && p.contig;
+    if (!contig) return;
+    for (const FloorVariant& v : floor_variants(true)) {
+      if (v.kind == FloorVariant::kTma) continue;  // its ring does not take the row mapping
+      OpResult d = time_floor("dispatch contiguous " + floor_variant_name(v), [&](size_t i) {
+        launch_dispatch_floor(plans[i].contig_d, v, sms, stream(i));
+      });
+      d.impl = "contiguous";
+      d.bytes_per_rank = dispatch_bytes;
+      result_.ops.push_back(d);
+    }
+    for (const FloorVariant& v : floor_variants(false)) {
+      if (v.kind == FloorVariant::kTma) continue;
+      OpResult c = time_floor("combine contiguous " + floor_variant_name(v), [&](size_t i) {
+        launch_combine_floor(plans[i].contig_c, v, sms, stream(i));
+      });
+      c.impl = "contiguous";
+      c.bytes_per_rank = combine_bytes;
+      result_.ops.push_back(c);
     }
   }
 
