@@ -1,4 +1,4 @@
-// epcomm_bench: the PERF.md workloads, epcomm against the NCCL baseline in the same run.
+// epcomm_bench: the standard workloads (docs/performance.md), epcomm against the NCCL baseline in the same run.
 // Exit status: 0 all checks passed, 1 a check failed, 2 an error stopped the run.
 #include <cstdio>
 #include <cstdlib>

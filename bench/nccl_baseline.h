@@ -1,4 +1,4 @@
-// The NCCL baseline: dispatch and combine the way users do them without an EP library (PERF.md),
+// The NCCL baseline: dispatch and combine the way users do them without an EP library (docs/performance.md),
 // one row per (token, k), no deduplication per destination rank. A row is the token's message in
 // the dispatch format (MessageFormat: bf16, or codes then scales, zero-padded to 16 bytes). Per
 // rank:

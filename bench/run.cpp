@@ -1,4 +1,4 @@
-// Timing protocol (PERF.md "How a figure is taken"):
+// Timing protocol (docs/results/method.md):
 // - epcomm: iterations are issued in batches of kBatch with no host synchronisation inside a
 //   batch: per iteration and rank, L2 flush, [event] dispatch [event], L2 flush, [event] combine
 //   [event]. In the one-process mode the gate holds every stream at the start of a timed batch

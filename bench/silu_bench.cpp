@@ -1,5 +1,5 @@
 // epcomm_silu_bench: every fused SiLU / SwiGLU kernel of epcomm/silu.h on one GPU, timed against
-// its memory floor: floor = (bytes read + bytes written) / the device's copy rate (PERF.md: 4260
+// its memory floor: floor = (bytes read + bytes written) / the device's copy rate (docs/results/2026-11-20_h200x8_anchors.md: 4260
 // GB/s device-to-device on one H200; --copy-gbps), ratio = median / floor.
 //
 // Shapes. I = 2048 (DeepSeek-V3's expert intermediate size) and 2880 (gpt-oss), wherever the
@@ -15,7 +15,7 @@
 // swizzled scale array (written on every call) + scales_offsets G x 4. row_offsets and the
 // global scales (a few hundred bytes) are not counted.
 //
-// Timing (PERF.md): an event pair around each call, warm-up calls first, the L2 flushed by a
+// Timing (docs/results/method.md): an event pair around each call, warm-up calls first, the L2 flushed by a
 // memset of 4x its size before each timed call, outside the event pair; median, min and max.
 //
 // Check: each case's output once, bit for bit, as the first check of tests/gpu/test_silu.cu does:
@@ -72,7 +72,7 @@ Times every fused SiLU / SwiGLU kernel (epcomm/silu.h) on GPU 0 against its memo
 
   --iters N         timed iterations (default 100)
   --warmup N        warm-up iterations (default 10)
-  --copy-gbps R     the device's measured copy rate in GB/s (default 4260, H200 per PERF.md)
+  --copy-gbps R     the device's measured copy rate in GB/s (default 4260, H200, docs/results/2026-11-20_h200x8_anchors.md)
   --json FILE       write every figure, with the GPU and commit, to FILE
 )";
 

@@ -1,4 +1,4 @@
-// How a figure is taken (PERF.md): cudaEvents around each call on each rank's stream, an L2
+// How a figure is taken (docs/results/method.md): cudaEvents around each call on each rank's stream, an L2
 // flush before every timed call, and a gate that makes every GPU start together.
 #pragma once
 

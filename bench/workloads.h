@@ -16,11 +16,11 @@ struct Workload {
   int32_t hidden = 0;   // H
   int32_t top_k = 0;    // K
   int32_t experts = 0;  // global experts
-  std::string format;   // dispatch format, as PERF.md names it
+  std::string format;   // dispatch format, as docs/results/method.md names it
   double zipf_s = 0;    // expert popularity Zipf(s); 0 = uniform
 };
 
-// Every PERF.md workload, in its order, supported by this build or not.
+// Every standard workload (docs/results/method.md), in its order, supported by this build or not.
 const std::vector<Workload>& all_workloads();
 // A workload's format is an epcomm::token_format_name where this build implements it
 // (epcomm::token_format_from_name finds it), else a name the benchmark reports unsupported.

@@ -92,7 +92,7 @@ std::vector<float> combine_expert_side(const Problem& p,
                                        const std::vector<std::vector<uint16_t>>& expert_out,
                                        int32_t rank);
 
-// Routing generators (PERF.md): for each token, K distinct experts, the top-K of |randn| + 1
+// Routing generators (docs/results/method.md): for each token, K distinct experts, the top-K of |randn| + 1
 // scores (uniform popularity), or with expert e's score scaled by a Zipf(s) popularity when
 // zipf_s > 0. mask_prob masks each slot independently (-1).
 std::vector<int32_t> make_topk(int32_t num_tokens, int32_t top_k, int32_t n_experts,

@@ -116,7 +116,7 @@ TEST(Layout, WindowRegionsDoNotOverlap) {
   EXPECT_EQ(w.dispatch_recv_offset() % 256, 0);
   EXPECT_EQ(w.combine_recv_offset() % 256, 0);
   EXPECT_EQ(w.zeroed_bytes(), w.dispatch_recv_offset());
-  // Memory target (PERF.md): buffers within 2 x n_ranks x max_tokens x message bytes.
+  // Memory target (docs/results/method.md): buffers within 2 x n_ranks x max_tokens x message bytes.
   EXPECT_LE(w.bytes(), 2 * 8 * int64_t(4096) * w.msg().bytes());
   // meta: seq, stream count, chunk count, counts[n_local], chunk starts[max_chunks + 1]
   EXPECT_EQ(w.meta().chunk_start_offset(), 16 + 4 * 32);
