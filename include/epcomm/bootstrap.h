@@ -37,13 +37,24 @@ std::vector<std::unique_ptr<Bootstrap>> make_thread_bootstraps(int n, double tim
 // fresh nonce each other rank published (join file), and each rank confirms it saw its own
 // nonce (ack file); every later file names the run id. Rank 0 rewrites the announcement when
 // a nonce changes, so a rank that arrives late, after an old run's join file was read, still
-// gets in. Two runs at once in one directory are not supported: give each concurrent job its
-// own directory.
+// gets in.
+//
+// `job` names the launch (a launcher's job id, the same on every rank): every file of this
+// bootstrap carries it, so jobs with different names never see each other's files, even
+// running at once in one directory. Without one, an earlier run's rank 0 that is still
+// waiting in its own handshake (its peers gone) could take in a new run's rank: give each job
+// its own directory or a name. from_env() takes the launcher's id where there is one.
 class FileBootstrap : public Bootstrap {
  public:
-  FileBootstrap(std::string dir, int rank, int size, double timeout_seconds = 60);
-  // Reads EPCOMM_RANK, EPCOMM_WORLD_SIZE and EPCOMM_BOOTSTRAP_DIR; throws if any is missing.
+  FileBootstrap(std::string dir, int rank, int size, double timeout_seconds = 60,
+                std::string job = "");
+  // Reads EPCOMM_RANK, EPCOMM_WORLD_SIZE and EPCOMM_BOOTSTRAP_DIR (throws if any is missing),
+  // and the job name from EPCOMM_BOOTSTRAP_JOB, else the launcher's: torchrun's
+  // TORCHELASTIC_RUN_ID with TORCHELASTIC_RESTART_COUNT, Slurm's SLURM_JOB_ID with
+  // SLURM_STEP_ID, Open MPI's OMPI_MCA_ess_base_jobid, PMIx's PMIX_NAMESPACE (else none).
   static std::unique_ptr<FileBootstrap> from_env(double timeout_seconds = 60);
+  // The job name as the file names carry it (letters, digits, '_' and '-'; others become '_').
+  const std::string& job() const { return job_; }
   ~FileBootstrap() override;
   int rank() const override { return rank_; }
   int size() const override { return size_; }
@@ -53,9 +64,12 @@ class FileBootstrap : public Bootstrap {
 
  private:
   void join_run();  // the run-id agreement; sets run_
-  std::string file(const std::string& name) const { return dir_ + "/" + name; }
+  std::string file(const std::string& name) const {
+    return dir_ + "/" + (job_.empty() ? name : job_ + "." + name);
+  }
 
   std::string dir_;
+  std::string job_;
   int rank_;
   int size_;
   double timeout_;

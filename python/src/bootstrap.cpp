@@ -135,8 +135,11 @@ void bind_bootstrap(nb::module_& m) {
       .def(nb::init<int, int, nb::callable>(), "rank"_a, "size"_a, "all_gather"_a);
   nb::class_<epcomm::FileBootstrap, epcomm::Bootstrap>(
       m, "FileBootstrap", "An all-gather through files in a shared directory (any launcher).")
-      .def(nb::init<std::string, int, int, double>(), "dir"_a, "rank"_a, "size"_a,
-           "timeout_seconds"_a = 60.0)
+      .def(nb::init<std::string, int, int, double, std::string>(), "dir"_a, "rank"_a, "size"_a,
+           "timeout_seconds"_a = 60.0, "job"_a = "",
+           "job names the launch (the same on every rank): jobs with different names never "
+           "see each other's files in one directory.")
+      .def_prop_ro("job", &epcomm::FileBootstrap::job)
       .def_static(
           "from_env", [](double t) { return epcomm::FileBootstrap::from_env(t).release(); },
           "timeout_seconds"_a = 60.0, nb::rv_policy::take_ownership);

@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -118,8 +119,12 @@ std::vector<std::unique_ptr<Bootstrap>> make_thread_bootstraps(int n, double tim
 
 // ---- processes sharing a file system ---------------------------------------------------------
 
-FileBootstrap::FileBootstrap(std::string dir, int rank, int size, double timeout_seconds)
-    : dir_(std::move(dir)), rank_(rank), size_(size), timeout_(timeout_seconds) {
+FileBootstrap::FileBootstrap(std::string dir, int rank, int size, double timeout_seconds,
+                             std::string job)
+    : dir_(std::move(dir)), job_(std::move(job)), rank_(rank), size_(size),
+      timeout_(timeout_seconds) {
+  for (char& c : job_)
+    if (!std::isalnum(static_cast<unsigned char>(c)) && c != '_' && c != '-') c = '_';
   if (size < 1 || rank < 0 || rank >= size)
     throw Error(ErrorCode::kInvalidArgument, "FileBootstrap: rank " + std::to_string(rank) +
                                                  " is outside a group of " + std::to_string(size));
@@ -134,7 +139,21 @@ std::unique_ptr<FileBootstrap> FileBootstrap::from_env(double timeout_seconds) {
     throw Error(ErrorCode::kBootstrap,
                 "FileBootstrap::from_env: EPCOMM_RANK, EPCOMM_WORLD_SIZE and "
                 "EPCOMM_BOOTSTRAP_DIR must all be set");
-  return std::make_unique<FileBootstrap>(d, std::atoi(r), std::atoi(n), timeout_seconds);
+  // The launch's name: ours, else the launcher's (restarts of one torchrun job share its run
+  // id, so the restart count is part of it; one Slurm job runs several steps).
+  const auto env = [](const char* name) -> std::string {
+    const char* v = std::getenv(name);
+    return v ? v : "";
+  };
+  std::string job = env("EPCOMM_BOOTSTRAP_JOB");
+  if (job.empty() && !env("TORCHELASTIC_RUN_ID").empty())
+    job = "torch_" + env("TORCHELASTIC_RUN_ID") + "_" + env("TORCHELASTIC_RESTART_COUNT");
+  if (job.empty() && !env("SLURM_JOB_ID").empty())
+    job = "slurm_" + env("SLURM_JOB_ID") + "_" + env("SLURM_STEP_ID");
+  if (job.empty() && !env("OMPI_MCA_ess_base_jobid").empty())
+    job = "ompi_" + env("OMPI_MCA_ess_base_jobid");
+  if (job.empty() && !env("PMIX_NAMESPACE").empty()) job = "pmix_" + env("PMIX_NAMESPACE");
+  return std::make_unique<FileBootstrap>(d, std::atoi(r), std::atoi(n), timeout_seconds, job);
 }
 
 FileBootstrap::~FileBootstrap() = default;
@@ -188,7 +207,8 @@ void FileBootstrap::join_run() {
   const auto pause = [] { std::this_thread::sleep_for(std::chrono::milliseconds(2)); };
   const auto fail = [&](const std::string& why) {
     throw Error(ErrorCode::kBootstrap, "FileBootstrap (rank " + std::to_string(rank_) + " of " +
-                                           std::to_string(size_) + ", " + dir_ + "): " + why);
+                                           std::to_string(size_) + ", " + dir_ +
+                                           (job_.empty() ? "" : ", job " + job_) + "): " + why);
   };
   const std::string rank_tag = "_r" + std::to_string(rank_);
   if (size_ == 1) {

@@ -115,14 +115,15 @@ std::string make_dir() {
 // Each of n ranks (threads) contributes "<tag>-r<rank>" (7 bytes for tags of 4); rank r starts
 // delay_ms[r] late. Returns what each rank gathered, or the error it threw.
 std::vector<std::string> gather_tags(const std::string& dir, const std::string& tag, int n,
-                                     std::vector<int> delay_ms, double timeout = 10) {
+                                     std::vector<int> delay_ms, double timeout = 10,
+                                     const std::string& job = "") {
   std::vector<std::string> got(static_cast<size_t>(n));
   std::vector<std::thread> ts;
   for (int r = 0; r < n; ++r)
     ts.emplace_back([&, r] {
       std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms[size_t(r)]));
       try {
-        FileBootstrap b(dir, r, n, timeout);
+        FileBootstrap b(dir, r, n, timeout, job);
         const std::string mine = tag + "-r" + std::to_string(r);
         std::string all(mine.size() * size_t(n), '?');
         b.all_gather(mine.data(), &all[0], mine.size());
@@ -191,5 +192,38 @@ TEST(Bootstrap, FileStaleFilesAndOldWriterIgnored) {
   EXPECT_EQ(failures.load(), 0);
   stop = true;
   old_writer.join();
+  EXPECT_EQ(std::system(("rm -rf " + dir).c_str()), 0);
+}
+
+// Jobs named by their launcher never meet: two at once in one directory each gather their own
+// bytes, and an earlier job's rank 0 still waiting in its handshake (its peers gone) takes in
+// no rank of the next job (without names it could).
+TEST(Bootstrap, FileNamedJobsAreIsolated) {
+  const std::string dir = make_dir();
+  ASSERT_FALSE(dir.empty());
+  std::vector<std::string> a, b;
+  std::thread ta([&] { a = gather_tags(dir, "jobA", 3, {0, 50, 100}, 10, "A"); });
+  std::thread tb([&] { b = gather_tags(dir, "jobB", 3, {100, 0, 50}, 10, "B"); });
+  ta.join();
+  tb.join();
+  EXPECT_EQ(a, std::vector<std::string>(3, "jobA-r0jobA-r1jobA-r2"));
+  EXPECT_EQ(b, std::vector<std::string>(3, "jobB-r0jobB-r1jobB-r2"));
+  std::string stale;
+  std::thread old_rank0([&] {  // job "old" lost rank 1; its rank 0 waits in the handshake
+    try {
+      FileBootstrap o(dir, 0, 2, 1.0, "old");
+      char mine = 'o', all[2];
+      o.all_gather(&mine, all, 1);
+      stale = "completed with rank 1's byte " + std::string(1, all[1]);
+    } catch (const Error& e) {
+      stale = std::string("error: ") + e.what();
+    }
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_EQ(gather_tags(dir, "newY", 2, {0, 0}, 10, "new"),
+            (std::vector<std::string>(2, "newY-r0newY-r1")));
+  old_rank0.join();
+  EXPECT_NE(stale.find("error:"), std::string::npos) << stale;
+  EXPECT_NE(stale.find("job old"), std::string::npos) << stale;
   EXPECT_EQ(std::system(("rm -rf " + dir).c_str()), 0);
 }
