@@ -358,9 +358,10 @@ std::string floor_variant_name(const FloorVariant& v) {
          std::to_string(v.depth);
 }
 
-std::vector<FloorVariant> floor_variants(bool dispatch) {
+std::vector<FloorVariant> floor_variants(bool dispatch, bool pinned) {
   std::vector<FloorVariant> v = {{FloorVariant::kRegs}, {FloorVariant::kRegsL2},
                                  {FloorVariant::kTma}};
+  if (!pinned) return v;
   if (dispatch)
     add_pinned(kPinnedDispatch, &v);
   else

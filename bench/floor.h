@@ -65,8 +65,9 @@ struct FloorVariant {
 };
 // One word, no spaces: "regs", "regs-l2", "tma", "pin1024x2u4".
 std::string floor_variant_name(const FloorVariant& v);
-// Every variant of the dispatch (combine) floor, the pinned sweep included.
-std::vector<FloorVariant> floor_variants(bool dispatch);
+// Every variant of the dispatch (combine) floor; the pinned sweep too where `pinned` (each rank's
+// SM range must lie on the GPU: ranks x SMs <= the GPU's SMs).
+std::vector<FloorVariant> floor_variants(bool dispatch, bool pinned);
 
 // Loads the floor kernels on the current device and sizes their shared memory, before any timed
 // launch: CUDA loads a kernel at its first launch and waits for the device to go idle to do so,

@@ -624,7 +624,11 @@ class WorkloadRun {
     combine_bytes /= double(team_.n_local());
     for_each_rank(team_, [&](size_t, const LocalRank&) { prepare_floor_kernels(K, H); });
     const int sms = cfg_.num_sms;
-    for (const FloorVariant& v : floor_variants(true)) {
+    int sm_count = 0;
+    CHECK_CUDA(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
+    // The pinned shapes give local rank i SMs [i sms, (i + 1) sms): they must be on the GPU.
+    const bool pinned = int64_t(team_.n_local()) * sms <= sm_count;
+    for (const FloorVariant& v : floor_variants(true, pinned)) {
       const std::string name = "dispatch floor " + floor_variant_name(v);
       OpResult d = time_floor(name, [&](size_t i) {
         launch_dispatch_floor(plans[i].d, v, sms, stream(i));
@@ -633,7 +637,7 @@ class WorkloadRun {
       result_.ops.push_back(d);
       if (opt_.check && !message_.quantized()) check_floor_dispatch(ref, name);
     }
-    for (const FloorVariant& v : floor_variants(false)) {
+    for (const FloorVariant& v : floor_variants(false, pinned)) {
       const std::string name = "combine floor " + floor_variant_name(v);
       OpResult c = time_floor(name, [&](size_t i) {
         launch_combine_floor(plans[i].c, v, sms, stream(i));
@@ -649,7 +653,7 @@ class WorkloadRun {
     bool contig = true;
     for (const Plan& p : plans) contig = contig && p.contig;
     if (!contig) return;
-    for (const FloorVariant& v : floor_variants(true)) {
+    for (const FloorVariant& v : floor_variants(true, pinned)) {
       if (v.kind == FloorVariant::kTma) continue;  // its ring does not take the row mapping
       OpResult d = time_floor("dispatch contiguous " + floor_variant_name(v), [&](size_t i) {
         launch_dispatch_floor(plans[i].contig_d, v, sms, stream(i));
@@ -658,7 +662,7 @@ class WorkloadRun {
       d.bytes_per_rank = dispatch_bytes;
       result_.ops.push_back(d);
     }
-    for (const FloorVariant& v : floor_variants(false)) {
+    for (const FloorVariant& v : floor_variants(false, pinned)) {
       if (v.kind == FloorVariant::kTma) continue;
       OpResult c = time_floor("combine contiguous " + floor_variant_name(v), [&](size_t i) {
         launch_combine_floor(plans[i].contig_c, v, sms, stream(i));

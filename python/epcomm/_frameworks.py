@@ -67,11 +67,18 @@ class DLPackBuffer:
     def __init__(self, export, device: int):
         self._export, self._device = export, device
 
-    def __dlpack__(self, stream=None, max_version=None, dl_device=None, copy=None):
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        # The buffer lives on its GPU and is exported without a copy: a request for another
+        # device or for a copy cannot be honoured (BufferError, as the protocol asks).
+        if dl_device is not None and tuple(dl_device) != self.__dlpack_device__():
+            raise BufferError(f"epcomm: this buffer is on CUDA device {self._device}; "
+                              f"{tuple(dl_device)} was asked for")
+        if copy:
+            raise BufferError("epcomm: the group's buffers are exported without a copy")
+        # An unversioned capsule whatever max_version says: every consumer takes one (the
+        # protocol lets a producer answer a max_version it does not meet so).
         raw = self._export()
-        if hasattr(raw, "__dlpack__"):
-            return raw.__dlpack__()
-        return raw  # a DLPack capsule
+        return raw.__dlpack__() if hasattr(raw, "__dlpack__") else raw
 
     def __dlpack_device__(self):
         return (self.kDLCUDA, self._device)

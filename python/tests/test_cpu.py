@@ -362,3 +362,23 @@ def test_reference_quantized_dispatch_compares_with_itself():
                                                           q.src_info, codes, q.scales,
                                                           q.scales_offsets)
         assert "codes" in msg, (fmt, msg)
+
+
+def test_dlpack_buffer_follows_the_protocol():
+    """The generic path's output objects (DLPackBuffer): device reported, and a request for
+    another device or a copy refused with BufferError, as the DLPack protocol asks."""
+    from epcomm._frameworks import DLPackBuffer
+
+    exported = []
+    b = DLPackBuffer(lambda: exported.append(1) or "capsule", 3)
+    assert b.__dlpack_device__() == (2, 3)
+    assert b.__dlpack__() == "capsule" and b.__dlpack__(stream=None) == "capsule"
+    assert len(exported) == 2  # exported afresh each time (a capsule is consumed once)
+    for kwargs in ({"dl_device": (2, 0)}, {"dl_device": (1, 0)}, {"copy": True}):
+        try:
+            b.__dlpack__(**kwargs)
+        except BufferError:
+            pass
+        else:
+            raise AssertionError(f"accepted {kwargs}")
+    assert b.__dlpack__(dl_device=(2, 3), copy=False) == "capsule"
