@@ -216,6 +216,33 @@ static_assert(initializable_from<Config>(std::make_index_sequence<kNumConfigFiel
                       std::make_index_sequence<kNumConfigFields + 1>()),
               "kConfigFields must list every field of Config");
 
+namespace {
+constexpr bool same_text(const char* a, const char* b) {
+  while (*a != '\0' && *a == *b) ++a, ++b;
+  return *a == *b;
+}
+// Entries I and J name the same member or the same name.
+template <size_t I, size_t J>
+constexpr bool clash() {
+  const auto& a = std::get<I>(kConfigFields);
+  const auto& b = std::get<J>(kConfigFields);
+  bool member = false;
+  if constexpr (std::is_same_v<decltype(a.member), decltype(b.member)>) member = a.member == b.member;
+  return member || same_text(a.name, b.name);
+}
+template <size_t I, size_t... J>
+constexpr bool clashes_later(std::index_sequence<J...>) {
+  return (... || (J > I && clash<I, J>()));
+}
+template <size_t... I>
+constexpr bool all_distinct(std::index_sequence<I...> all) {
+  return !(... || clashes_later<I>(all));
+}
+}  // namespace
+// With the count above, distinct members make the table a one-to-one list of Config's fields.
+static_assert(all_distinct(std::make_index_sequence<kNumConfigFields>()),
+              "kConfigFields lists a member or a name twice");
+
 
 void check_configs_match(const Config* configs, int n_ranks) {
   const Config& a = configs[0];
