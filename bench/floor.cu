@@ -57,13 +57,20 @@ __device__ __forceinline__ void dispatch_message(const DispatchFloorArgs& a, int
   }
 }
 
-// One warp per message, messages dealt out statically over the grid's warps.
+// Items [0, n) dealt out statically over the grid's warps, one at a time: body(item, lane).
+template <class Body>
+__device__ __forceinline__ void static_items(int64_t n, Body body) {
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
+  for (int64_t i = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; i < n; i += warps)
+    body(i, int(threadIdx.x % 32));
+}
+
+// One warp per message.
 template <bool kPrefetch>
 __global__ void __launch_bounds__(kRegsThreads, 1) dispatch_floor_regs(DispatchFloorArgs a) {
-  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
-  for (int64_t i = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; i < a.messages;
-       i += warps)
-    dispatch_message<kDispatchUnroll, kPrefetch>(a, i, threadIdx.x % 32);
+  static_items(a.messages, [&](int64_t i, int lane) {
+    dispatch_message<kDispatchUnroll, kPrefetch>(a, i, lane);
+  });
 }
 
 // ---- pinned launch shapes: several blocks per SM on exactly `sms` SMs -----------------------
@@ -191,13 +198,10 @@ __device__ __forceinline__ void combine_token(const CombineFloorArgs& a, int64_t
   }
 }
 
-// One warp per token, tokens dealt out statically over the grid's warps.
+// One warp per token.
 template <bool kPrefetch>
 __global__ void __launch_bounds__(kCombineRegsThreads, 1) combine_floor_regs(CombineFloorArgs a) {
-  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
-  for (int64_t t = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; t < a.tokens;
-       t += warps)
-    combine_token<kCombineU, kPrefetch>(a, t, threadIdx.x % 32);
+  static_items(a.tokens, [&](int64_t t, int lane) { combine_token<kCombineU, kPrefetch>(a, t, lane); });
 }
 
 template <int kThreads, int kBlocksPerSm, int kU>

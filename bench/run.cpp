@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <numeric>
+#include <type_traits>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -628,24 +629,33 @@ class WorkloadRun {
     CHECK_CUDA(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
     // The pinned shapes give local rank i SMs [i sms, (i + 1) sms): they must be on the GPU.
     const bool pinned = int64_t(team_.n_local()) * sms <= sm_count;
-    for (const FloorVariant& v : floor_variants(true, pinned)) {
-      const std::string name = "dispatch floor " + floor_variant_name(v);
-      OpResult d = time_floor(name, [&](size_t i) {
-        launch_dispatch_floor(plans[i].d, v, sms, stream(i));
-      });
-      d.bytes_per_rank = dispatch_bytes;
-      result_.ops.push_back(d);
-      if (opt_.check && !message_.quantized()) check_floor_dispatch(ref, name);
-    }
-    for (const FloorVariant& v : floor_variants(false, pinned)) {
-      const std::string name = "combine floor " + floor_variant_name(v);
-      OpResult c = time_floor(name, [&](size_t i) {
-        launch_combine_floor(plans[i].c, v, sms, stream(i));
-      });
-      c.bytes_per_rank = combine_bytes;
-      result_.ops.push_back(c);
-      if (opt_.check && !message_.quantized()) check_floor_combine(ref, name);
-    }
+    // Every variant of one floor timed on args_of(plan) as "<op> <series> <variant>": the series
+    // "floor" counts as the floor; "contiguous" is a diagnostic (below).
+    auto sweep = [&](bool dispatch, const std::string& series, auto args_of, double bytes,
+                     const std::function<void(const std::string&)>& check) {
+      for (const FloorVariant& v : floor_variants(dispatch, pinned)) {
+        if (series != "floor" && v.kind == FloorVariant::kTma) continue;  // no row mapping
+        const std::string name =
+            std::string(dispatch ? "dispatch " : "combine ") + series + " " + floor_variant_name(v);
+        OpResult r = time_floor(name, [&](size_t i) {
+          if constexpr (std::is_same_v<decltype(args_of(plans[0])), const DispatchFloorArgs&>)
+            launch_dispatch_floor(args_of(plans[i]), v, sms, stream(i));
+          else
+            launch_combine_floor(args_of(plans[i]), v, sms, stream(i));
+        });
+        r.impl = series;
+        r.bytes_per_rank = bytes;
+        result_.ops.push_back(r);
+        if (check) check(name);
+      }
+    };
+    const bool check_rows = opt_.check && !message_.quantized();
+    sweep(true, "floor", [](const Plan& p) -> const DispatchFloorArgs& { return p.d; },
+          dispatch_bytes,
+          [&](const std::string& name) { if (check_rows) check_floor_dispatch(ref, name); });
+    sweep(false, "floor", [](const Plan& p) -> const CombineFloorArgs& { return p.c; },
+          combine_bytes,
+          [&](const std::string& name) { if (check_rows) check_floor_combine(ref, name); });
     // A diagnostic, not a floor (epcomm's rows sit where the layout puts them): the same bytes
     // with each message's rows and each token's expert rows contiguous, as a plain copy kernel
     // lays them out, in the same launch shapes. Against the floor it separates what the
@@ -653,24 +663,10 @@ class WorkloadRun {
     bool contig = true;
     for (const Plan& p : plans) contig = contig && p.contig;
     if (!contig) return;
-    for (const FloorVariant& v : floor_variants(true, pinned)) {
-      if (v.kind == FloorVariant::kTma) continue;  // its ring does not take the row mapping
-      OpResult d = time_floor("dispatch contiguous " + floor_variant_name(v), [&](size_t i) {
-        launch_dispatch_floor(plans[i].contig_d, v, sms, stream(i));
-      });
-      d.impl = "contiguous";
-      d.bytes_per_rank = dispatch_bytes;
-      result_.ops.push_back(d);
-    }
-    for (const FloorVariant& v : floor_variants(false, pinned)) {
-      if (v.kind == FloorVariant::kTma) continue;
-      OpResult c = time_floor("combine contiguous " + floor_variant_name(v), [&](size_t i) {
-        launch_combine_floor(plans[i].contig_c, v, sms, stream(i));
-      });
-      c.impl = "contiguous";
-      c.bytes_per_rank = combine_bytes;
-      result_.ops.push_back(c);
-    }
+    sweep(true, "contiguous", [](const Plan& p) -> const DispatchFloorArgs& { return p.contig_d; },
+          dispatch_bytes, nullptr);
+    sweep(false, "contiguous", [](const Plan& p) -> const CombineFloorArgs& { return p.contig_c; },
+          combine_bytes, nullptr);
   }
 
   // The floor's bf16 rows against the reference's (the floor wrote them at the reference's rows).
