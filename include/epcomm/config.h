@@ -131,6 +131,9 @@ struct ConfigField {
   using Member = T Config::*;
   const char* name;
   Member member;
+  // Compared across ranks at set-up. Off for what a rank may choose alone (trace: stamping one
+  // rank's stages changes nothing its peers see).
+  bool same_on_every_rank = true;
 };
 inline constexpr auto kConfigFields = std::make_tuple(
     ConfigField<int32_t>{"hidden", &Config::hidden},
@@ -141,7 +144,7 @@ inline constexpr auto kConfigFields = std::make_tuple(
     ConfigField<float>{"nvfp4_global_scale", &Config::nvfp4_global_scale},
     ConfigField<int32_t>{"num_sms", &Config::num_sms},
     ConfigField<double>{"timeout_seconds", &Config::timeout_seconds},
-    ConfigField<bool>{"trace", &Config::trace},
+    ConfigField<bool>{"trace", &Config::trace, false},
     ConfigField<bool>{"share_gpus", &Config::share_gpus},
     ConfigField<int64_t>{"max_routed_rows", &Config::max_routed_rows},
     ConfigField<DispatchPath>{"dispatch_path", &Config::dispatch_path},

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <locale>
 #include <sstream>
 #include <string>
 #include <type_traits>
@@ -114,9 +115,16 @@ void require(bool ok, const std::string& field, const std::string& rule, long lo
 double default_timeout_seconds() {
   const char* env = std::getenv("EPCOMM_TIMEOUT_SECONDS");
   if (env == nullptr || *env == '\0') return kDefaultTimeoutSeconds;
-  char* end = nullptr;
-  const double v = std::strtod(env, &end);
-  return end != env && *end == '\0' ? v : std::nan("");
+  // A plain decimal number of seconds, spaces around it allowed; anything else (hex, "inf",
+  // trailing text) is NaN, which validation reports naming the variable.
+  std::istringstream in(env);
+  in.imbue(std::locale::classic());
+  double v = 0;
+  std::string rest;
+  const std::string text(env);
+  const bool plain = text.find_first_not_of("0123456789.eE+- \t") == std::string::npos;
+  if (!plain || !(in >> v) || (in >> rest) || !std::isfinite(v)) return std::nan("");
+  return v;
 }
 
 void Config::validate(int n_ranks) const {
@@ -249,6 +257,7 @@ void check_configs_match(const Config* configs, int n_ranks) {
   for (int r = 1; r < n_ranks; ++r) {
     const Config& b = configs[r];
     for_each_config_field([&](const auto& field) {
+      if (!field.same_on_every_rank) return;
       using T = std::decay_t<decltype(a.*field.member)>;
       // The dispatch path is compared resolved: kAuto and the path it picks agree.
       double va = double(a.*field.member), vb = double(b.*field.member);
