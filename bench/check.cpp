@@ -307,19 +307,11 @@ std::string check_combine_expert_side(const std::vector<float>& ref,
 }
 
 std::vector<double> messages_received(const ref::Problem& problem) {
-  const int32_t n_local = problem.n_experts / problem.n_ranks;
   std::vector<double> messages(size_t(problem.n_ranks), 0.0);
-  std::vector<char> hit(size_t(problem.n_ranks));
-  for (const ref::RankInput& in : problem.ranks)
-    for (int32_t t = 0; t < in.num_tokens; ++t) {
-      std::fill(hit.begin(), hit.end(), 0);
-      for (int32_t k = 0; k < problem.top_k; ++k) {
-        const int32_t e = in.topk_ids[size_t(t) * problem.top_k + k];
-        if (e >= 0) hit[size_t(e / n_local)] = 1;
-      }
-      for (size_t r = 0; r < hit.size(); ++r)
-        if (hit[r]) messages[r] += 1.0;
-    }
+  for (int32_t s = 0; s < problem.n_ranks; ++s)
+    for (int32_t t = 0; t < problem.ranks[size_t(s)].num_tokens; ++t)
+      for (uint64_t d = ref::destination_ranks(problem, s, t); d != 0; d &= d - 1)
+        messages[size_t(__builtin_ctzll(d))] += 1.0;
   return messages;
 }
 

@@ -112,6 +112,11 @@ void write_workload(JsonWriter& j, const WorkloadResult& r) {
   j.value("dispatch_message_bytes", r.dispatch_message_bytes);
   j.value("combine_message_bytes", r.combine_message_bytes);
   j.numbers("messages_per_rank", r.messages);
+  if (r.ranks_per_node > 0) {
+    j.value("ranks_per_node", r.ranks_per_node);
+    j.numbers("cross_node_messages_direct", r.cross_node_direct);
+    j.numbers("cross_node_messages_per_node", r.cross_node_per_node);
+  }
   std::vector<double> dispatch_bytes;
   for (double m : r.messages)
     dispatch_bytes.push_back(m * r.dispatch_message_bytes);
@@ -336,6 +341,18 @@ void print_workload(const WorkloadResult& r) {
       "%-12s memory per rank (cudaMemGetInfo): group buffers %.3f GB, outputs %.3f GB; "
       "%d blocks, %s dispatch path\n",
       "", r.group_bytes / 1e9, r.output_bytes / 1e9, r.num_sms, r.path.c_str());
+  if (r.ranks_per_node > 0 && !r.cross_node_direct.empty()) {
+    double direct = 0, per_node = 0;  // mean over ranks
+    for (size_t i = 0; i < r.cross_node_direct.size(); ++i) {
+      direct += r.cross_node_direct[i] / double(r.cross_node_direct.size());
+      per_node += r.cross_node_per_node[i] / double(r.cross_node_per_node.size());
+    }
+    std::printf("%-12s across nodes of %d ranks (model, per rank and dispatch): %.1f MB to ranks "
+                "of other nodes, one message per (token, remote rank); %.1f MB with one per "
+                "(token, remote node) forwarded inside it: %.2fx fewer\n",
+                "", r.ranks_per_node, direct * r.dispatch_message_bytes / 1e6,
+                per_node * r.dispatch_message_bytes / 1e6, per_node > 0 ? direct / per_node : 1.0);
+  }
   print_stages(r);
   std::fflush(stdout);
 }

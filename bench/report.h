@@ -52,6 +52,11 @@ struct WorkloadResult {
   double dispatch_message_bytes = 0;  // the dispatch format's codes + scales of one token
   double combine_message_bytes = 0;   // bf16: 2H
   std::vector<double> messages;       // per rank: messages received (mean over input sets)
+  // Declared nodes (--ranks-per-node below the ranks): per rank, the dispatch messages sent to
+  // ranks of other nodes, one per (token, remote rank) as now and one per (token, remote node)
+  // as with forwarding inside the node (reference::cross_node_messages; mean over input sets).
+  int ranks_per_node = 0;
+  std::vector<double> cross_node_direct, cross_node_per_node;
   std::vector<OpResult> ops;
   std::vector<CheckResult> checks;
   StageSummary stages;  // --trace

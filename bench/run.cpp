@@ -163,6 +163,17 @@ class WorkloadRun {
       const std::vector<double> messages = messages_received(problems_.back());
       for (int r = 0; r < n; ++r)
         result_.messages[size_t(r)] += messages[size_t(r)] / kInputSets;
+      if (cfg_.ranks_per_node > 0 && cfg_.ranks_per_node < n) {
+        result_.ranks_per_node = cfg_.ranks_per_node;
+        result_.cross_node_direct.resize(size_t(n), 0.0);
+        result_.cross_node_per_node.resize(size_t(n), 0.0);
+        for (int r = 0; r < n; ++r) {
+          const ref::CrossNodeMessages m =
+              ref::cross_node_messages(problems_.back(), r, cfg_.ranks_per_node);
+          result_.cross_node_direct[size_t(r)] += double(m.direct) / kInputSets;
+          result_.cross_node_per_node[size_t(r)] += double(m.per_node) / kInputSets;
+        }
+      }
     }
   }
 

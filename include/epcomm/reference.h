@@ -92,6 +92,23 @@ std::vector<float> combine_expert_side(const Problem& p,
                                        const std::vector<std::vector<uint16_t>>& expert_out,
                                        int32_t rank);
 
+// The ranks token t of rank `rank` is sent to (the owners of its experts), bit r for rank r;
+// 0 under skip_a2a (no traffic between ranks). Ids outside [0, n_experts) count for nothing; a
+// rank whose topk_ids the device refuses altogether (validate_topk) is the caller's to leave
+// out. The shared expert's row stays on the rank and is not counted.
+uint64_t destination_ranks(const Problem& p, int32_t rank, int32_t t);
+
+// Dispatch messages rank `rank` sends to ranks of other nodes (nodes of ranks_per_node
+// consecutive ranks) in one call: `direct`, one per (token, destination rank on another node),
+// what crosses the network when every message goes straight to its rank; `per_node`, one per
+// (token, other node it goes to), what crosses when one copy per node is forwarded inside the
+// node. Their ratio is what forwarding saves on the network.
+struct CrossNodeMessages {
+  int64_t direct = 0;
+  int64_t per_node = 0;
+};
+CrossNodeMessages cross_node_messages(const Problem& p, int32_t rank, int32_t ranks_per_node);
+
 // Routing generators (docs/results/method.md): for each token, K distinct experts, the top-K of |randn| + 1
 // scores (uniform popularity), or with expert e's score scaled by a Zipf(s) popularity when
 // zipf_s > 0. mask_prob masks each slot independently (-1).

@@ -254,6 +254,42 @@ std::vector<float> combine_expert_side(const Problem& p,
   return out;
 }
 
+uint64_t destination_ranks(const Problem& p, int32_t rank, int32_t t) {
+  const RankInput& in = rank_input(p, rank, "destination_ranks");
+  if (t < 0 || t >= in.num_tokens)
+    bad_argument("destination_ranks: token " + std::to_string(t) + " of rank " +
+                 std::to_string(rank) + ", which has " + std::to_string(in.num_tokens));
+  if (p.skip_a2a) return 0;
+  const ExpertMap em{p.n_experts, p.n_ranks};
+  uint64_t mask = 0;
+  for (int32_t k = 0; k < p.top_k; ++k) {
+    const int32_t id = in.topk_ids[size_t(t) * p.top_k + k];
+    if (id >= 0 && id < p.n_experts) mask |= uint64_t(1) << em.rank_of(id);
+  }
+  return mask;
+}
+
+CrossNodeMessages cross_node_messages(const Problem& p, int32_t rank, int32_t ranks_per_node) {
+  check_problem(p);
+  if (ranks_per_node < 1 || p.n_ranks % ranks_per_node != 0)
+    bad_argument("cross_node_messages: ranks_per_node = " + std::to_string(ranks_per_node) +
+                 " does not divide n_ranks = " + std::to_string(p.n_ranks));
+  const int32_t my_node = rank / ranks_per_node;
+  CrossNodeMessages m;
+  if (!sends(p, rank)) return m;  // the device sends nothing for refused topk_ids
+  for (int32_t t = 0; t < rank_input(p, rank, "cross_node_messages").num_tokens; ++t) {
+    const uint64_t dest = destination_ranks(p, rank, t);
+    uint64_t nodes = 0;
+    for (int32_t r = 0; r < p.n_ranks; ++r) {
+      if (!((dest >> r) & 1) || r / ranks_per_node == my_node) continue;
+      ++m.direct;
+      nodes |= uint64_t(1) << (r / ranks_per_node);
+    }
+    for (; nodes != 0; nodes &= nodes - 1) ++m.per_node;
+  }
+  return m;
+}
+
 std::vector<int32_t> make_topk(int32_t num_tokens, int32_t top_k, int32_t n_experts,
                                std::mt19937_64& rng, double zipf_s, double mask_prob) {
   if (num_tokens < 0 || top_k < 1 || n_experts < top_k)

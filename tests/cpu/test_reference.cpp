@@ -289,3 +289,26 @@ TEST(Reference, RejectsBadArguments) {
   ys[1].resize(ys[1].size() + 256, 0x3f80);
   EXPECT_EQ(combine(p, padded, ys, 0, true), combine(p, layouts, ys, 0, true));
 }
+
+// The network messages of a dispatch across nodes, by hand: 4 ranks as 2 nodes of 2, 8 experts
+// (2 per rank). Rank 0's tokens: {0, 2, 4, 6} reaches ranks 0-3 (2 remote ranks, 1 remote
+// node); {4, 5, -1, 7} ranks 2, 3 (2 remote ranks, 1 node); {1, 3, -1, -1} ranks 0, 1 (none).
+TEST(Reference, CrossNodeMessagesByHand) {
+  Problem p = make_problem(4, 8, 4, 8, {3, 1, 1, 1}, 5);
+  p.ranks[0].topk_ids = {0, 2, 4, 6, 4, 5, -1, 7, 1, 3, -1, -1};
+  EXPECT_EQ(destination_ranks(p, 0, 0), 0xfu);
+  EXPECT_EQ(destination_ranks(p, 0, 1), 0xcu);
+  EXPECT_EQ(destination_ranks(p, 0, 2), 0x3u);
+  const CrossNodeMessages two_nodes = cross_node_messages(p, 0, 2);
+  EXPECT_EQ(two_nodes.direct, 4);
+  EXPECT_EQ(two_nodes.per_node, 2);
+  const CrossNodeMessages four_nodes = cross_node_messages(p, 0, 1);  // every rank a node
+  EXPECT_EQ(four_nodes.direct, 6);  // 3 + 2 + 1 remote ranks
+  EXPECT_EQ(four_nodes.per_node, 6);
+  const CrossNodeMessages one_node = cross_node_messages(p, 0, 4);
+  EXPECT_EQ(one_node.direct, 0);
+  EXPECT_EQ(one_node.per_node, 0);
+  EXPECT_THROW(cross_node_messages(p, 0, 3), Error);  // 3 does not divide 4
+  p.ranks[0].topk_ids[1] = 0;  // a duplicate: the device sends nothing from rank 0
+  EXPECT_EQ(cross_node_messages(p, 0, 2).direct, 0);
+}
