@@ -605,6 +605,12 @@ class WorkloadRun {
       p.d.pinned = p.pinned.get();
       p.c.pinned = p.pinned.get();
       p.d.first_sm = p.c.first_sm = int32_t(i) * cfg_.num_sms;
+      p.c.src = p.combine_src.get();
+      p.c.weights = buffers_[i].sets[0].weights.get();
+      p.c.tokens = T;
+      p.c.top_k = K;
+      p.c.hidden = H;
+      p.c.out = buffers_[i].combine_out.get();
       // Contiguous: message m's rows right after message m-1's, token t's slot k read from row
       // t K + k of this rank's own expert outputs (it holds max_recv_rows >= T K rows here).
       p.contig = int64_t(T) * K <= sizes_.max_recv_rows;
@@ -622,12 +628,6 @@ class WorkloadRun {
         p.contig_c = p.c;
         p.contig_c.src = p.contig_src.get();
       }
-      p.c.src = p.combine_src.get();
-      p.c.weights = buffers_[i].sets[0].weights.get();
-      p.c.tokens = T;
-      p.c.top_k = K;
-      p.c.hidden = H;
-      p.c.out = buffers_[i].combine_out.get();
       dispatch_bytes +=
           double(src.size()) * 2 * H + double(rows.size()) * double(code_bytes + scale_bytes);
       combine_bytes += double(live) * 2 * H + double(T) * 2 * H;
