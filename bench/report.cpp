@@ -45,13 +45,19 @@ const OpResult* WorkloadResult::find(const std::string& op, const std::string& i
   return nullptr;
 }
 
-const OpResult* WorkloadResult::best_floor(const std::string& op) const {
-  const OpResult* best = nullptr;
+std::vector<const OpResult*> WorkloadResult::series(const std::string& op,
+                                                    const std::string& name) const {
+  std::vector<const OpResult*> out;
   for (const OpResult& f : ops)
-    if (f.impl == "floor" && f.op.rfind(op + " floor", 0) == 0 &&
-        (!best || f.median_us() < best->median_us()))
-      best = &f;
-  return best;
+    if (f.impl == name && f.op.rfind(op + " " + name, 0) == 0) out.push_back(&f);
+  std::sort(out.begin(), out.end(),
+            [](const OpResult* a, const OpResult* b) { return a->median_us() < b->median_us(); });
+  return out;
+}
+
+const OpResult* WorkloadResult::best_floor(const std::string& op) const {
+  const std::vector<const OpResult*> floors = series(op, "floor");
+  return floors.empty() ? nullptr : floors.front();
 }
 
 double WorkloadResult::bytes_per_rank(const std::string& op) const {
@@ -280,11 +286,7 @@ void print_floor(const WorkloadResult& r) {
     const OpResult* best = r.best_floor(op);
     const OpResult* mine = r.find(op, "epcomm");
     if (!best || !mine) continue;
-    std::vector<const OpResult*> floors;
-    for (const OpResult& f : r.ops)
-      if (f.impl == "floor" && f.op.rfind(std::string(op) + " floor", 0) == 0) floors.push_back(&f);
-    std::sort(floors.begin(), floors.end(),
-              [](const OpResult* a, const OpResult* b) { return a->median_us() < b->median_us(); });
+    const std::vector<const OpResult*> floors = r.series(op, "floor");
     std::string variants;
     for (size_t i = 0; i < floors.size() && i < 3; ++i) {
       const OpResult& f = *floors[i];
@@ -298,17 +300,15 @@ void print_floor(const WorkloadResult& r) {
                 "epcomm %.1f us = %.2fx\n",
                 "", op, best->bytes_per_rank / 1e6, floors.size(), variants.c_str(),
                 mine->median_us(), mine->median_us() / best->median_us());
-    const OpResult* contig = nullptr;  // the contiguous-rows diagnostic (not a floor)
-    for (const OpResult& f : r.ops)
-      if (f.impl == "contiguous" && f.op.rfind(std::string(op) + " contiguous", 0) == 0 &&
-          (!contig || f.median_us() < contig->median_us()))
-        contig = &f;
-    if (contig)
+    const std::vector<const OpResult*> contiguous = r.series(op, "contiguous");  // a diagnostic
+    if (!contiguous.empty()) {
+      const OpResult* contig = contiguous.front();
       std::printf("%-12s %s with contiguous rows (diagnostic, not a floor): %s %.1f us %.0f GB/s "
                   "(%.1f per SM) = %.2fx faster than the floor\n",
                   "", op, contig->op.substr(contig->op.rfind(' ') + 1).c_str(),
                   contig->median_us(), contig->gbps(), contig->gbps() / r.num_sms,
                   best->median_us() / contig->median_us());
+    }
   }
 }
 

@@ -66,7 +66,9 @@ struct WorkloadResult {
   double group_bytes = 0, output_bytes = 0;
 
   const OpResult* find(const std::string& op, const std::string& impl) const;
-  // --floor: the fastest floor variant of "dispatch" or "combine" (null without --floor).
+  // --floor: the variants of a series ("floor", or the "contiguous" diagnostic) of "dispatch"
+  // or "combine", fastest first (empty without --floor), and the fastest floor (or null).
+  std::vector<const OpResult*> series(const std::string& op, const std::string& name) const;
   const OpResult* best_floor(const std::string& op) const;
   // Logical bytes received per rank, mean over ranks, by an op named "dispatch..." or "combine...".
   double bytes_per_rank(const std::string& op) const;

@@ -545,12 +545,14 @@ class WorkloadRun {
       DeviceArray<const uint16_t*> contig_src;
       DispatchFloorArgs contig_d;
       CombineFloorArgs contig_c;
-      bool contig = false;
       DispatchFloorArgs d;
       CombineFloorArgs c;
       double dispatch_bytes = 0, combine_bytes = 0;
     };
     std::vector<Plan> plans(team_.n_local());
+    // The contiguous-rows diagnostic reads token t's slot k from row t K + k of a rank's own
+    // expert outputs: they must hold T K rows.
+    const bool contig = int64_t(T) * K <= sizes_.max_recv_rows;
     double dispatch_bytes = 0, combine_bytes = 0;
     for (size_t i = 0; i < team_.n_local(); ++i) {
       const int32_t r = team_.local()[i].rank;
@@ -611,10 +613,8 @@ class WorkloadRun {
       p.c.top_k = K;
       p.c.hidden = H;
       p.c.out = buffers_[i].combine_out.get();
-      // Contiguous: message m's rows right after message m-1's, token t's slot k read from row
-      // t K + k of this rank's own expert outputs (it holds max_recv_rows >= T K rows here).
-      p.contig = int64_t(T) * K <= sizes_.max_recv_rows;
-      if (p.contig) {
+      // Contiguous: message m's rows right after message m-1's, token t's slot k at row t K + k.
+      if (contig) {
         std::vector<int32_t> seq(rows.size());
         std::iota(seq.begin(), seq.end(), 0);
         std::vector<const uint16_t*> csrc(combine_src.size(), nullptr);
@@ -642,14 +642,16 @@ class WorkloadRun {
     const bool pinned = int64_t(team_.n_local()) * sms <= sm_count;
     // Every variant of one floor timed on args_of(plan) as "<op> <series> <variant>": the series
     // "floor" counts as the floor; "contiguous" is a diagnostic (below).
-    auto sweep = [&](bool dispatch, const std::string& series, auto args_of, double bytes,
+    auto sweep = [&](const std::string& series, auto args_of, double bytes,
                      const std::function<void(const std::string&)>& check) {
+      constexpr bool dispatch =
+          std::is_same_v<decltype(args_of(plans[0])), const DispatchFloorArgs&>;
       for (const FloorVariant& v : floor_variants(dispatch, pinned)) {
         if (series != "floor" && v.kind == FloorVariant::kTma) continue;  // no row mapping
         const std::string name =
             std::string(dispatch ? "dispatch " : "combine ") + series + " " + floor_variant_name(v);
         OpResult r = time_floor(name, [&](size_t i) {
-          if constexpr (std::is_same_v<decltype(args_of(plans[0])), const DispatchFloorArgs&>)
+          if constexpr (dispatch)
             launch_dispatch_floor(args_of(plans[i]), v, sms, stream(i));
           else
             launch_combine_floor(args_of(plans[i]), v, sms, stream(i));
@@ -661,22 +663,20 @@ class WorkloadRun {
       }
     };
     const bool check_rows = opt_.check && !message_.quantized();
-    sweep(true, "floor", [](const Plan& p) -> const DispatchFloorArgs& { return p.d; },
+    sweep("floor", [](const Plan& p) -> const DispatchFloorArgs& { return p.d; },
           dispatch_bytes,
           [&](const std::string& name) { if (check_rows) check_floor_dispatch(ref, name); });
-    sweep(false, "floor", [](const Plan& p) -> const CombineFloorArgs& { return p.c; },
+    sweep("floor", [](const Plan& p) -> const CombineFloorArgs& { return p.c; },
           combine_bytes,
           [&](const std::string& name) { if (check_rows) check_floor_combine(ref, name); });
     // A diagnostic, not a floor (epcomm's rows sit where the layout puts them): the same bytes
     // with each message's rows and each token's expert rows contiguous, as a plain copy kernel
     // lays them out, in the same launch shapes. Against the floor it separates what the
     // expert-major layout's scattered rows cost from what the launch shape costs.
-    bool contig = true;
-    for (const Plan& p : plans) contig = contig && p.contig;
     if (!contig) return;
-    sweep(true, "contiguous", [](const Plan& p) -> const DispatchFloorArgs& { return p.contig_d; },
+    sweep("contiguous", [](const Plan& p) -> const DispatchFloorArgs& { return p.contig_d; },
           dispatch_bytes, nullptr);
-    sweep(false, "contiguous", [](const Plan& p) -> const CombineFloorArgs& { return p.contig_c; },
+    sweep("contiguous", [](const Plan& p) -> const CombineFloorArgs& { return p.contig_c; },
           combine_bytes, nullptr);
   }
 
