@@ -67,6 +67,10 @@ class FileBootstrap : public Bootstrap {
   std::string file(const std::string& name) const {
     return dir_ + "/" + (job_.empty() ? name : job_ + "." + name);
   }
+  // Rank r's file of a kind: "<kind>_r<r>".
+  std::string member_file(const std::string& kind, int r) const {
+    return file(kind + "_r" + std::to_string(r));
+  }
 
   std::string dir_;
   std::string job_;

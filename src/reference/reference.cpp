@@ -31,14 +31,30 @@ namespace {
 [[noreturn]] void bad_argument(const std::string& what) {
   throw Error(ErrorCode::kInvalidArgument, "epcomm reference: " + what);
 }
-// The shape fields as a group's configuration would carry them.
-Config problem_config(int32_t hidden, int32_t top_k, int32_t n_experts, int32_t max_tokens) {
+// The shape fields as a group's configuration would carry them (the modes off).
+Config shape_config(int32_t hidden, int32_t top_k, int32_t n_experts) {
   Config c;
   c.hidden = hidden;
   c.top_k = top_k;
   c.n_experts = n_experts;
-  c.max_tokens_per_rank = std::max(1, max_tokens);
   return c;
+}
+// One token count per rank, none negative, and the shape `c` (its max_tokens_per_rank set from
+// the counts) as Config::validate judges it for n_ranks; `what` prefixes the messages.
+void check_shape(Config c, int32_t n_ranks, const std::vector<int32_t>& num_tokens,
+                 const std::string& what) {
+  if (int64_t(num_tokens.size()) != int64_t(n_ranks))
+    bad_argument(what + "num_tokens has " + std::to_string(num_tokens.size()) +
+                 " entries for n_ranks = " + std::to_string(n_ranks));
+  int32_t max_tokens = 0;
+  for (size_t r = 0; r < num_tokens.size(); ++r) {
+    if (num_tokens[r] < 0)
+      bad_argument(what + "num_tokens[" + std::to_string(r) + "] = " +
+                   std::to_string(num_tokens[r]) + " is negative");
+    max_tokens = std::max(max_tokens, num_tokens[r]);
+  }
+  c.max_tokens_per_rank = std::max(1, max_tokens);
+  c.validate(n_ranks);
 }
 void check_rank(const Problem& p, int32_t rank, const char* what) {
   if (rank < 0 || rank >= p.n_ranks)
@@ -79,21 +95,15 @@ void check_combine_args(const Problem& p, const std::vector<DispatchResult>& lay
 }  // namespace
 
 void check_problem(const Problem& p) {
-  int32_t max_tokens = 0;
-  for (const RankInput& in : p.ranks) max_tokens = std::max(max_tokens, in.num_tokens);
-  Config c = problem_config(p.hidden, p.top_k, p.n_experts, max_tokens);
+  Config c = shape_config(p.hidden, p.top_k, p.n_experts);
   c.shared_expert = p.shared_expert;
   c.skip_a2a = p.skip_a2a;
   c.allreduce_world_size = p.allreduce_world_size;
-  c.validate(p.n_ranks);
-  if (int64_t(p.ranks.size()) != p.n_ranks)
-    bad_argument("the problem has " + std::to_string(p.ranks.size()) + " ranks' inputs for n_ranks = " +
-                 std::to_string(p.n_ranks));
+  std::vector<int32_t> num_tokens;
+  for (const RankInput& in : p.ranks) num_tokens.push_back(in.num_tokens);
+  check_shape(c, p.n_ranks, num_tokens, "the problem's ");
   for (int32_t r = 0; r < p.n_ranks; ++r) {
     const RankInput& in = p.ranks[size_t(r)];
-    if (in.num_tokens < 0)
-      bad_argument("rank " + std::to_string(r) + "'s num_tokens = " + std::to_string(in.num_tokens) +
-                   " is negative");
     check_length("tokens", r, in.tokens.size(), int64_t(in.num_tokens) * p.hidden);
     check_length("topk_ids", r, in.topk_ids.size(), int64_t(in.num_tokens) * p.top_k);
     check_length("weights", r, in.weights.size(), int64_t(in.num_tokens) * p.top_k);
@@ -353,17 +363,7 @@ Problem make_replicated_problem(int32_t n_ranks, int32_t hidden, int32_t top_k, 
 Problem make_problem(int32_t n_ranks, int32_t hidden, int32_t top_k, int32_t n_experts,
                      const std::vector<int32_t>& num_tokens, uint64_t seed, double zipf_s,
                      double mask_prob) {
-  if (int64_t(num_tokens.size()) != int64_t(n_ranks))
-    bad_argument("make_problem: num_tokens has " + std::to_string(num_tokens.size()) +
-                 " entries for n_ranks = " + std::to_string(n_ranks));
-  int32_t max_tokens = 0;
-  for (int32_t r = 0; r < n_ranks; ++r) {
-    if (num_tokens[size_t(r)] < 0)
-      bad_argument("make_problem: num_tokens[" + std::to_string(r) + "] = " +
-                   std::to_string(num_tokens[size_t(r)]) + " is negative");
-    max_tokens = std::max(max_tokens, num_tokens[size_t(r)]);
-  }
-  problem_config(hidden, top_k, n_experts, max_tokens).validate(n_ranks);
+  check_shape(shape_config(hidden, top_k, n_experts), n_ranks, num_tokens, "make_problem: ");
   Problem p;
   p.n_ranks = n_ranks;
   p.hidden = hidden;

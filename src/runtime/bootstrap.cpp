@@ -189,6 +189,16 @@ std::string seconds_text(double s) {
   o << s << " s";
   return o.str();
 }
+// A bound from now, polled every 2 ms.
+struct Deadline {
+  explicit Deadline(double seconds)
+      : at(std::chrono::steady_clock::now() +
+           std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+               std::chrono::duration<double>(seconds))) {}
+  bool expired() const { return std::chrono::steady_clock::now() > at; }
+  static void pause() { std::this_thread::sleep_for(std::chrono::milliseconds(2)); }
+  std::chrono::steady_clock::time_point at;
+};
 bool read_text(const std::string& path, std::string* text) {
   std::ifstream f(path, std::ios::binary);
   if (!f) return false;
@@ -201,16 +211,12 @@ bool read_text(const std::string& path, std::string* text) {
 }  // namespace
 
 void FileBootstrap::join_run() {
-  const auto deadline =
-      std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_);
-  const auto expired = [&] { return std::chrono::steady_clock::now() > deadline; };
-  const auto pause = [] { std::this_thread::sleep_for(std::chrono::milliseconds(2)); };
+  const Deadline deadline(timeout_);
   const auto fail = [&](const std::string& why) {
     throw Error(ErrorCode::kBootstrap, "FileBootstrap (rank " + std::to_string(rank_) + " of " +
                                            std::to_string(size_) + ", " + dir_ +
                                            (job_.empty() ? "" : ", job " + job_) + "): " + why);
   };
-  const std::string rank_tag = "_r" + std::to_string(rank_);
   if (size_ == 1) {
     run_ = fresh_hex_id();
     return;
@@ -218,7 +224,7 @@ void FileBootstrap::join_run() {
   if (rank_ != 0) {
     // Publish a nonce, wait for rank 0's announcement that lists it, confirm.
     const std::string nonce = fresh_hex_id();
-    if (!write_text(file("join" + rank_tag), nonce)) fail("cannot write " + file("join" + rank_tag));
+    if (!write_text(member_file("join", rank_), nonce)) fail("cannot write " + member_file("join", rank_));
     for (;;) {
       std::string text;
       if (read_text(file("run"), &text)) {  // "<run id> <nonce of rank 1> ... <nonce of rank n-1>"
@@ -227,16 +233,16 @@ void FileBootstrap::join_run() {
         in >> id;
         for (int r = 1; r <= rank_ && in; ++r) in >> seen;
         if (in && seen == nonce) {
-          if (!write_text(file("ack" + rank_tag), id + " " + nonce))
-            fail("cannot write " + file("ack" + rank_tag));
+          if (!write_text(member_file("ack", rank_), id + " " + nonce))
+            fail("cannot write " + member_file("ack", rank_));
           run_ = id;
           return;
         }
       }
-      if (expired())
+      if (deadline.expired())
         fail("rank 0 did not start a run within " + seconds_text(timeout_) +
              " (is rank 0 running, with this directory and this world size?)");
-      pause();
+      Deadline::pause();
     }
   }
   // Rank 0: announce a fresh run id with the nonces the join files hold (re-announced whenever
@@ -247,7 +253,7 @@ void FileBootstrap::join_run() {
     bool changed = false;
     for (int r = 1; r < size_; ++r) {
       std::string n;
-      if (read_text(file("join_r" + std::to_string(r)), &n) && !n.empty() && n != nonce[size_t(r)]) {
+      if (read_text(member_file("join", r), &n) && !n.empty() && n != nonce[size_t(r)]) {
         nonce[size_t(r)] = n;
         changed = true;
       }
@@ -261,20 +267,20 @@ void FileBootstrap::join_run() {
     int num_missing = 0;
     for (int r = 1; r < size_; ++r) {
       std::string ack;
-      if (!read_text(file("ack_r" + std::to_string(r)), &ack) || ack != id + " " + nonce[size_t(r)])
+      if (!read_text(member_file("ack", r), &ack) || ack != id + " " + nonce[size_t(r)])
         missing += (num_missing++ ? ", " : "") + std::to_string(r);
     }
     if (num_missing == 0) break;
-    if (expired())
+    if (deadline.expired())
       fail((num_missing == 1 ? "rank " : "ranks ") + missing + " did not join the run within " +
            seconds_text(timeout_));
-    pause();
+    Deadline::pause();
   }
   // Every rank has read the announcement: the next run starts from a clean slate.
   ::unlink(file("run").c_str());
   for (int r = 1; r < size_; ++r) {
-    ::unlink(file("join_r" + std::to_string(r)).c_str());
-    ::unlink(file("ack_r" + std::to_string(r)).c_str());
+    ::unlink(member_file("join", r).c_str());
+    ::unlink(member_file("ack", r).c_str());
   }
   run_ = id;
 }
@@ -282,13 +288,10 @@ void FileBootstrap::join_run() {
 void FileBootstrap::all_gather(const void* send, void* recv, size_t bytes) {
   if (run_.empty()) join_run();
   const long gen = generation_++;
-  auto path = [&](long g, int r) {
-    return file(run_ + ".g" + std::to_string(g) + "_r" + std::to_string(r));
-  };
+  auto path = [&](long g, int r) { return member_file(run_ + ".g" + std::to_string(g), r); };
   if (!write_file(path(gen, rank_), send, bytes))
     throw Error(ErrorCode::kBootstrap, "FileBootstrap: cannot write " + path(gen, rank_));
-  const auto deadline =
-      std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_);
+  const Deadline deadline(timeout_);
   for (int r = 0; r < size_; ++r) {
     for (;;) {
       std::ifstream f(path(gen, r), std::ios::binary);
@@ -299,12 +302,12 @@ void FileBootstrap::all_gather(const void* send, void* recv, size_t bytes) {
                                                  " contributed a different size");
         break;
       }
-      if (std::chrono::steady_clock::now() > deadline)
+      if (deadline.expired())
         throw Error(ErrorCode::kBootstrap, "FileBootstrap (rank " + std::to_string(rank_) +
                                                "): rank " + std::to_string(r) +
                                                " did not join all-gather " + std::to_string(gen) +
                                                " within " + seconds_text(timeout_));
-      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      Deadline::pause();
     }
   }
   // Every rank has read generation gen-1 once it writes generation gen: remove our old file.

@@ -251,7 +251,6 @@ constexpr bool all_distinct(std::index_sequence<I...> all) {
 static_assert(all_distinct(std::make_index_sequence<kNumConfigFields>()),
               "kConfigFields lists a member or a name twice");
 
-
 void check_configs_match(const Config* configs, int n_ranks) {
   const Config& a = configs[0];
   for (int r = 1; r < n_ranks; ++r) {

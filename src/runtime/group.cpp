@@ -771,11 +771,16 @@ void Group::dispatch_wait(const DispatchOutput& out, cudaStream_t stream) {
   s_->last = s_->pending;
 }
 
+// A combine's name by its form: combine (in and out), combine_async (in) or combine_wait (out).
+static const char* combine_op(const CombineInput* in, const CombineOutput* out) {
+  return in && out ? "combine" : (in ? "combine_async" : "combine_wait");
+}
+
 // The checks and kernel parameters of a combine (in and out), combine_async (in only) or
 // combine_wait (out only); tracks the async / wait pairing.
 static detail::CombineParams prepare_combine(detail::GroupState& s, const CombineInput* in,
                                              const CombineOutput* out) {
-  const char* op = in && out ? "combine" : (in ? "combine_async" : "combine_wait");
+  const char* op = combine_op(in, out);
   check_usable(s, op);
   require(s.last.num_tokens >= 0, s.rank, op, "no dispatch has completed on this group yet");
   require(!s.async_dispatch_pending, s.rank, op,
@@ -832,7 +837,7 @@ detail::CombineParams detail::EpilogueAccess::prepare_combine(Group& group, cons
   // The epilogue's kernel is compiled in the caller's translation unit, without the library's
   // NVSHMEM transport: it would take a rank of another node for one it can store to.
   const detail::GroupState& s = *group.s_;
-  require(!s.view.multi_node(), s.rank, in && out ? "combine" : (in ? "combine_async" : "combine_wait"),
+  require(!s.view.multi_node(), s.rank, combine_op(in, out),
           "a custom combine epilogue (epcomm/combine_epilogue.cuh) cannot run on a group that "
           "spans nodes: its kernel is compiled in your code, without the NVSHMEM transport. Use "
           "Group::combine, and apply the epilogue to its output");

@@ -55,9 +55,10 @@ int64_t TensorDesc::numel() const {
 std::vector<TensorDesc> dispatch_output_descs(const Config& cfg, const Sizes& sizes) {
   const TokenFormat f = cfg.format;
   const int64_t H = cfg.hidden, G = sizes.num_groups;
+  const int64_t R = sizes.max_recv_rows;
+  // The scales' layouts (the row count and bytes are in Sizes already).
   const DispatchOutputLayout out =
       DispatchOutputLayout::make(f, cfg.hidden, sizes.max_routed_rows, sizes.num_groups);
-  const int64_t R = out.rows;  // Sizes::max_recv_rows
   std::vector<TensorDesc> d;
   if (f == TokenFormat::kBF16)
     d.push_back(contiguous("tokens", DType::kBF16, {R, H}));
@@ -66,7 +67,7 @@ std::vector<TensorDesc> dispatch_output_descs(const Config& cfg, const Sizes& si
                            f == TokenFormat::kFp8Blockwise || f == TokenFormat::kMxfp8
                                ? DType::kFloat8E4M3  // one e4m3 code a byte
                                : DType::kU8,         // two e2m1 codes a byte
-                           {R, out.row_bytes()}));
+                           {R, sizes.token_bytes}));
   d.push_back(contiguous("row_offsets", DType::kI32, {G + 1}));
   d.push_back(contiguous("expert_ids", DType::kI32, {G}));
   d.push_back(contiguous("src_info", DType::kI32, {R, int64_t(sizeof(SrcInfo) / 4)}));
@@ -85,7 +86,7 @@ std::vector<TensorDesc> dispatch_output_descs(const Config& cfg, const Sizes& si
       d.push_back(contiguous("scales", DType::kU8, {0}));
       break;
   }
-  d.push_back(contiguous("scales_offsets", DType::kI32, {format_swizzled(f) ? G : 0}));
+  d.push_back(contiguous("scales_offsets", DType::kI32, {sizes.num_scales_offsets}));
   return d;
 }
 
