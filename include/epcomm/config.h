@@ -72,8 +72,9 @@ struct Config {
   // A cap on Sizes::max_routed_rows, the rows that may be routed to this rank (its dispatch
   // output's rows before format padding; Sizes::max_recv_rows adds the padding). 0: the worst
   // case, max_tokens_per_rank * n_ranks * min(top_k, n_local). A smaller cap shrinks every
-  // output a caller allocates; a dispatch that routes more rows than the cap to a rank writes
-  // no row there and reports ErrorCode::kRecvCapacity on that rank, naming the count (group.h).
+  // output a caller allocates; a dispatch that routes more rows than the cap to any rank writes
+  // no row on any rank and reports ErrorCode::kRecvCapacity on every rank, naming the ranks
+  // that would overflow (group.h).
   int64_t max_routed_rows = 0;
   // The dispatch kernels (DispatchPath). kLowLatency needs max_tokens_per_rank <=
   // kLowLatencyMaxTokens.

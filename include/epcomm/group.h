@@ -17,13 +17,16 @@
 // a peer that does not arrive within Config::timeout_seconds) are written by the kernel to an
 // error record in host-mapped memory; the host learns of them from check() or synchronize(), and
 // every later call checks the record before it launches. A device-detected bad input sends no
-// token from the offending rank, corrupts nothing, and the group stays usable. The receiving
-// rank checks what its sources announce: more rows than its receive capacity
-// (Config::max_routed_rows) is kRecvCapacity, naming the count and the cap; a count or offset out
-// of range is kBadPeerData, naming the source. Either way that rank writes no row (its
-// row_offsets are all 0), the call completes on every rank and the group stays usable; the
-// other ranks' combine results for tokens routed there lack that rank's experts, so treat the
-// call as failed on every rank. A timeout leaves
+// token from the offending rank, corrupts nothing, and the group stays usable. Every rank
+// checks what its sources announce. Routing that gives any rank more rows than the receive
+// capacity (Config::max_routed_rows) is kRecvCapacity on every rank, naming the ranks that
+// would overflow and the cap: every source tells every rank how many rows it routes to each
+// rank, so all judge alike, and no rank writes a row (row_offsets all 0); with skip_a2a (no
+// traffic between ranks) only the rank that would overflow reports it. A count or offset out
+// of range is kBadPeerData, naming the source; that rank writes no row, and the other ranks'
+// combine results for tokens routed there lack its experts, so treat the call as failed on
+// every rank. Either way the call completes on every rank and the group stays usable. A
+// timeout leaves
 // the ranks out of step: the group is poisoned, every later call throws kPoisoned, and it must
 // be destroyed and set up again.
 #pragma once

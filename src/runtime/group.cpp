@@ -562,6 +562,8 @@ const char* peer_field_name(int32_t field) {
     case detail::kFieldChunks: return "a chunk count";
     case detail::kFieldGroupCount: return "a group's token count";
     case detail::kFieldChunkStart: return "a chunk start";
+    case detail::kFieldRowsTo:
+      return "its rows routed to a rank (out of range, or for this rank not its counts' sum)";
   }
   return "a value";
 }
@@ -611,11 +613,11 @@ void Group::check() {
          << " twice (again at slot " << e->slot << "); this rank sent no token";
       break;
     case ErrorCode::kRecvCapacity:
-      os << e->value << " rows were routed to this rank (from rank(s) "
-         << ranks_of(e->peer_mask, e->peer_mask_hi) << "), more than its receive capacity of "
-         << s_->sizes.max_routed_rows
-         << " rows (Config::max_routed_rows); no row was written (row_offsets are all 0, so "
-            "combine returns nothing from this rank's experts) and the group stays usable";
+      os << "rank(s) " << ranks_of(e->peer_mask, e->peer_mask_hi)
+         << " would receive more rows than the receive capacity of " << s_->sizes.max_routed_rows
+         << " rows (Config::max_routed_rows; the most: " << e->value
+         << " rows); every rank of the call reports this and no rank wrote a row (row_offsets "
+            "are all 0, so combine returns nothing), and the group stays usable";
       break;
     case ErrorCode::kBadPeerData:
       os << "rank " << ranks_of(e->peer_mask, e->peer_mask_hi) << " announced "

@@ -118,9 +118,11 @@ TEST(Layout, WindowRegionsDoNotOverlap) {
   EXPECT_EQ(w.zeroed_bytes(), w.dispatch_recv_offset());
   // Memory target (docs/results/method.md): buffers within 2 x n_ranks x max_tokens x message bytes.
   EXPECT_LE(w.bytes(), 2 * 8 * int64_t(4096) * w.msg().bytes());
-  // meta: seq, stream count, chunk count, counts[n_local], chunk starts[max_chunks + 1]
+  // meta: seq, stream count, chunk count, counts[n_local], chunk starts[max_chunks + 1],
+  // rows_to[n_ranks]
   EXPECT_EQ(w.meta().chunk_start_offset(), 16 + 4 * 32);
-  EXPECT_EQ(w.meta().bytes(), align_up(16 + 4 * 32 + 4 * (4096 / 16 + 1), 16));
+  EXPECT_EQ(w.meta().rows_to_offset(), 16 + 4 * 32 + 4 * (4096 / 16 + 1));
+  EXPECT_EQ(w.meta().bytes(), align_up(16 + 4 * 32 + 4 * (4096 / 16 + 1) + 4 * 8, 16));
   EXPECT_EQ(num_chunks(0), 0);
   EXPECT_EQ(num_chunks(1), 1);
   EXPECT_EQ(num_chunks(16), 1);

@@ -52,6 +52,7 @@ enum PeerField : int32_t {
   kFieldChunks = 2,       // chunks: [0, num_chunks(max_tokens)]
   kFieldGroupCount = 3,   // tokens for one group: [0, messages]
   kFieldChunkStart = 4,   // chunk starts: ascending inside [0, messages]
+  kFieldRowsTo = 5,       // rows routed to a rank: [0, max_tokens x K], here = the counts' sum
 };
 
 enum WaitWhat : int32_t {

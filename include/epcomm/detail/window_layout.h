@@ -130,11 +130,17 @@ EPCOMM_HD int64_t MessageLayout::part_scales_bytes(int32_t p) const {
 struct MetaLayout {
   int32_t n_local;
   int32_t max_chunks;  // num_chunks(max_tokens)
+  int32_t n_ranks;
 
   // u64 seq, i32 stream_count, i32 n_chunks, i32 counts[n_local],
-  // i32 chunk_start[n_chunks + 1] (chunk_start[n_chunks] = stream_count)
+  // i32 chunk_start[max_chunks + 1] (chunk_start[n_chunks] = stream_count),
+  // i32 rows_to[n_ranks]: the rows the sender routes to every rank (the same in each of its
+  // records), so every receiver judges every rank's receive capacity alike.
   EPCOMM_HD int64_t bytes() const {
-    return align_up(16 + 4 * int64_t(n_local) + 4 * (int64_t(max_chunks) + 1), 16);
+    return align_up(rows_to_offset() + 4 * int64_t(n_ranks), 16);
+  }
+  EPCOMM_HD int64_t rows_to_offset() const {
+    return 16 + 4 * int64_t(n_local) + 4 * (int64_t(max_chunks) + 1);
   }
   EPCOMM_HD static int64_t seq_offset() { return 0; }
   EPCOMM_HD static int64_t stream_count_offset() { return 8; }
@@ -172,7 +178,9 @@ struct WindowLayout {
 
   EPCOMM_HD MessageLayout msg() const { return MessageLayout{hidden, top_k, format}; }
   EPCOMM_HD DispatchRecvLayout dispatch_recv() const { return DispatchRecvLayout{msg(), max_tokens}; }
-  EPCOMM_HD MetaLayout meta() const { return MetaLayout{n_experts / n_ranks, num_chunks(max_tokens)}; }
+  EPCOMM_HD MetaLayout meta() const {
+    return MetaLayout{n_experts / n_ranks, num_chunks(max_tokens), n_ranks};
+  }
   EPCOMM_HD CombineRecvLayout combine_recv() const {
     return CombineRecvLayout{hidden, top_k, max_tokens};
   }

@@ -24,6 +24,15 @@ constexpr int32_t kPartUnits = kPartValues / kLaneValues;  // 16-byte bf16 units
 static_assert(kPartUnits == kWarpSize * kUnroll, "a part is one step of quantize_to");
 static_assert(kUnitTokens >= kLowLatencyMaxTokens, "one block ranks a low-latency call");
 
+// The whole warp: v[0] + ... + v[n - 1], in every lane (lanes read strided, then a butterfly),
+// so a sum over a rank's groups costs n / 32 loads per lane, not n dependent ones in one thread.
+__device__ __forceinline__ int64_t warp_sum(const int32_t* v, int32_t n) {
+  int64_t sum = 0;
+  for (int32_t i = threadIdx.x % kWarpSize; i < n; i += kWarpSize) sum += v[i];
+  for (int m = kWarpSize / 2; m > 0; m /= 2) sum += __shfl_xor_sync(kFullMask, sum, m);
+  return sum;
+}
+
 }  // namespace
 }  // namespace detail
 }  // namespace epcomm

@@ -39,7 +39,7 @@ template <TokenFormat F>
 __device__ __noinline__ bool ll_send(const DispatchParams& p, unsigned long long seq, char* smem) {
   const GroupView& g = p.g;
   const ExpertMap em = g.experts();
-  const int32_t K = g.top_k, n_local = g.n_local();
+  const int32_t K = g.top_k;
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   // The destinations must have finished reading the previous call's messages: their acks are
   // loaded now, in flight during the ranking, and waited for only if one was not in yet.
@@ -56,11 +56,11 @@ __device__ __noinline__ bool ll_send(const DispatchParams& p, unsigned long long
                          kWaitAck, [&](int32_t) { return seq - 1; }))
     return false;
   trace_mark(g, kTraceDispatch, kTraceAcked);
-  if (blockIdx.x == 0)
+  if (blockIdx.x == 0) {
+    const int32_t* rows_to = block_rows_to(g, bad ? nullptr : lr.totals);
     for (int32_t d = warp; d < g.n_ranks; d += kWarps)
-      write_meta(
-          g, seq, d, [&](int32_t j) { return bad ? 0 : lr.totals[d * n_local + j]; },
-          bad ? 0 : lr.totals[em.rank_key(d)], 0, [](int32_t) { return 0; });
+      write_meta(g, seq, d, bad ? nullptr : lr.totals, rows_to, 0, [](int32_t) { return 0; });
+  }
 
   const WindowLayout wl = g.layout();
   const int32_t n_parts = num_parts(g.hidden);
