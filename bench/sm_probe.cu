@@ -4,7 +4,9 @@
 // SMs, by %smid, do nothing; the working ones take tokens from a counter) or is a plain grid of
 // `grid` blocks; either way it records which SMs did work, and the figures are per SM that did.
 // Modes: copy (one row read, 8 rows written), store-only (8 rows written), load8-only (8 rows
-// read, one written). What it showed on an H100 (docs/results/2026-11-25_h100_sm_pinning_f9e9acc.md):
+// read, one written), copy1 (one row read, one written at a byte stride and offset: dispatch's
+// send to one destination, whose messages are a header and the row; added after the f9e9acc
+// run, not yet run). What it showed on an H100 (docs/results/2026-11-25_h100_sm_pinning_f9e9acc.md):
 // a grid of 2 S blocks runs on 2 S SMs, not on S; one SM stores about 63 GB/s and loads about
 // 168 GB/s, whatever the launch shape.
 #include <cstdio>
@@ -16,8 +18,9 @@
 __device__ __forceinline__ uint32_t smid() { uint32_t id; asm volatile("mov.u32 %0, %%smid;" : "=r"(id)); return id; }
 __device__ __forceinline__ uint4 ldnc(const uint4* p) { uint4 v; asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x),"=r"(v.y),"=r"(v.z),"=r"(v.w) : "l"(p)); return v; }
 constexpr int RV = 896, K = 8; constexpr int64_t T = 4096;
-struct Args { const uint4* src; uint4* dst; unsigned* mask; unsigned long long* ctr; int pin; };
-// MODE 0 copy (1 row read, K rows written), 1 store only, 2 load only (K rows read, 1 written)
+struct Args { const uint4* src; uint4* dst; unsigned* mask; unsigned long long* ctr; int pin; int64_t stride = 0, offset = 0; };
+// MODE 0 copy (1 row read, K rows written), 1 store only, 2 load only (K rows read, 1 written),
+// 3 copy1 (1 row read, written once at byte t * stride + offset)
 template <int MODE, int U, bool CS>
 __device__ void item(const Args& a, int64_t t, int lane) {
   for (int v0 = 0; v0 < RV; v0 += 32 * U) {
@@ -29,6 +32,11 @@ __device__ void item(const Args& a, int64_t t, int lane) {
       for (int k = 0; k < K; ++k)
 #pragma unroll
         for (int u = 0; u < U; ++u) { int v = v0 + u * 32 + lane; if (v < RV) { uint4* d = a.dst + (t * K + k) * RV + v; if (CS) __stcs(d, buf[u]); else *d = buf[u]; } }
+    } else if (MODE == 3) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) { int v = v0 + u * 32 + lane; if (v < RV) buf[u] = ldnc(a.src + t * RV + v); }
+#pragma unroll
+      for (int u = 0; u < U; ++u) { int v = v0 + u * 32 + lane; if (v < RV) { uint4* d = reinterpret_cast<uint4*>(reinterpret_cast<char*>(a.dst) + t * a.stride + a.offset) + v; if (CS) __stcs(d, buf[u]); else *d = buf[u]; } }
     } else if (MODE == 1) {
 #pragma unroll
       for (int k = 0; k < K; ++k)
@@ -81,7 +89,7 @@ void run(const char* name, Args a, int pin, int grid_or_0, void* flush) {
   CK(cudaMemcpy(hm, a.mask, 20, cudaMemcpyDeviceToHost));
   int used = 0; for (int i = 0; i < 5; ++i) used += __builtin_popcount(hm[i]);
   std::sort(ts.begin(), ts.end());
-  double mb = MODE == 0 ? (T * RV * 16 * (K + 1)) / 1e6 : MODE == 1 ? T * RV * 16 * K / 1e6 : T * RV * 16 * (K + 1) / 1e6;
+  double mb = MODE == 3 ? 2.0 * T * RV * 16 / 1e6 : MODE == 0 ? (T * RV * 16 * (K + 1)) / 1e6 : MODE == 1 ? T * RV * 16 * K / 1e6 : T * RV * 16 * (K + 1) / 1e6;
   double us = ts[ts.size() / 2];
   printf("%-34s pin=%2d grid=%4d SMs-used=%3d  %8.1f us  %7.0f GB/s  %6.1f GB/s per used SM\n", name, pin, grid, used, us, mb * 1e3 / us, mb * 1e3 / us / used);
 }
@@ -103,6 +111,18 @@ int main() {
     run<1024, 2, 2, 2, false>("load8-only pinned 1024x2 u2", a, s, 0, flush);
     run<512, 2, 2, 2, false>("load8-only plain 512x2 u2 (2S blocks)", a, 0, 2 * s, flush);
     run<512, 2, 2, 2, false>("load8-only pinned 512x2 u2", a, s, 0, flush);
+  }
+  for (int s : {8, 32}) {
+    printf("--- %d SMs, copy1: one row read, one written (a send to one destination)\n", s);
+    Args m = a;
+    for (int64_t off : {0, 80, 128}) {
+      m.offset = off;
+      m.stride = RV * 16 + off;  // a header of `off` bytes before each row
+      printf("message stride %lld, row at +%lld\n", (long long)m.stride, (long long)off);
+      run<512, 1, 3, 8, false>("copy1 pinned 512x1 u8 wb", m, s, 0, flush);
+      run<1024, 1, 3, 8, false>("copy1 pinned 1024x1 u8 wb", m, s, 0, flush);
+      run<1024, 2, 3, 4, false>("copy1 pinned 1024x2 u4 wb", m, s, 0, flush);
+    }
   }
   printf("--- 1 and 132 SMs\n");
   run<1024, 2, 1, 4, true>("store-only pinned 1024x2 u4 cs", a, 1, 0, flush);
