@@ -5,8 +5,8 @@
 // `grid` blocks; either way it records which SMs did work, and the figures are per SM that did.
 // Modes: copy (one row read, 8 rows written), store-only (8 rows written), load8-only (8 rows
 // read, one written), copy1 (one row read, one written at a byte stride and offset: dispatch's
-// send to one destination, whose messages are a header (112 bytes at top-8) and the row; added after the f9e9acc
-// run, not yet run). What it showed on an H100 (docs/results/2026-11-25_h100_sm_pinning_f9e9acc.md):
+// send to one destination, whose messages are a header, 112 bytes at top-8, and the row; added
+// after the f9e9acc run, not yet run). What it showed on an H100 (docs/results/2026-11-25_h100_sm_pinning_f9e9acc.md):
 // a grid of 2 S blocks runs on 2 S SMs, not on S; one SM stores about 63 GB/s and loads about
 // 168 GB/s, whatever the launch shape.
 #include <cstdio>
