@@ -135,3 +135,40 @@ def test_example_torch_moe(fmt):
     print(r.stdout + r.stderr)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     assert "check: every rank's output matches the dense layer" in r.stdout
+
+
+def test_torch_ops_compile_fullgraph():
+    """epcomm.torch_ops: a MoE step (dispatch, a stand-in for the experts, combine reduced with
+    the router weights) compiled with torch.compile(fullgraph=True), one rank: the dispatch
+    matches the reference and the combine is the eager API's, bit for bit."""
+    import epcomm.torch_ops as ops
+
+    H, K, E, T = 256, 4, 16, 32
+    (g,) = epcomm.Group.create_local([0], hidden=H, top_k=K, n_experts=E, max_tokens_per_rank=T,
+                                     num_sms=8)
+    gid = ops.register(g)
+    p = epcomm.reference.make_problem(1, H, K, E, [T], seed=7)
+    x = torch.from_numpy(p.tokens(0)).cuda().view(torch.bfloat16)
+    ids = torch.from_numpy(p.topk_ids(0)).cuda()
+    w = torch.from_numpy(p.weights(0)).cuda()
+
+    def step(x, ids, w):
+        d = ops.dispatch(gid, x, ids, w)
+        y = (d.tokens.float() * 0.5).to(torch.bfloat16)
+        out = ops.combine(gid, y, d, num_tokens=x.shape[0], reduced=True)
+        return d.tokens, d.row_offsets, d.expert_ids, d.src_info, out
+
+    tokens, row_offsets, expert_ids, src_info, out = torch.compile(step, fullgraph=True)(x, ids, w)
+    torch.cuda.synchronize()
+    layout = epcomm.reference.dispatch(p, 0)
+    msg = epcomm.reference.compare_dispatch(
+        layout, row_offsets.cpu().numpy(), expert_ids.cpu().numpy(), src_info.cpu().numpy(),
+        tokens.view(torch.int16).cpu().numpy().view(np.uint16), H)
+    assert msg == "", msg
+    d0 = g.dispatch(x, ids, w)  # the eager API on the same inputs
+    y0 = (d0.tokens.float() * 0.5).to(torch.bfloat16)
+    out0 = g.combine(y0)
+    torch.cuda.synchronize()
+    assert torch.equal(out.view(torch.int16), out0.view(torch.int16))
+    ops.unregister(gid)
+    g.close()
