@@ -127,6 +127,17 @@ def _dispatch_fake(group_id, tokens, topk_ids, weights):
     return [_empty(descs[n], tokens.device) for n in OUTPUT_NAMES]
 
 
+def _keep(op) -> None:
+    """Marks an operator as having side effects, so graph passes never drop a call whose
+    outputs go unused: every rank of the group waits for every other's call."""
+    mark = getattr(torch.fx.node, "has_side_effect", None)
+    if mark is not None:
+        mark(op)
+
+
+_keep(torch.ops.epcomm.dispatch.default)
+
+
 def dispatch(group_id: int, tokens: torch.Tensor, topk_ids: torch.Tensor,
              weights: Optional[torch.Tensor] = None) -> DispatchOutput:
     """Group.dispatch as an operator (see Group.dispatch): returns a DispatchOutput of new
@@ -162,6 +173,9 @@ def _combine_op(group_id: int, expert_out: torch.Tensor, row_offsets: torch.Tens
 @_combine_op.register_fake
 def _combine_fake(group_id, expert_out, row_offsets, src_info, weights, num_tokens, reduced):
     return expert_out.new_empty(_combine_shape(group_id, num_tokens, reduced))
+
+
+_keep(torch.ops.epcomm.combine.default)
 
 
 def combine(group_id: int, expert_out: torch.Tensor, layout: DispatchOutput, *, num_tokens: int,

@@ -72,6 +72,28 @@ def test_a_moe_step_exports_as_one_graph():
     ops.unregister(gid)
 
 
+class DispatchOnly(torch.nn.Module):
+    """Calls dispatch and ignores its outputs (as a rank with nothing to compute might)."""
+
+    def __init__(self, gid):
+        super().__init__()
+        self.gid = gid
+
+    def forward(self, tokens, topk_ids, weights):
+        ops.dispatch(self.gid, tokens, topk_ids, weights)
+        return tokens + 1
+
+
+def test_a_call_with_unused_outputs_stays():
+    """The other ranks wait for this rank's call: graph passes must not drop it."""
+    _, gid = make()
+    exported = torch.export.export(DispatchOnly(gid), inputs(), strict=True)
+    exported.graph.eliminate_dead_code()
+    targets = [str(n.target) for n in exported.graph.nodes if n.op == "call_function"]
+    assert "epcomm.dispatch.default" in targets
+    ops.unregister(gid)
+
+
 def test_errors():
     _, gid = make()
     tokens, topk_ids, weights = inputs()
