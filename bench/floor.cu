@@ -75,12 +75,6 @@ __global__ void __launch_bounds__(kRegsThreads, 1) dispatch_floor_regs(DispatchF
 
 // ---- pinned launch shapes: several blocks per SM on exactly `sms` SMs -----------------------
 
-__device__ __forceinline__ uint32_t sm_id() {
-  uint32_t id;
-  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
-  return id;
-}
-
 // The warps of blocks on SMs [first_sm, first_sm + sms) take items [0, n) one at a time from
 // counters[0] (the next grab issued before the current item's work, so its latency hides behind
 // it); blocks on other SMs take none. Every block then counts itself out on counters[1], and the grid's last

@@ -1,4 +1,4 @@
-// epcomm_sm_probe: what a given number of SMs can store and load, on one GPU, with no epcomm code.
+// epcomm_sm_probe: what a given number of SMs can store and load, on one GPU, with no epcomm kernel.
 // prefill's shape (4096 tokens of 7168 bf16 values, 8 rows each), L2 flushed by a 256 MB memset
 // before each launch, median of 10. A kernel either runs on exactly `pin` SMs (blocks on other
 // SMs, by %smid, do nothing; the working ones take tokens from a counter) or is a plain grid of
@@ -14,9 +14,12 @@
 #include <vector>
 #include <algorithm>
 #include <cuda_runtime.h>
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("CUDA %s at %d\n", cudaGetErrorString(e), __LINE__); exit(1);} } while (0)
-__device__ __forceinline__ uint32_t smid() { uint32_t id; asm volatile("mov.u32 %0, %%smid;" : "=r"(id)); return id; }
-__device__ __forceinline__ uint4 ldnc(const uint4* p) { uint4 v; asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x),"=r"(v.y),"=r"(v.z),"=r"(v.w) : "l"(p)); return v; }
+
+#include "common.h"                  // CHECK_CUDA
+#include "epcomm/detail/device.cuh"  // ld_nc_v4, sm_id
+using epcomm::detail::sm_id;
+#define CK(x) CHECK_CUDA(x)
+__device__ __forceinline__ uint4 ldnc(const uint4* p) { return epcomm::detail::ld_nc_v4(p); }
 constexpr int RV = 896, K = 8; constexpr int64_t T = 4096;
 struct Args { const uint4* src; uint4* dst; unsigned* mask; unsigned long long* ctr; int pin; int64_t stride = 0, offset = 0; };
 // MODE 0 copy (1 row read, K rows written), 1 store only, 2 load only (K rows read, 1 written),
@@ -60,7 +63,7 @@ __device__ void item(const Args& a, int64_t t, int lane) {
 template <int TH, int BPS, int MODE, int U, bool CS>
 __global__ void __launch_bounds__(TH, BPS) kern(Args a) {
   const int lane = threadIdx.x % 32;
-  const uint32_t sm = smid();
+  const uint32_t sm = sm_id();
   bool work = a.pin == 0 || sm < uint32_t(a.pin);
   if (work && lane == 0 && threadIdx.x == 0) atomicOr(&a.mask[sm / 32], 1u << (sm % 32));
   if (a.pin == 0) {

@@ -20,7 +20,7 @@ not to run it.
 
 from __future__ import annotations
 
-import threading
+import itertools
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -42,9 +42,8 @@ class _Entry:
                          # wrappers read them while torch.compile traces)
 
 
-_lock = threading.Lock()
 _entries: dict = {}
-_next_id = [0]
+_ids = itertools.count()  # next() is atomic under the GIL
 
 
 def register(group_or_config, n_ranks: Optional[int] = None) -> int:
@@ -67,19 +66,15 @@ def register(group_or_config, n_ranks: Optional[int] = None) -> int:
     missing = [n for n in OUTPUT_NAMES if n not in descs]
     if missing:
         raise RuntimeError(f"register: the group describes no {missing} output")
-    with _lock:
-        gid = _next_id[0]
-        _next_id[0] += 1
-        _entries[gid] = _Entry(group, config, descs,
-                               tuple(bool(descs[n].bytes) for n in OUTPUT_NAMES))
+    gid = next(_ids)
+    _entries[gid] = _Entry(group, config, descs, tuple(bool(descs[n].bytes) for n in OUTPUT_NAMES))
     return gid
 
 
 def unregister(group_id: int) -> None:
     """Forgets an id (the ops then refuse it, InvalidArgument); the group itself is not
     closed."""
-    with _lock:
-        _entries.pop(int(group_id), None)
+    _entries.pop(int(group_id), None)
 
 
 def _entry(group_id: int) -> _Entry:
