@@ -39,7 +39,13 @@ if has sanitize; then
   case=Shapes/Sweep.MatchesReference/${SANITIZE_CASE:-r8_h2048_k8_e8}
   for spec in "memcheck:$case" "racecheck:$case" "memcheck:BadInput.*"; do
     tool=${spec%%:*}; filter=${spec#*:}; log="$OUT/sanitizer_${tool}_${filter//[^A-Za-z0-9]/_}.log"
+    # API errors are not reported: the set-up expects and clears some (cudaDeviceEnablePeerAccess
+    # answers cudaErrorPeerAccessAlreadyEnabled to every rank of a process after the first that
+    # maps a peer GPU; cudaDeviceGetByPCIBusId fails for a peer GPU the process cannot see), and
+    # any other failed CUDA call throws (check_cuda) and fails its test. Memory errors and races
+    # still fail the run.
     timeout ${SANITIZE_TIMEOUT:-240} compute-sanitizer --tool $tool --error-exitcode 3 \
+      --report-api-errors no \
       $BUILD/tests/epcomm_gpu_tests --gtest_filter="$filter" >"$log" 2>&1
     rc=$?; [ $rc -eq 0 ] || status=1
     echo "compute-sanitizer $tool $filter rc=$rc : $(grep -E 'tests? ran|PASSED|FAILED' "$log" | tail -2 | tr '\n' ' ')$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -1)"
