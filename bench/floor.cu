@@ -8,6 +8,7 @@
 #include "epcomm/config.h"
 #include "epcomm/detail/bulk.cuh"
 #include "epcomm/detail/device.cuh"
+#include "epcomm/detail/launch.h"
 
 namespace epbench {
 namespace {
@@ -343,6 +344,25 @@ void launch_pinned(const PinnedKernel<Args> (&table)[N], const Args& a, const Fl
   k.kernel<<<k.blocks_per_sm * sm_count, k.threads, 0, stream>>>(a, sms);
 }
 
+// ---- the latency floor ------------------------------------------------------------------------
+
+__global__ void empty_kernel() {}
+
+constexpr unsigned long long kRoundTripBoundNs = 1000000000ull;  // 1 s
+
+__global__ void roundtrip_kernel(RoundTripArgs a) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  const unsigned long long seq = *a.calls + 1;
+  st_release_sys(a.next, seq);
+  const unsigned long long start = globaltimer_ns();
+  while (ld_acquire_sys(a.mine) < seq)
+    if (globaltimer_ns() - start > kRoundTripBoundNs) {
+      atomicExch(a.failed, 1);
+      break;
+    }
+  *a.calls = seq;
+}
+
 }  // namespace
 
 std::string floor_variant_name(const FloorVariant& v) {
@@ -369,6 +389,8 @@ std::vector<FloorVariant> floor_variants(bool dispatch, bool pinned) {
 
 void prepare_floor_kernels(int top_k, int hidden) {
   cudaFuncAttributes attr;
+  CHECK_CUDA(cudaFuncGetAttributes(&attr, empty_kernel));
+  CHECK_CUDA(cudaFuncGetAttributes(&attr, roundtrip_kernel));
   for (bool l2 : {false, true}) {
     CHECK_CUDA(
         cudaFuncGetAttributes(&attr, l2 ? dispatch_floor_regs<true> : dispatch_floor_regs<false>));
@@ -413,6 +435,14 @@ void launch_combine_floor(const CombineFloorArgs& a, const FloorVariant& v, int 
     launch_pinned(kPinnedCombine, a, v, sms, stream);
   }
   CHECK_CUDA(cudaGetLastError());
+}
+
+void launch_empty(int blocks, int threads, cudaStream_t stream) {
+  launch_cooperative(empty_kernel, blocks, threads, 0, stream);
+}
+
+void launch_roundtrip(const RoundTripArgs& a, int blocks, int threads, cudaStream_t stream) {
+  launch_cooperative(roundtrip_kernel, blocks, threads, 0, stream, a);
 }
 
 }  // namespace epbench

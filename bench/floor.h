@@ -80,4 +80,23 @@ void launch_dispatch_floor(const DispatchFloorArgs& a, const FloorVariant& v, in
 void launch_combine_floor(const CombineFloorArgs& a, const FloorVariant& v, int sms,
                           cudaStream_t stream);
 
+// The latency floor of a call (decode): what any kernel pays before it moves a byte. Launched
+// like epcomm's kernels (cooperative, `blocks` x `threads`), after prepare_floor_kernels:
+//   empty      the launch alone; every block returns at once.
+//   roundtrip  the launch and one flag round trip around the local ranks, as epcomm signals:
+//              local rank r's thread 0 stores seq (release, system scope) into the next rank's
+//              flag, which lives on that rank's GPU, and polls its own flag (acquire) until it
+//              reaches seq; the other threads return. seq = *calls + 1 (*calls counts the
+//              rank's round trips, so the ranks agree on it without the host). A wait that
+//              passes its bound (1 s) sets *failed and returns. With one local rank the flag
+//              is its own: the launch and a store and load through its memory.
+struct RoundTripArgs {
+  unsigned long long* mine = nullptr;   // this rank's flag, on its GPU, zeroed once
+  unsigned long long* next = nullptr;   // the next local rank's flag (peer memory on another GPU)
+  unsigned long long* calls = nullptr;  // this rank's count, zeroed once
+  int* failed = nullptr;                // zeroed once; 1 after a wait timed out
+};
+void launch_empty(int blocks, int threads, cudaStream_t stream);
+void launch_roundtrip(const RoundTripArgs& a, int blocks, int threads, cudaStream_t stream);
+
 }  // namespace epbench

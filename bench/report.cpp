@@ -282,6 +282,12 @@ void print_stages(const WorkloadResult& r) {
 // JSON), and the fused op's ratio to the fastest.
 void print_floor(const WorkloadResult& r) {
   if (!r.floor_skipped.empty()) std::printf("%-12s floor: %s\n", "", r.floor_skipped.c_str());
+  const OpResult* empty = r.find("launch empty", "latency");
+  const OpResult* trip = r.find("launch roundtrip", "latency");
+  if (empty && trip)
+    std::printf("%-12s latency floor (%d blocks, as epcomm launches them): empty launch %.1f us, "
+                "with one flag round trip %.1f us\n",
+                "", r.num_sms, empty->median_us(), trip->median_us());
   for (const char* op : {"dispatch", "combine"}) {
     const OpResult* best = r.best_floor(op);
     const OpResult* mine = r.find(op, "epcomm");

@@ -42,7 +42,11 @@ void allocate(DeviceArray<T>& array, int device, int64_t bytes) {
 constexpr int kBatch = 10;
 constexpr uint64_t kSeed = 20261120;
 
-enum class Form { kFused, kAsyncWait };
+// kGraph: the fused calls, replayed from a CUDA graph captured once per input set.
+enum class Form { kFused, kAsyncWait, kGraph };
+const char* form_suffix(Form f) {
+  return f == Form::kFused ? "" : (f == Form::kAsyncWait ? " async+wait" : " graph");
+}
 
 using Samples = std::vector<std::vector<float>>;  // [local rank][iteration], us
 
@@ -125,8 +129,13 @@ class WorkloadRun {
     make_inputs();
     create_groups();
     upload_inputs();
-    for (Form form : {Form::kFused, Form::kAsyncWait}) {
-      const std::string suffix = form == Form::kFused ? "" : " async+wait";
+    std::vector<Form> forms{Form::kFused, Form::kAsyncWait};
+    if (opt_.graph) {
+      capture_graphs();
+      forms.push_back(Form::kGraph);
+    }
+    for (Form form : forms) {
+      const std::string suffix = form_suffix(form);
       Samples dispatch_us, combine_us, halves[4];
       time_epcomm(form, &dispatch_us, &combine_us, form == Form::kAsyncWait ? halves : nullptr);
       result_.ops.push_back(summarize_op("dispatch" + suffix, "epcomm", dispatch_us));
@@ -142,6 +151,7 @@ class WorkloadRun {
     }
     if (opt_.trace > 0) trace_epcomm();
     if (opt_.floor) run_floor();
+    destroy_graphs();
     groups_.clear();  // free epcomm's buffers before the baseline allocates its own
     free_epcomm_outputs();
     if (env_.comms) run_nccl();
@@ -295,7 +305,9 @@ class WorkloadRun {
     input.hidden = w_.hidden;
     input.weights = opt_.expert_side ? in.weights.get() : nullptr;
     epcomm::Group& g = *groups_[i];
-    if (form == Form::kFused) {
+    if (form == Form::kGraph) {
+      CHECK_CUDA(cudaGraphLaunch(graphs_[i][size_t(2 * set)], stream(i)));
+    } else if (form == Form::kFused) {
       g.dispatch(input, buffers_[i].dispatch_output(), stream(i));
     } else {
       g.dispatch_async(input, stream(i));
@@ -315,13 +327,41 @@ class WorkloadRun {
     output.out = b.combine_out.get();
     output.weights = opt_.expert_side ? nullptr : b.sets[size_t(set)].weights.get();
     epcomm::Group& g = *groups_[i];
-    if (form == Form::kFused) {
+    if (form == Form::kGraph) {
+      CHECK_CUDA(cudaGraphLaunch(graphs_[i][size_t(2 * set + 1)], stream(i)));
+    } else if (form == Form::kFused) {
       g.combine(input, output, stream(i));
     } else {
       g.combine_async(input, stream(i));
       if (between) between();
       g.combine_wait(output, stream(i));
     }
+  }
+
+  // --graph: each local rank's fused dispatch and combine of each input set, captured once
+  // ([2 set]: dispatch, [2 set + 1]: combine); replayed by issue_dispatch / issue_combine.
+  void capture_graphs() {
+    graphs_.assign(team_.n_local(), std::vector<cudaGraphExec_t>(2 * kInputSets, nullptr));
+    for_each_rank(team_, [&](size_t i, const LocalRank&) {
+      for (int set = 0; set < kInputSets; ++set)
+        for (int op = 0; op < 2; ++op) {
+          cudaGraph_t graph;
+          CHECK_CUDA(cudaStreamBeginCapture(stream(i), cudaStreamCaptureModeRelaxed));
+          if (op == 0)
+            issue_dispatch(i, set, Form::kFused);
+          else
+            issue_combine(i, set, Form::kFused);
+          CHECK_CUDA(cudaStreamEndCapture(stream(i), &graph));
+          CHECK_CUDA(cudaGraphInstantiate(&graphs_[i][size_t(2 * set + op)], graph, 0));
+          CHECK_CUDA(cudaGraphDestroy(graph));
+        }
+    });
+  }
+  void destroy_graphs() {
+    for (std::vector<cudaGraphExec_t>& g : graphs_)
+      for (cudaGraphExec_t e : g)
+        if (e != nullptr) CHECK_CUDA(cudaGraphExecDestroy(e));
+    graphs_.clear();
   }
 
   // Iterations [first, first + count): batches issued without host synchronisation.
@@ -374,7 +414,8 @@ class WorkloadRun {
   void time_epcomm(Form form, Samples* dispatch_us, Samples* combine_us,
                    Samples* halves_us = nullptr) {
     env_.progress.phase(
-        label(form == Form::kFused ? "epcomm dispatch/combine" : "epcomm async+wait"));
+        label(form == Form::kAsyncWait ? "epcomm async+wait"
+                                       : std::string("epcomm dispatch/combine") + form_suffix(form)));
     dispatch_us->assign(team_.n_local(), {});
     combine_us->assign(team_.n_local(), {});
     if (halves_us)
@@ -472,7 +513,7 @@ class WorkloadRun {
                              : check_combine(ref.combine[i], out);
       if (!msg.empty()) failures[i] = "combine: " + msg;
     });
-    return verdict(form == Form::kFused ? "epcomm" : "epcomm async+wait", failures);
+    return verdict(std::string("epcomm") + form_suffix(form), failures);
   }
 
   // ---- the memory floor (--floor, floor.h) ----------------------------------------------------
@@ -508,6 +549,7 @@ class WorkloadRun {
   // Checked (bf16 only, where the reference holds the rows): the dispatch floor's rows and the
   // combine floor's weighted sums.
   void run_floor() {
+    run_latency_floor();
     const int device = team_.local().front().device;
     for (const LocalRank& r : team_.local())
       if (r.device != device) {
@@ -678,6 +720,47 @@ class WorkloadRun {
           dispatch_bytes, nullptr);
     sweep("contiguous", [](const Plan& p) -> const CombineFloorArgs& { return p.contig_c; },
           combine_bytes, nullptr);
+  }
+
+  // The latency floor (floor.h), what a call pays before it moves a byte: epcomm's grid
+  // launched empty, and with one flag round trip around the local ranks (on their own GPUs:
+  // over the links where they are on different ones), timed like the byte floors; checked that
+  // no round trip's wait ran out. Needs the groups: they enabled peer access between the GPUs.
+  void run_latency_floor() {
+    constexpr int kThreads = 512;  // a dispatch block's (src/kernels/dispatch/common.cuh)
+    const int blocks = cfg_.num_sms;
+    const size_t n = team_.n_local();
+    std::vector<DeviceArray<unsigned long long>> state;  // per local rank: {flag, calls}
+    std::vector<DeviceArray<int>> failed;
+    for (const LocalRank& r : team_.local()) {
+      state.emplace_back(r.device, std::vector<unsigned long long>{0, 0});
+      failed.emplace_back(r.device, std::vector<int>{0});
+    }
+    const auto args = [&](size_t i) {
+      RoundTripArgs a;
+      a.mine = state[i].get();
+      a.next = state[(i + 1) % n].get();
+      a.calls = state[i].get() + 1;
+      a.failed = failed[i].get();
+      return a;
+    };
+    for_each_rank(team_,
+                  [&](size_t, const LocalRank&) { prepare_floor_kernels(w_.top_k, w_.hidden); });
+    OpResult empty =
+        time_floor("launch empty", [&](size_t i) { launch_empty(blocks, kThreads, stream(i)); });
+    OpResult trip = time_floor("launch roundtrip", [&](size_t i) {
+      launch_roundtrip(args(i), blocks, kThreads, stream(i));
+    });
+    for (OpResult* r : {&empty, &trip}) {
+      r->impl = "latency";
+      r->bytes_per_rank = 0;
+      result_.ops.push_back(*r);
+    }
+    std::vector<std::string> failures(n);
+    for (size_t i = 0; i < n; ++i)
+      if (failed[i].download(1)[0] != 0)
+        failures[i] = "a round trip's wait ran out (1 s): the previous rank's store never came";
+    result_.checks.push_back(verdict("latency floor", failures));
   }
 
   // The floor's bf16 rows against the reference's (the floor wrote them at the reference's rows).
@@ -853,6 +936,7 @@ class WorkloadRun {
   epcomm::Sizes sizes_;                 // of the group (kept after the group is freed)
   std::vector<ref::Problem> problems_;  // one per input set
   std::vector<std::unique_ptr<epcomm::Group>> groups_;  // per local rank
+  std::vector<std::vector<cudaGraphExec_t>> graphs_;     // --graph: per local rank, capture_graphs
   std::vector<RankBuffers> buffers_;                    // per local rank
   std::vector<Events> events_;                          // per local rank: 4 per batch iteration
   std::unique_ptr<Reference> reference_;

@@ -52,7 +52,12 @@ send/recv baseline, timed and checked against the CPU reference.
                           each expert row once, write one row per token), on the same SMs, in
                           a sweep of launch shapes (up to 1024 threads and several blocks per
                           SM, loads in flight per lane, bulk copies), and print each
-                          operation's ratio to the fastest (one process, every rank on one GPU)
+                          operation's ratio to the fastest (one process, every rank on one GPU);
+                          and a latency floor (any ranks; a process's own ranks take part): the
+                          same grid launched empty, and with one flag round trip around the
+                          ranks, each flag on its rank's GPU
+  --graph                 also time dispatch and combine replayed from a CUDA graph (captured
+                          once per input set), as serving engines run decode
   --trace N               after the timing, N more fused calls with Config::trace set: print
                           when each kernel's blocks pass each stage (epcomm/trace.h), µs after
                           the rank's kernel start, median over the N calls (the timed calls of
@@ -148,6 +153,8 @@ Options parse_options(int argc, char** argv) {
       opt.path = *path;
     } else if (flag == "--floor") {
       opt.floor = true;
+    } else if (flag == "--graph") {
+      opt.graph = true;
     } else if (flag == "--trace") {
       opt.trace = parse_int(flag, next(), 1);
     } else if (flag == "--list") {

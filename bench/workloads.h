@@ -49,6 +49,8 @@ struct Options {
   epcomm::DispatchPath path = epcomm::DispatchPath::kAuto;  // Config::dispatch_path
   // Also time the memory floor (floor.h) with the same blocks; one process, every rank on one GPU.
   bool floor = false;
+  // Also time the fused calls replayed from a CUDA graph (each captured once per input set).
+  bool graph = false;
   int trace = 0;  // > 0: that many more fused calls with Config::trace, stage breakdown printed
   bool list = false;
   std::string command_line;
