@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# A/B of two source trees on one device machine, in one call: builds epcomm_bench from BASE (a
-# tree without .git, e.g. `git archive <commit> | tar -x -C .ab/base`, carried as `.ab`) and
-# from this tree, then runs the same benchmark commands on both, alternating A B A B (REPS
-# rounds), so the spread between rounds of one tree is the noise a difference must beat.
-#   BASE      the baseline tree (default .ab/base)
+# A/B of source trees on one device machine, in one call: builds epcomm_bench from each tree
+# (every tree but this one without .git, e.g. `git archive <commit> | tar -x -C .ab/base`,
+# carried as `.ab`), side by side, then runs the same benchmark commands on all of them,
+# alternating trees within each round (REPS rounds), so the spread between rounds of one tree
+# is the noise a difference must beat.
+#   TREES     name=path pairs, separated by spaces (default "base=$BASE head=.": the baseline
+#             and this tree); e.g. "base=.ab/base send=.ab/send rounds=.ab/rounds" compares
+#             several branches against one base in a single call
+#   BASE      the baseline tree of the default TREES (default .ab/base)
 #   RUNS      benchmark argument sets, separated by ';' (default: prefill and prefill-fp8 at 24
 #             SMs; decode-bf16 and decode at 132)
 #   REPS      rounds (default 2)
@@ -12,21 +16,28 @@
 set -uo pipefail
 . "$(dirname "$0")/device_env.sh"
 BASE=${BASE:-.ab/base}
+TREES=${TREES:-"base=$BASE head=."}
 REPS=${REPS:-2}
 RUNS=${RUNS:-"--workload prefill,prefill-fp8 --sms 24;--workload decode-bf16,decode --sms 132"}
 ROOT=$PWD
 LOGS=$OUT/ab
 mkdir -p "$LOGS"
-build_tree() {  # build_tree SRC BUILD_DIR LOG_PREFIX
-  (cd "$1" && cmake_build "$2" "$3" --target epcomm_bench -- -DEPCOMM_BUILD_TESTS=OFF \
-     -DEPCOMM_BUILD_EXAMPLES=OFF) || { echo "build of $1 failed"; return 1; }
-}
-build_tree "$BASE" "$ROOT/build-ab-base" ab/base_ || exit 1
-build_tree "$ROOT" "$ROOT/build-ab-head" ab/head_ || exit 1
+names=() paths=()
+for pair in $TREES; do
+  name=${pair%%=*} path=${pair#*=}
+  [[ "$name" =~ ^[A-Za-z0-9_-]+$ && -d "$path" ]] || { echo "bad tree '$pair' (name=path)"; exit 1; }
+  names+=("$name") paths+=("$path")
+done
+for i in "${!names[@]}"; do  # side by side: each build takes the cores it gets
+  (cd "${paths[$i]}" && cmake_build "$ROOT/build-ab-${names[$i]}" "ab/${names[$i]}_" \
+     --target epcomm_bench -- -DEPCOMM_BUILD_TESTS=OFF -DEPCOMM_BUILD_EXAMPLES=OFF) ||
+    { echo "build of ${paths[$i]} failed"; exit 1; } &
+done
+for job in $(jobs -p); do wait "$job" || exit 1; done
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | sed 's/^/gpu: /'
 IFS=';' read -r -a runs <<<"$RUNS"
 for rep in $(seq 1 "$REPS"); do
-  for tree in base head; do
+  for tree in "${names[@]}"; do
     for i in "${!runs[@]}"; do
       log="$LOGS/${tree}_r${rep}_$i.txt"
       # shellcheck disable=SC2086
@@ -36,7 +47,7 @@ for rep in $(seq 1 "$REPS"); do
       [ $rc -eq 0 ] || echo "$tree round $rep run $i rc=$rc: $(tail -2 "${log%.txt}.err" | tr '\n' ' ')"
       # Workload rows: name, op, median, min.
       awk -v t=$tree -v r=$rep '$1 ~ /^(prefill|prefill-fp8|decode|decode-bf16|skewed|small|gpt-oss)$/ &&
-        $3 ~ /^[0-9.]+$/ { printf "r%s %-4s %-12s %-20s median %8s min %8s\n", r, t, $1, $2, $3, $4 }' "$log"
+        $3 ~ /^[0-9.]+$/ { printf "r%s %-8s %-12s %-20s median %8s min %8s\n", r, t, $1, $2, $3, $4 }' "$log"
       grep -E "check:" "$log" | sed "s/^/r$rep $tree /" | head -4
     done
   done
