@@ -23,6 +23,7 @@ Every call is stream-ordered and checked; outputs are new tensors the caller own
 
 from __future__ import annotations
 
+import os
 from typing import Optional, Tuple, Union
 
 import torch
@@ -33,6 +34,9 @@ from . import Error, Group, InvalidArgument, MAX_TOP_K, torch_bootstrap
 
 # The ranks of one NVLink node: the most this layer takes (it runs no group across nodes).
 _NODE_RANKS = 8
+# Buffer's max_tokens_per_rank when not given: this variable, else the default.
+_MAX_TOKENS_ENV = "EPCOMM_DEEP_EP_MAX_TOKENS"
+_DEFAULT_MAX_TOKENS = 4096
 
 __all__ = ["Buffer", "Config", "EventOverlap", "topk_idx_t"]
 
@@ -136,7 +140,9 @@ class Buffer:
 
     Beyond DeepEP's arguments (keyword only):
       max_tokens_per_rank  the most tokens a normal-mode dispatch takes on any rank (DeepEP has
-                           no such bound; epcomm sizes its buffers by it). Default 4096.
+                           no such bound; epcomm sizes its buffers by it). Default:
+                           EPCOMM_DEEP_EP_MAX_TOKENS from the environment, else 4096 (a
+                           framework that builds the Buffer itself cannot pass the argument).
       share_gpus           let ranks share a GPU (tests on fewer GPUs than ranks); default: on
                            exactly when two ranks of the group are on one GPU.
       timeout_seconds      the bound on every wait for a peer (default: epcomm's, 300 s or
@@ -150,7 +156,7 @@ class Buffer:
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
                  explicitly_destroy: bool = False, enable_shrink: bool = False, comm=None, *,
-                 max_tokens_per_rank: int = 4096, share_gpus: Optional[bool] = None,
+                 max_tokens_per_rank: Optional[int] = None, share_gpus: Optional[bool] = None,
                  timeout_seconds: Optional[float] = None):
         call = "Buffer"
         if comm is not None:
@@ -171,6 +177,12 @@ class Buffer:
         if self.group_size > _NODE_RANKS:
             _bad(call, f"the group has {self.group_size} ranks; this layer connects the GPUs of "
                        f"one node (at most {_NODE_RANKS})")
+        if max_tokens_per_rank is None:  # frameworks cannot pass it: the environment can
+            env = os.environ.get(_MAX_TOKENS_ENV)
+            try:
+                max_tokens_per_rank = int(env) if env is not None else _DEFAULT_MAX_TOKENS
+            except ValueError:
+                _bad(call, f"{_MAX_TOKENS_ENV} = {env!r} is not a whole number")
         if int(max_tokens_per_rank) < 1:
             _bad(call, f"max_tokens_per_rank = {max_tokens_per_rank} must be positive")
         self.num_nvl_bytes = int(num_nvl_bytes)
@@ -419,7 +431,8 @@ class Buffer:
             _bad(call, f"expert_alignment = {expert_alignment} must be positive")
         if T > self.max_tokens_per_rank:
             _bad(call, f"x has {T} tokens; this Buffer takes at most max_tokens_per_rank = "
-                       f"{self.max_tokens_per_rank} (a keyword argument of Buffer)")
+                       f"{self.max_tokens_per_rank} (a keyword argument of Buffer, or "
+                       f"{_MAX_TOKENS_ENV} in the environment)")
         num_sms = (config.num_sms if config is not None else Buffer.num_sms)
         cached = handle is not None
         if cached:

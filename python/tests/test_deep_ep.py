@@ -125,6 +125,22 @@ def test_buffer_calls_reject_bad_arguments(buf):
     raises("x is on cpu", buf.low_latency_dispatch, *ll)
 
 
+def test_max_tokens_from_the_environment(world, monkeypatch):
+    # Frameworks build the Buffer themselves: the normal-mode cap can come from the environment.
+    monkeypatch.delenv("EPCOMM_DEEP_EP_MAX_TOKENS", raising=False)
+    assert Buffer(world).max_tokens_per_rank == 4096
+    monkeypatch.setenv("EPCOMM_DEEP_EP_MAX_TOKENS", "16384")
+    b = Buffer(world)
+    assert b.max_tokens_per_rank == 16384
+    assert Buffer(world, max_tokens_per_rank=8).max_tokens_per_rank == 8  # the argument wins
+    x = torch.ones((16385, 128), dtype=torch.bfloat16)
+    raises("EPCOMM_DEEP_EP_MAX_TOKENS", b.dispatch, x,
+           is_token_in_rank=torch.ones((16385, 1), dtype=torch.bool),
+           num_tokens_per_expert=torch.zeros(8, dtype=torch.int32))
+    monkeypatch.setenv("EPCOMM_DEEP_EP_MAX_TOKENS", "lots")
+    raises("EPCOMM_DEEP_EP_MAX_TOKENS", Buffer, world)
+
+
 def test_low_latency_needs_the_mode(world):
     b = Buffer(world, low_latency_mode=False)
     raises("low_latency_mode=False", b.low_latency_dispatch,
