@@ -23,6 +23,7 @@
 #include <cstdio>
 
 #include "check.h"
+#include "epcomm/detail/launch.h"
 #include "epcomm/group.h"
 #include "epcomm/reference.h"
 #include "floor.h"
@@ -549,6 +550,9 @@ class WorkloadRun {
   // Checked (bf16 only, where the reference holds the rows): the dispatch floor's rows and the
   // combine floor's weighted sums.
   void run_floor() {
+    // Every floor kernel's attributes, once per GPU, for the latency floor and the byte floors.
+    for_each_rank(team_,
+                  [&](size_t, const LocalRank&) { prepare_floor_kernels(w_.top_k, w_.hidden); });
     run_latency_floor();
     const int device = team_.local().front().device;
     for (const LocalRank& r : team_.local())
@@ -676,7 +680,6 @@ class WorkloadRun {
     }
     dispatch_bytes /= double(team_.n_local());
     combine_bytes /= double(team_.n_local());
-    for_each_rank(team_, [&](size_t, const LocalRank&) { prepare_floor_kernels(K, H); });
     const int sms = cfg_.num_sms;
     int sm_count = 0;
     CHECK_CUDA(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
@@ -725,9 +728,10 @@ class WorkloadRun {
   // The latency floor (floor.h), what a call pays before it moves a byte: epcomm's grid
   // launched empty, and with one flag round trip around the local ranks (on their own GPUs:
   // over the links where they are on different ones), timed like the byte floors; checked that
-  // no round trip's wait ran out. Needs the groups: they enabled peer access between the GPUs.
+  // no round trip's wait ran out. Needs the groups (they enabled peer access between the GPUs)
+  // and prepare_floor_kernels.
   void run_latency_floor() {
-    constexpr int kThreads = 512;  // a dispatch block's (src/kernels/dispatch/common.cuh)
+    const int threads = epcomm::detail::dispatch_threads();
     const int blocks = cfg_.num_sms;
     const size_t n = team_.n_local();
     std::vector<DeviceArray<unsigned long long>> state;  // per local rank: {flag, calls}
@@ -744,12 +748,10 @@ class WorkloadRun {
       a.failed = failed[i].get();
       return a;
     };
-    for_each_rank(team_,
-                  [&](size_t, const LocalRank&) { prepare_floor_kernels(w_.top_k, w_.hidden); });
     OpResult empty =
-        time_floor("launch empty", [&](size_t i) { launch_empty(blocks, kThreads, stream(i)); });
+        time_floor("launch empty", [&](size_t i) { launch_empty(blocks, threads, stream(i)); });
     OpResult trip = time_floor("launch roundtrip", [&](size_t i) {
-      launch_roundtrip(args(i), blocks, kThreads, stream(i));
+      launch_roundtrip(args(i), blocks, threads, stream(i));
     });
     for (OpResult* r : {&empty, &trip}) {
       r->impl = "latency";

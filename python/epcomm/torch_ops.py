@@ -27,6 +27,7 @@ from typing import List, Optional
 import torch
 
 from . import _epcomm as _C
+from . import _frameworks as _fw
 from . import DispatchOutput, InvalidArgument
 
 # The dispatch outputs, in the order the operator returns them (DispatchOutput's fields).
@@ -98,9 +99,8 @@ def _as_output(outs, present) -> DispatchOutput:
     return DispatchOutput(**{n: (t if p else None) for n, t, p in zip(OUTPUT_NAMES, outs, present)})
 
 
-def _empty(desc, device) -> torch.Tensor:
-    dtype = getattr(torch, desc.dtype, None) or torch.uint8  # float8 needs a recent PyTorch
-    return torch.empty(tuple(desc.shape), dtype=dtype, device=device)
+def _empty(desc, like: torch.Tensor) -> torch.Tensor:
+    return _fw.empty(_fw.TORCH, like, desc.shape, desc.dtype)
 
 
 # ---- dispatch -----------------------------------------------------------------------------------
@@ -110,7 +110,7 @@ def _dispatch_op(group_id: int, tokens: torch.Tensor, topk_ids: torch.Tensor,
                  weights: Optional[torch.Tensor]) -> List[torch.Tensor]:
     g = _running(group_id)
     e = _entry(group_id)
-    outs = [_empty(e.descs[n], tokens.device) for n in OUTPUT_NAMES]
+    outs = [_empty(e.descs[n], tokens) for n in OUTPUT_NAMES]
     # Outputs a format does not have (shape (0,)) stay as the empty tensors.
     g.dispatch(tokens, topk_ids, weights, out=_as_output(outs, e.present))
     return outs
@@ -119,7 +119,7 @@ def _dispatch_op(group_id: int, tokens: torch.Tensor, topk_ids: torch.Tensor,
 @_dispatch_op.register_fake
 def _dispatch_fake(group_id, tokens, topk_ids, weights):
     descs = _entry(group_id).descs
-    return [_empty(descs[n], tokens.device) for n in OUTPUT_NAMES]
+    return [_empty(descs[n], tokens) for n in OUTPUT_NAMES]
 
 
 def _keep(op) -> None:

@@ -17,7 +17,6 @@ void launch_dispatch(const DispatchParams& p, bool send, bool recv, cudaStream_t
 // how many blocks of the fused kernel one SM holds.
 int prepare_dispatch_kernels(const GroupView& g);
 size_t dispatch_smem_bytes(const GroupView& g);
-int dispatch_threads();
 int dispatch_unit_tokens();  // tokens ranked per block-unit (sizes the ranking scratch)
 
 // Loads the library's combine kernels now (see load_combine_kernels in combine_kernel.cuh) and

@@ -32,6 +32,17 @@ void Bootstrap::barrier() {
 
 namespace {
 
+// A bound from now: waited on (at) or polled every 2 ms (pause).
+struct Deadline {
+  explicit Deadline(double seconds)
+      : at(std::chrono::steady_clock::now() +
+           std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+               std::chrono::duration<double>(seconds))) {}
+  bool expired() const { return std::chrono::steady_clock::now() > at; }
+  static void pause() { std::this_thread::sleep_for(std::chrono::milliseconds(2)); }
+  std::chrono::steady_clock::time_point at;
+};
+
 struct Rendezvous {
   explicit Rendezvous(int n, double timeout) : size(n), timeout_s(timeout) {}
   std::mutex mu;
@@ -57,8 +68,7 @@ class ThreadBootstrap : public Bootstrap {
   void all_gather(const void* send, void* recv, size_t bytes) override {
     Rendezvous& rv = *rv_;
     std::unique_lock<std::mutex> lock(rv.mu);
-    const auto deadline = std::chrono::steady_clock::now() +
-                          std::chrono::duration<double>(rv.timeout_s);
+    const auto deadline = Deadline(rv.timeout_s).at;
     // Wait until the previous round has been copied out by everyone.
     if (!rv.cv.wait_until(lock, deadline, [&] { return rv.failed || rv.collected == 0; }))
       throw_failure(lock, "timed out waiting for the previous all-gather");
@@ -189,16 +199,6 @@ std::string seconds_text(double s) {
   o << s << " s";
   return o.str();
 }
-// A bound from now, polled every 2 ms.
-struct Deadline {
-  explicit Deadline(double seconds)
-      : at(std::chrono::steady_clock::now() +
-           std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-               std::chrono::duration<double>(seconds))) {}
-  bool expired() const { return std::chrono::steady_clock::now() > at; }
-  static void pause() { std::this_thread::sleep_for(std::chrono::milliseconds(2)); }
-  std::chrono::steady_clock::time_point at;
-};
 bool read_text(const std::string& path, std::string* text) {
   std::ifstream f(path, std::ios::binary);
   if (!f) return false;

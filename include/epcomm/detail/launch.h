@@ -29,6 +29,10 @@ inline void check_pointer(const char* op, const char* name, const void* p, size_
     invalid(op, std::string(name) + " is not " + std::to_string(align) + "-byte aligned");
 }
 
+// Threads of a dispatch block, for tools that launch grids shaped like epcomm's (the benchmark's
+// latency floor).
+int dispatch_threads();
+
 #if defined(__CUDACC__)
 // Blocks of kernel K (Threads threads, at most Smem bytes of dynamic shared memory) the current
 // device holds at once: one resident wave, for grid-stride kernels that need no more. The
