@@ -298,9 +298,10 @@ TEST(Layout, OutboxRegionsDoNotOverlap) {
     const OutboxLayout ob{wl, 6, 5000};
     const int64_t msgs = wl.dispatch_recv().offset(1, 0) - wl.dispatch_recv().offset(0, 0);
     for (int32_t i = 0; i < 6; ++i) {
-      EXPECT_EQ(ob.stream_offset(i), ob.meta_offset(i) + wl.meta().bytes());
+      EXPECT_GE(ob.stream_offset(i), ob.meta_offset(i) + wl.meta().bytes());
+      EXPECT_LT(ob.stream_offset(i), ob.meta_offset(i) + wl.meta().bytes() + 128);
       EXPECT_LE(ob.stream_offset(i) + msgs, ob.meta_offset(i + 1));
-      EXPECT_EQ(ob.stream_offset(i) % 16, 0);
+      EXPECT_EQ(ob.stream_offset(i) % 128, 0);  // staged messages start on a line
     }
     EXPECT_LE(ob.meta_offset(6), ob.combine_offset(0));
     EXPECT_LE(ob.combine_offset(5000), ob.bytes());

@@ -15,7 +15,8 @@
 namespace epcomm {
 namespace detail {
 
-// One dispatch message: a routing header, then the token payload. 16-byte aligned throughout.
+// One dispatch message: a routing header, then the token payload; the header and the message
+// padded to multiples of 128 bytes (MessageLayout::kAlign), the payload's parts 16-byte aligned.
 //   header: int32 token, int16 n_entries, int16 rank_slot, then n_entries x
 //   {int32 group | slot << 16, int32 pos, float weight}, top-k slot ascending, where `pos` is
 //   the token's position among the source's tokens routed to that group, `weight` the router
@@ -265,13 +266,16 @@ struct OutboxLayout {
   int32_t n_remote;
   int64_t combine_rows;  // max(routed output rows, n_remote * max_tokens)
 
+  // The meta record's share of a peer's slice, padded so that the staged messages start on a
+  // line, as they do in the window (MessageLayout::kAlign).
+  EPCOMM_HD int64_t meta_bytes() const {
+    return align_up(window.meta().bytes(), MessageLayout::kAlign);
+  }
   EPCOMM_HD int64_t peer_bytes() const {
-    return align_up(window.meta().bytes() + window.dispatch_recv().bytes(1), 256);
+    return align_up(meta_bytes() + window.dispatch_recv().bytes(1), 256);
   }
   EPCOMM_HD int64_t meta_offset(int32_t i) const { return i * peer_bytes(); }
-  EPCOMM_HD int64_t stream_offset(int32_t i) const {
-    return i * peer_bytes() + window.meta().bytes();
-  }
+  EPCOMM_HD int64_t stream_offset(int32_t i) const { return i * peer_bytes() + meta_bytes(); }
   EPCOMM_HD int64_t combine_offset(int64_t row) const {
     return n_remote * peer_bytes() + row * window.combine_recv().row_bytes();
   }
