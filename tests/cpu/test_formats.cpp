@@ -661,14 +661,17 @@ float step_ulps(float x, int k) {
 // x / s and x * (1 / s) differ in the last bit now and then, and next to an e4m3 tie that changes
 // the code. Find such values (x within a few ulps of midpoint * s) and check the encoder divides,
 // as docs/design.md's q = x / s says.
-TEST(FormatsFp8Blockwise, DividesByTheScale) {
+// Blockwise FP8 multiplies by 448 / amax (DeepEP's cast: x * (448 / amax), scale amax / 448),
+// which differs from dividing by the stored scale near code boundaries: the test finds such
+// values and checks the reference takes the multiply.
+TEST(FormatsFp8Blockwise, MultipliesByTheReciprocal) {
   std::mt19937_64 gen(11);
   int found = 0;
   for (int trial = 0; trial < 300; ++trial) {
     const float amax =
         float(std::ldexp(1.0 + double(gen() % (1u << 23)) / double(1u << 23), int(gen() % 24) - 8));
     const float s = amax / 448.0f;
-    const float inv = 1.0f / s;
+    const float inv = 448.0f / amax;
     for (uint32_t c = 0; c + 1 < 0x7e; ++c) {
       const float mid = float((e4m3_value(c) + e4m3_value(c + 1)) / 2);
       for (int k = -3; k <= 3; ++k) {
@@ -683,8 +686,8 @@ TEST(FormatsFp8Blockwise, DividesByTheScale) {
         float scale = 0;
         reference::encode_fp8_blockwise(block.data(), 1, 128, codes.data(), &scale);
         ASSERT_EQ(scale, s);
-        ASSERT_EQ(codes[1], by_div | 0x80) << "amax " << describe(amax) << " x " << describe(x);
-        ASSERT_EQ(float_to_e4m3(-x / s), by_div | 0x80);
+        ASSERT_EQ(codes[1], by_mul | 0x80) << "amax " << describe(amax) << " x " << describe(x);
+        ASSERT_EQ(float_to_e4m3(-x * inv), by_mul | 0x80);
       }
     }
   }

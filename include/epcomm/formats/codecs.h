@@ -313,18 +313,26 @@ EPCOMM_HD uint8_t mxfp4_scale_code(float amax) {
 // (decode side). Kernels and the reference call the same functions, so codes and scales agree
 // bit for bit; the float operations in them are fixed here (and their order with them).
 
-// Blockwise FP8, 128 values per fp32 scale: s = max(amax, 1e-4) / 448, q = e4m3(x / s).
+// Blockwise FP8, 128 values per fp32 scale: s = max(amax, 1e-4) / 448 is stored, and the codes
+// are q = e4m3(x * inv), inv = 448 / max(amax, 1e-4): one multiply per value instead of an
+// IEEE division (the quantising sender is bound by its arithmetic), and the convention of
+// DeepEP's own FP8 cast (x * (448 / amax), scale amax / 448), whose codes it then matches.
 struct Fp8BlockQuant {
   static constexpr int32_t kGroup = 128;
   static constexpr int32_t kCodeBits = 8;  // e4m3 codes
   float scale;  // s, stored as is
+  float inv;    // what values are multiplied by before encoding
 
   EPCOMM_HD static Fp8BlockQuant from_amax(float amax) {
     const float floor_amax = amax > 1e-4f ? amax : 1e-4f;
-    return Fp8BlockQuant{detail::div_rn(floor_amax, kE4m3Max)};
+    return Fp8BlockQuant{detail::div_rn(floor_amax, kE4m3Max),
+                         detail::div_rn(kE4m3Max, floor_amax)};
   }
-  EPCOMM_HD static Fp8BlockQuant from_scale(float s) { return Fp8BlockQuant{s}; }
-  EPCOMM_HD float scaled(float x) const { return detail::div_rn(x, scale); }  // what is encoded
+  // Decode side (inv is 1 / s there, for completeness: nothing encodes from a stored scale).
+  EPCOMM_HD static Fp8BlockQuant from_scale(float s) {
+    return Fp8BlockQuant{s, s == 0.0f ? 0.0f : detail::div_rn(1.0f, s)};
+  }
+  EPCOMM_HD float scaled(float x) const { return detail::mul_rn(x, inv); }  // what is encoded
   EPCOMM_HD uint8_t encode(float x) const { return float_to_e4m3(scaled(x)); }
   EPCOMM_HD float decode(uint8_t q) const { return detail::mul_rn(e4m3_to_float(q), scale); }
 };
