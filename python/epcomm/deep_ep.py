@@ -5,8 +5,7 @@ changing its import.
     from epcomm.deep_ep import Buffer, EventOverlap, Config
 
 The calls take DeepEP's argument names, dtypes and shapes and return its tuples. What epcomm
-does not do (several nodes, RDMA-only transport, UE8M0 or power-of-two FP8 scales, LogFMT
-combine, the wait-time statistics) raises epcomm.InvalidArgument naming the argument; nothing
+does not do (several nodes, RDMA-only transport, LogFMT combine, the wait-time statistics) raises epcomm.InvalidArgument naming the argument; nothing
 is silently different. docs/deep_ep.md maps every call.
 
 How it runs on epcomm:
@@ -644,14 +643,15 @@ class Buffer:
                              use_ue8m0: bool = False, async_finish: bool = False,
                              return_recv_hook: bool = False):
         """(recv_x, recv_count, handle, event, hook): recv_x [E_l, R * max, H] (FP8: (codes,
-        scales [E_l, R * max, H / 128] float32 column-major per expert)), recv_count int32
-        [E_l]; only the first recv_count[e] rows of expert e are written."""
+        scales [E_l, R * max, H / 128] float32 column-major per expert; with use_ue8m0, scales
+        [E_l, R * max, H / 512] int32 column-major per expert, each word four UE8M0 bytes, scale
+        block 4j in its lowest byte)), recv_count int32 [E_l]; only the first recv_count[e] rows
+        of expert e are written. round_scale: power-of-two scales (Config::fp8_pow2_scales)."""
         call = "low_latency_dispatch"
-        if round_scale:
-            _bad(call, "round_scale=True (power-of-two FP8 scales) is not supported: epcomm's "
-                       "scales are amax / 448")
-        if use_ue8m0:
-            _bad(call, "use_ue8m0=True (UE8M0 scales) is not supported")
+        if (round_scale or use_ue8m0) and not use_fp8:
+            _bad(call, "round_scale and use_ue8m0 shape FP8 scales: they need use_fp8=True")
+        if use_ue8m0 and not round_scale:
+            _bad(call, "use_ue8m0=True needs round_scale=True (UE8M0 holds powers of two only)")
         self._ll_check(call, "dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats,
                        async_finish, return_recv_hook)
         _check(call, "x", x, torch.bfloat16, 2)
@@ -666,6 +666,9 @@ class Buffer:
             _bad(call, f"num_experts = {num_experts} must be a positive multiple of the {R} ranks")
         if use_fp8 and H % 128:
             _bad(call, f"hidden = {H} must be a multiple of 128 with use_fp8")
+        if use_ue8m0 and H % 512:
+            _bad(call, f"hidden = {H} must be a multiple of 512 with use_ue8m0 (four scales "
+                       "per word)")
         E_l = num_experts // R
         if cumulative_local_expert_recv_stats is not None:
             _check(call, "cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
@@ -674,9 +677,11 @@ class Buffer:
                         cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats)
         fmt = "fp8-blockwise" if use_fp8 else "bf16"
         self._ll_parity ^= 1  # two groups in turn, so two dispatches may await their combines
-        key = ("ll", H, num_experts, K, max_t, fmt, Buffer.num_sms, self._ll_parity)
+        key = ("ll", H, num_experts, K, max_t, fmt, bool(round_scale), Buffer.num_sms,
+               self._ll_parity)
         g = self._group(key, hidden=H, top_k=K, n_experts=num_experts,
-                        max_tokens_per_rank=max_t, format=fmt, num_sms=Buffer.num_sms)
+                        max_tokens_per_rank=max_t, format=fmt, num_sms=Buffer.num_sms,
+                        **({"fp8_pow2_scales": True} if round_scale else {}))
         S = R * max_t
         ids = topk_idx.to(torch.int32)
         dev = x.device
@@ -686,6 +691,8 @@ class Buffer:
                                 torch.bfloat16, device=dev)
             scales = torch.empty((E_l, H // 128, S), dtype=torch.float32, device=dev) \
                 if use_fp8 else None
+            ue8m0 = torch.empty((E_l, H // 512, S), dtype=torch.int32, device=dev) \
+                if use_ue8m0 else None
             count = torch.empty(E_l, dtype=torch.int32, device=dev)
             src_info = torch.empty((E_l, S), dtype=torch.int32, device=dev)
             layout_range = torch.empty((E_l, R), dtype=torch.int64, device=dev)
@@ -698,6 +705,11 @@ class Buffer:
             _C.pad_expert_rows(d.tokens.view(torch.uint8), d.scales if use_fp8 else None,
                                d.row_offsets, d.src_info, R, codes.view(torch.uint8),
                                scales, count, src_info, layout_range, stream)
+            if use_ue8m0:  # each power-of-two scale's exponent byte, four to a word
+                e = (scales.view(torch.int32) >> 23) & 0xff
+                e = e.view(E_l, H // 512, 4, S)
+                ue8m0.copy_(e[:, :, 0] | (e[:, :, 1] << 8) | (e[:, :, 2] << 16) |
+                            (e[:, :, 3] << 24))
             if cumulative_local_expert_recv_stats is not None:
                 cumulative_local_expert_recv_stats.add_(count)
 
@@ -708,7 +720,8 @@ class Buffer:
             else:
                 g._impl.dispatch(x, ids, None, stream)
                 receive(stream)
-        recv_x = codes if not use_fp8 else (codes, scales.transpose(1, 2))
+        recv_x = codes if not use_fp8 else \
+            (codes, (ue8m0 if use_ue8m0 else scales).transpose(1, 2))
         hook = None
         if return_recv_hook:
             def receive_hook():
@@ -720,7 +733,7 @@ class Buffer:
             event = EventOverlap(None)
         else:
             event = self._finish(compute, comm, async_finish,
-                                 (x, ids, codes, scales, count, src_info, layout_range))
+                                 (x, ids, codes, scales, ue8m0, count, src_info, layout_range))
         return recv_x, count, handle, event, hook
 
     def get_next_low_latency_combine_buffer(self, handle: _LowLatencyHandle) -> torch.Tensor:

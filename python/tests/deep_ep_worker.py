@@ -104,16 +104,41 @@ class Problem:
         return out
 
 
-def fp8_cast(x):
+def fp8_cast(x, pow2=False):
     """Blockwise FP8 of bf16 rows, DeepEP's cast: per 128 values s = max(amax, 1e-4) / 448,
-    q = e4m3(x * (448 / max(amax, 1e-4)))."""
+    q = e4m3(x * (448 / max(amax, 1e-4))). pow2 (round_scale): s = the least power of two not
+    below max(amax, 1e-4) * fl(1 / 448), from the product's exponent and mantissa bits;
+    q = e4m3(x / s), exact scaling."""
     T = x.size(0)
     xf = x.float().view(T, H // 128, 128)
     amax = xf.abs().amax(2).clamp(min=1e-4)
+    if pow2:
+        inv448 = torch.tensor(1.0, dtype=torch.float32, device=x.device) / 448.0  # fp32 1/448
+        b = (amax * inv448).view(torch.int32)
+        e = ((b >> 23) & 0xff) - 127 + ((b & 0x7fffff) != 0).to(torch.int32)
+        s = ((e + 127) << 23).view(torch.float32)
+        q = (xf / s.unsqueeze(2)).to(torch.float8_e4m3fn).view(T, H)
+        return q, s
     s = amax / torch.full_like(amax, 448.0)  # a true division (by a scalar torch multiplies)
     inv = torch.full_like(amax, 448.0) / amax
     q = (xf * inv.unsqueeze(2)).to(torch.float8_e4m3fn).view(T, H)
     return q, s
+
+
+def pack_ue8m0(s):
+    """[T, H / 128] power-of-two fp32 scales as DeepEP's use_ue8m0 words: [T, H / 512] int32,
+    each four exponent bytes, scale 4j in the lowest."""
+    e = (s.view(torch.int32) >> 23) & 0xff
+    e = e.view(s.size(0), -1, 4)
+    return e[:, :, 0] | (e[:, :, 1] << 8) | (e[:, :, 2] << 16) | (e[:, :, 3] << 24)
+
+
+def ll_scales_f32(scales, scale_mode):
+    """The low-latency dispatch's scales as [E_l, S, H / 128] fp32 (UE8M0 words unpacked)."""
+    if scale_mode != "ue8m0":
+        return scales
+    b = scales.contiguous().view(torch.uint8).to(torch.int32)  # [E_l, S, H / 128] bytes
+    return (b << 23).view(torch.float32)
 
 
 def fp8_back(q, s):
@@ -288,9 +313,9 @@ def ll_expert(rows_bf16, ge):
     return (rows_bf16.float() * (1.0 + ge / 16.0)).to(torch.bfloat16)
 
 
-def ll_combine_ref(p, me, fp8):
+def ll_combine_ref(p, me, fp8, pow2=False):
     x, idx, w = p.x[me], p.idx[me], p.w[me]
-    seen = (fp8_back(*fp8_cast(x)) if fp8 else x.float()).to(torch.bfloat16)
+    seen = (fp8_back(*fp8_cast(x, pow2)) if fp8 else x.float()).to(torch.bfloat16)
     # fp32 fma per slot, k ascending (w * y is exact in double, then one rounding to fp32).
     acc = torch.zeros((p.T[me], H), dtype=torch.float32, device=x.device)
     for k in range(K):
@@ -301,7 +326,8 @@ def ll_combine_ref(p, me, fp8):
     return acc.to(torch.bfloat16)
 
 
-def check_ll_recv(p, me, fp8, max_t, recv, count, handle, stats_before, stats):
+def check_ll_recv(p, me, fp8, max_t, recv, count, handle, stats_before, stats,
+                  scale_mode="fp32"):
     n_local, S = E // p.n, p.n * max_t
     ref = ll_reference(p, me, fp8)
     src_info, layout_range, mt, hid, ne = handle
@@ -310,8 +336,11 @@ def check_ll_recv(p, me, fp8, max_t, recv, count, handle, stats_before, stats):
         codes, scales = recv
         expect(tuple(codes.shape) == (n_local, S, H) and codes.dtype == torch.float8_e4m3fn,
                "fp8 recv shape")
-        expect(tuple(scales.shape) == (n_local, S, H // 128) and scales.stride() ==
-               (H // 128 * S, 1, S), f"scales layout {scales.stride()}")
+        cols = H // 512 if scale_mode == "ue8m0" else H // 128
+        expect(tuple(scales.shape) == (n_local, S, cols) and scales.stride() == (cols * S, 1, S),
+               f"scales layout {tuple(scales.shape)} {scales.stride()}")
+        expect(scales.dtype == (torch.int32 if scale_mode == "ue8m0" else torch.float32),
+               f"scales dtype {scales.dtype}")
     else:
         expect(tuple(recv.shape) == (n_local, S, H) and recv.dtype == torch.bfloat16, "recv")
     for e in range(n_local):
@@ -319,9 +348,10 @@ def check_ll_recv(p, me, fp8, max_t, recv, count, handle, stats_before, stats):
         c = rows.size(0)
         expect(int(count[e]) == c, f"expert {e}: count {int(count[e])}, want {c}")
         if fp8:
-            q, s = fp8_cast(rows)
+            q, s = fp8_cast(rows, scale_mode != "fp32")
             same(codes[e, :c], q, f"expert {e} fp8 codes")
-            same(scales[e, :c], s, f"expert {e} fp8 scales")
+            same(scales[e, :c], pack_ue8m0(s) if scale_mode == "ue8m0" else s,
+                 f"expert {e} fp8 scales ({scale_mode})")
         else:
             same(recv[e, :c], rows, f"expert {e} rows")
         same(src_info[e, :c], toks.to(torch.int32), f"expert {e} src_info")
@@ -336,10 +366,11 @@ def check_ll_recv(p, me, fp8, max_t, recv, count, handle, stats_before, stats):
         same(stats, stats_before + count, "cumulative_local_expert_recv_stats")
 
 
-def ll_expert_out(p, me, recv, count, fp8):
+def ll_expert_out(p, me, recv, count, fp8, scale_mode="fp32"):
     """The padded expert outputs: slot rows scaled per expert, NaN past the counts."""
     n_local = E // p.n
-    src = (recv[0].float() * recv[1].repeat_interleave(128, dim=2)) if fp8 else recv.float()
+    src = (recv[0].float() * ll_scales_f32(recv[1], scale_mode).repeat_interleave(128, dim=2)) \
+        if fp8 else recv.float()
     y = torch.full(src.shape, float("nan"), device=src.device).to(torch.bfloat16)
     for e in range(n_local):
         c = int(count[e])
@@ -351,41 +382,45 @@ def case_low_latency(buf, me, n, dev):
     max_t = 48
     T = [37, 0, 48, 13][:n] if n > 1 else [45]
     cases = 0
-    for fp8 in (True, False):
-        for mode in ("plain", "hook", "async", "zero_copy"):
-            p = Problem(n, T, 300 + cases, dev, masked=5)
-            stats = torch.randint(0, 5, (E // n,), dtype=torch.int32, device=dev)
-            before = stats.clone()
-            recv, count, handle, ev, hook = buf.low_latency_dispatch(
-                p.x[me], p.idx[me], max_t, E, cumulative_local_expert_recv_stats=stats,
-                use_fp8=fp8, async_finish=mode == "async", return_recv_hook=mode == "hook")
-            if mode == "hook":
-                expect(callable(hook), "a hook with return_recv_hook")
-                hook()
-            else:
-                expect(hook is None, "no hook without return_recv_hook")
-            if mode == "async":
-                ev.current_stream_wait()
-            check_ll_recv(p, me, fp8, max_t, recv, count, handle, before, stats)
-            y = ll_expert_out(p, me, recv, count, fp8)
-            out = torch.full((p.T[me], H), float("nan"), device=dev).to(torch.bfloat16)
-            if mode == "zero_copy":
-                zbuf = buf.get_next_low_latency_combine_buffer(handle)
-                zbuf.copy_(y)
-                y = zbuf
-            res, ev2, hook2 = buf.low_latency_combine(
-                y, p.idx[me], p.w[me], handle, zero_copy=mode == "zero_copy",
-                async_finish=mode == "async", return_recv_hook=mode == "hook", out=out)
-            if mode == "hook":
-                hook2()
-            if mode == "async":
-                ev2.current_stream_wait()
-            expect(res.data_ptr() == out.data_ptr(), "combine writes out=")
-            ref = ll_combine_ref(p, me, fp8)
-            same(res, ref, f"low_latency_combine ({'fp8' if fp8 else 'bf16'}, {mode})")
-            bound = 7e-4 if fp8 else 1e-5
-            expect(calc_diff(res.float(), ref.float()) < bound, "within DeepEP's bound")
-            cases += 1
+    runs = [(fp8, mode, "fp32") for fp8 in (True, False)
+            for mode in ("plain", "hook", "async", "zero_copy")]
+    runs += [(True, "plain", "pow2"), (True, "hook", "ue8m0")]  # round_scale, use_ue8m0
+    for fp8, mode, scale_mode in runs:
+        p = Problem(n, T, 300 + cases, dev, masked=5)
+        stats = torch.randint(0, 5, (E // n,), dtype=torch.int32, device=dev)
+        before = stats.clone()
+        recv, count, handle, ev, hook = buf.low_latency_dispatch(
+            p.x[me], p.idx[me], max_t, E, cumulative_local_expert_recv_stats=stats,
+            use_fp8=fp8, round_scale=scale_mode != "fp32", use_ue8m0=scale_mode == "ue8m0",
+            async_finish=mode == "async", return_recv_hook=mode == "hook")
+        if mode == "hook":
+            expect(callable(hook), "a hook with return_recv_hook")
+            hook()
+        else:
+            expect(hook is None, "no hook without return_recv_hook")
+        if mode == "async":
+            ev.current_stream_wait()
+        check_ll_recv(p, me, fp8, max_t, recv, count, handle, before, stats, scale_mode)
+        y = ll_expert_out(p, me, recv, count, fp8, scale_mode)
+        out = torch.full((p.T[me], H), float("nan"), device=dev).to(torch.bfloat16)
+        if mode == "zero_copy":
+            zbuf = buf.get_next_low_latency_combine_buffer(handle)
+            zbuf.copy_(y)
+            y = zbuf
+        res, ev2, hook2 = buf.low_latency_combine(
+            y, p.idx[me], p.w[me], handle, zero_copy=mode == "zero_copy",
+            async_finish=mode == "async", return_recv_hook=mode == "hook", out=out)
+        if mode == "hook":
+            hook2()
+        if mode == "async":
+            ev2.current_stream_wait()
+        expect(res.data_ptr() == out.data_ptr(), "combine writes out=")
+        ref = ll_combine_ref(p, me, fp8, scale_mode != "fp32")
+        same(res, ref, f"low_latency_combine ({'fp8' if fp8 else 'bf16'}, {mode}, "
+                       f"{scale_mode})")
+        bound = 7e-4 if fp8 else 1e-5
+        expect(calc_diff(res.float(), ref.float()) < bound, "within DeepEP's bound")
+        cases += 1
     # Two dispatches in flight, combined in order; a third makes the first uncombinable.
     ps = [Problem(n, T, 400 + i, dev, masked=2) for i in range(3)]
     got = []

@@ -79,8 +79,9 @@ struct Dests {
 // warps per scheduler), so the overlap is what keeps the SM issuing.
 // Units [unit_begin, unit_end) of the row (the low-latency path quantises one part per warp).
 template <TokenFormat F>
-__device__ void quantize_to(const uint16_t* row, int32_t hidden, float gs, const MessageLayout& ml,
-                            const Dests& dests, int32_t unit_begin, int32_t unit_end) {
+__device__ void quantize_to(const uint16_t* row, int32_t hidden, float gs, bool pow2,
+                            const MessageLayout& ml, const Dests& dests, int32_t unit_begin,
+                            int32_t unit_end) {
   using Quant = typename BlockQuantOf<F>::type;
   constexpr int32_t kLanes = Quant::kGroup / kLaneValues;  // lanes per scale block
   // Units per 16-byte store: a unit's 8 codes take kCodeBits bytes, so 2 (e4m3) or 4 (e2m1).
@@ -104,7 +105,7 @@ __device__ void quantize_to(const uint16_t* row, int32_t hidden, float gs, const
     for (int k = 0; k < kUnroll; ++k) {
       float z[kLaneValues];
       unpack_bf16x8(raw[k], z);
-      const Quant q = make_block_quant<F>(lanes_amax<kLanes>(z), gs);
+      const Quant q = make_block_quant<F>(lanes_amax<kLanes>(z), gs, pow2);
       packed[k] = pack_codes16(encode_unit(q, z));
       scale[k] = stored_scale(q);
     }
@@ -267,8 +268,8 @@ __device__ void send_token(const DispatchParams& p, int32_t t, const LaneRoute& 
       copy_vectors(src + int64_t(unit_begin) * 16, unit_end - unit_begin, d.n, LoadNc{},
                    [&](int32_t j) { return d.payload_of(j) + int64_t(unit_begin) * 16; });
     } else {
-      quantize_to<F>(reinterpret_cast<const uint16_t*>(src), g.hidden, g.nvfp4_global_scale, ml,
-                     d, unit_begin, unit_end);
+      quantize_to<F>(reinterpret_cast<const uint16_t*>(src), g.hidden, g.nvfp4_global_scale,
+                     g.fp8_pow2 != 0, ml, d, unit_begin, unit_end);
     }
     sent(d);
   }
