@@ -22,6 +22,7 @@ Every call is stream-ordered and checked; outputs are new tensors the caller own
 
 from __future__ import annotations
 
+import operator
 import os
 from typing import Optional, Tuple, Union
 
@@ -40,6 +41,21 @@ _DEFAULT_MAX_TOKENS = 4096
 __all__ = ["Buffer", "Config", "EventOverlap", "topk_idx_t"]
 
 topk_idx_t = torch.int64  # DeepEP's index dtype
+
+
+def _collective(group, t: torch.Tensor, op: str):
+    """all_reduce (sum; returns the sum) or all_gather (returns every rank's copy, in rank
+    order) of a small tensor over a torch.distributed group, on t's device; through host
+    memory where the group's backend (gloo) does not take device tensors. Leaves t as it was."""
+    dev = t.device
+    on_host = dev.type == "cuda" and dist.get_backend(group) == "gloo"
+    x = t.cpu() if on_host else t.clone()
+    if op == "all_reduce":
+        dist.all_reduce(x, group=group)
+        return x.to(dev)
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x, group=group)
+    return [q.to(dev) for q in parts]
 
 
 def _bad(call: str, msg: str):
@@ -112,7 +128,13 @@ class Config:
 
 class _Routing:
     """What a normal-mode dispatch fixes: which ranks each token went to, and the receive side's
-    row count. The handle DeepEP returns (opaque here: its fields are epcomm's)."""
+    row count. The handle DeepEP returns. Like DeepEP's 6-tuple it can be indexed: handle[0] is
+    rank_prefix_matrix and handle[4] is_token_in_rank; the other four entries (DeepEP's
+    channels, and recv_src_idx, which is not kept) raise InvalidArgument, so unpacking or
+    iterating the handle raises too."""
+
+    _ENTRIES = ("rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix",
+                "recv_src_idx", "is_token_in_rank", "send_head")
 
     def __init__(self, buffer, num_tokens, num_experts, worst):
         self.buffer = buffer
@@ -122,6 +144,42 @@ class _Routing:
         self.num_rows = 0                 # rows of recv_x (num_worst_tokens where given)
         self.worst = worst                # the recv row cap (num_worst_tokens) or 0
         self.meta_key = None              # the group the top-k and weights went through
+        self.is_token_in_rank = None      # bool [T, R], the dispatch's
+        self.tokens_to_rank = None        # int32 [R]: this rank's tokens sent to each rank
+        self.tokens_ready = None          # event: tokens_to_rank written (on the comm stream)
+        self._prefix = None               # rank_prefix_matrix, once read
+
+    def __len__(self):
+        return len(self._ENTRIES)
+
+    def __getitem__(self, i):
+        i = operator.index(i)
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"a dispatch handle has {len(self)} entries; got index {i}")
+        i %= len(self)
+        if i == 0:
+            return self.rank_prefix_matrix()
+        if i == 4:
+            return self.is_token_in_rank
+        why = ("is not kept: each received row's source lives in epcomm's own layout, "
+               "overwritten by the next dispatch" if i == 3 else
+               "describes DeepEP's channels, which epcomm does not have")
+        _bad("handle", f"handle[{i}] ({self._ENTRIES[i]}) {why}; handle[0] "
+                       "(rank_prefix_matrix) and handle[4] (is_token_in_rank) are given")
+
+    def rank_prefix_matrix(self) -> torch.Tensor:
+        """int32 [R, R]: entry [i][j] = the tokens ranks 0..i sent to rank j, so rank j's
+        received rows from source i end at row [i][j]. Gathered from every rank the first time
+        it is read: a collective over the Buffer's group, so every rank must read it at the same
+        point of the group's sequence of collectives (DeepEP computes it in dispatch)."""
+        if self._prefix is None:
+            # The counts were written on the comm stream: the caller may read handle[0] before
+            # waiting on an async dispatch's event.
+            if self.tokens_ready is not None:
+                torch.cuda.current_stream().wait_event(self.tokens_ready)
+            parts = _collective(self.buffer.group, self.tokens_to_rank, "all_gather")
+            self._prefix = torch.stack(parts).cumsum(0, dtype=torch.int32)
+        return self._prefix
 
 
 class _LowLatencyHandle(tuple):
@@ -470,6 +528,7 @@ class Buffer:
                             num_tokens_per_rank=num_tokens_per_rank, topk_idx=topk_idx,
                             topk_weights=topk_weights)
             routing = _Routing(self, T, E, int(num_worst_tokens))
+            routing.is_token_in_rank = is_token_in_rank
         self._on_device(call, x=codes, scales=scales)
         S = 0 if scales is None else scales.size(1)
         meta_words = S + 2 * K  # int32 words: scales, then topk_idx, then weights
@@ -481,6 +540,9 @@ class Buffer:
                 routing.rank_ids = torch.where(
                     is_token_in_rank, torch.arange(R, dtype=torch.int32, device=codes.device),
                     torch.full((), -1, dtype=torch.int32, device=codes.device))
+                routing.tokens_to_rank = is_token_in_rank.sum(0, dtype=torch.int32)
+                routing.tokens_ready = torch.cuda.Event()
+                routing.tokens_ready.record(comm)
             payload = codes if scales is None and codes.dtype == torch.bfloat16 else \
                 codes.view(torch.uint8).view(torch.bfloat16)
             data_key = ("data", payload.size(1), num_sms, routing.worst)
@@ -517,7 +579,12 @@ class Buffer:
                                "rank can receive")
             else:
                 host = recv_dev.to(torch.int32)
-                if K:
+                if not K:
+                    # No top-k ids travel: as DeepEP, the list comes from every rank's
+                    # num_tokens_per_expert, summed (a collective over the group).
+                    total = _collective(self.group, num_tokens_per_expert, "all_reduce")
+                    host = torch.cat([host, total[self.rank * n_local:(self.rank + 1) * n_local]])
+                else:
                     per_expert = torch.zeros(n_local + 1, dtype=torch.int32, device=ids.device)
                     per_expert.index_add_(0, torch.where(ok, ids, n_local).flatten(),
                                           torch.ones(ids.numel(), dtype=torch.int32,
@@ -793,8 +860,9 @@ class Buffer:
             _check(call, "out", out, torch.bfloat16, 2, rows=T, cols=H)
         self._on_device(call, x=x, topk_idx=topk_idx, topk_weights=topk_weights, out=out)
         sc = self._ll_scratch(handle)
-        if zero_copy and x.data_ptr() != sc["padded"].data_ptr():
-            _bad(call, "zero_copy=True needs x to be get_next_low_latency_combine_buffer(handle)")
+        # zero_copy: as in DeepEP, the expert outputs are already in
+        # get_next_low_latency_combine_buffer(handle), and x's storage is not read.
+        src = sc["padded"] if zero_copy else x
         g = handle.group
         compute, comm = self._ll_streams(call, async_finish, return_recv_hook)
         with torch.cuda.stream(compute):
@@ -803,7 +871,7 @@ class Buffer:
         with torch.cuda.stream(comm):
             stream = comm.cuda_stream
             d = g._dispatch_result("torch", None, stream)
-            _C.unpad_expert_rows(x, d.row_offsets, d.src_info, sc["rows"], stream)
+            _C.unpad_expert_rows(src, d.row_offsets, d.src_info, sc["rows"], stream)
             if return_recv_hook:
                 g._impl.combine_async(sc["rows"], stream)
             else:

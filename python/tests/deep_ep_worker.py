@@ -183,6 +183,9 @@ def check_normal(buf, p, me, fp8, weights, worst, async_mode, seed_case):
         num_tokens_per_expert=per_expert, topk_idx=idx if weights else None,
         topk_weights=w if weights else None, expert_alignment=4, num_worst_tokens=worst,
         previous_event=prev, async_finish=async_mode, allocate_on_comm_stream=async_mode)
+    # handle[0] read before waiting on the async event, as a DeepEP caller may: the handle
+    # orders the read after the dispatch's counts itself.
+    prefix = handle[0]
     if async_mode:
         expect(isinstance(ev, EventOverlap) and ev.event is not None, "async event")
         ev.current_stream_wait()
@@ -216,6 +219,32 @@ def check_normal(buf, p, me, fp8, weights, worst, async_mode, seed_case):
         same(recv_w[:N], ref_w, "recv_topk_weights")
     else:
         expect(recv_idx is None and recv_w is None, "no top-k given: none returned")
+        # As DeepEP: the list sums every rank's num_tokens_per_expert over the group.
+        counts = [sum(int((p.idx[r] == me * n_local + e).sum()) for r in range(n))
+                  for e in range(n_local)]
+        expect(per_expert_list == [(c + 3) // 4 * 4 for c in counts],
+               f"per-expert list without top-k {per_expert_list} (counts {counts}, alignment 4)")
+    # The handle indexed as DeepEP's tests do: handle[0] is rank_prefix_matrix ([i][j]: tokens
+    # of ranks 0..i sent to rank j), whose column `me` bounds each source's received rows.
+    sent = torch.stack([p.in_rank(r).sum(0, dtype=torch.int32) for r in range(n)])
+    same(prefix, sent.cumsum(0, dtype=torch.int32), "handle[0] (rank_prefix_matrix)")
+    expect(handle[0] is prefix, "handle[0] is gathered once")
+    expect(handle[0].dtype == torch.int32 and handle[0].device == dev, "rank_prefix_matrix")
+    begin = 0
+    for r in range(n):
+        end = int(handle[0][r][me])
+        rows_r = fp8_cast(p.x[r])[0] if fp8 else p.x[r]
+        got = recv_x[0] if fp8 else recv_x
+        same(got[begin:end], rows_r[p.in_rank(r)[:, me]], f"rows from rank {r} by handle[0]")
+        begin = end
+    expect(handle[4] is in_rank, "handle[4] is the dispatch's is_token_in_rank")
+    expect(len(handle) == 6, "the handle has DeepEP's 6 entries")
+    for i in (1, 2, 3, 5):
+        try:
+            handle[i]
+            raise Failure(f"handle[{i}] must raise")
+        except epcomm.InvalidArgument as e:
+            expect(f"handle[{i}]" in str(e), str(e))
 
     # Expert stand-in: each received row scaled by a per-rank factor, in bf16.
     def expert(rows, r):
@@ -403,10 +432,10 @@ def case_low_latency(buf, me, n, dev):
         check_ll_recv(p, me, fp8, max_t, recv, count, handle, before, stats, scale_mode)
         y = ll_expert_out(p, me, recv, count, fp8, scale_mode)
         out = torch.full((p.T[me], H), float("nan"), device=dev).to(torch.bfloat16)
-        if mode == "zero_copy":
+        if mode == "zero_copy":  # as DeepEP's test: x is another tensor, not read
             zbuf = buf.get_next_low_latency_combine_buffer(handle)
             zbuf.copy_(y)
-            y = zbuf
+            y = torch.full_like(y, float("nan"))
         res, ev2, hook2 = buf.low_latency_combine(
             y, p.idx[me], p.w[me], handle, zero_copy=mode == "zero_copy",
             async_finish=mode == "async", return_recv_hook=mode == "hook", out=out)

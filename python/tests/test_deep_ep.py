@@ -128,20 +128,33 @@ def test_buffer_calls_reject_bad_arguments(buf):
     raises("x is on cpu", buf.low_latency_dispatch, *ll)
 
 
-def test_max_tokens_from_the_environment(world, monkeypatch):
-    # Frameworks build the Buffer themselves: the normal-mode cap can come from the environment.
-    monkeypatch.delenv("EPCOMM_DEEP_EP_MAX_TOKENS", raising=False)
-    assert Buffer(world).max_tokens_per_rank == 4096
-    monkeypatch.setenv("EPCOMM_DEEP_EP_MAX_TOKENS", "16384")
-    b = Buffer(world)
-    assert b.max_tokens_per_rank == 16384
-    assert Buffer(world, max_tokens_per_rank=8).max_tokens_per_rank == 8  # the argument wins
-    x = torch.ones((16385, 128), dtype=torch.bfloat16)
-    raises("EPCOMM_DEEP_EP_MAX_TOKENS", b.dispatch, x,
-           is_token_in_rank=torch.ones((16385, 1), dtype=torch.bool),
-           num_tokens_per_expert=torch.zeros(8, dtype=torch.int32))
-    monkeypatch.setenv("EPCOMM_DEEP_EP_MAX_TOKENS", "lots")
-    raises("EPCOMM_DEEP_EP_MAX_TOKENS", Buffer, world)
+def test_handle_indexes_like_deep_eps_tuple(buf):
+    # A normal-mode handle as dispatch leaves it (one rank: the gather is over a group of one).
+    from epcomm.deep_ep import _Routing
+    h = _Routing(buf, 5, 8, 0)
+    h.tokens_to_rank = torch.tensor([4], dtype=torch.int32)
+    h.is_token_in_rank = torch.tensor([[True], [True], [False], [True], [True]])
+    assert len(h) == 6
+    assert h[0].tolist() == [[4]] and h[0].dtype == torch.int32
+    assert h[-6] is h[0]  # gathered once, then kept
+    assert h[4] is h.is_token_in_rank
+    for i in (1, 2, 5):
+        raises(rf"handle\[{i}\] .* DeepEP's channels", h.__getitem__, i)
+    raises(r"handle\[3\] \(recv_src_idx\) is not kept", h.__getitem__, 3)
+    with pytest.raises(IndexError):
+        h[6]
+    with pytest.raises(TypeError):
+        h["rank_prefix_matrix"]
+
+
+def test_collective_helper_leaves_its_input(world):
+    from epcomm.deep_ep import _collective
+    t = torch.tensor([3, 1, 2], dtype=torch.int32)
+    total = _collective(world, t, "all_reduce")
+    assert total.tolist() == [3, 1, 2] and total.data_ptr() != t.data_ptr()
+    parts = _collective(world, t, "all_gather")
+    assert len(parts) == 1 and parts[0].tolist() == [3, 1, 2]
+    assert t.tolist() == [3, 1, 2]
 
 
 def test_worker_fp8_casts_match_the_reference():
@@ -170,6 +183,22 @@ def test_worker_fp8_casts_match_the_reference():
             assert words.shape == (40, w.H // 512) and words.dtype == torch.int32
             unpacked = w.ll_scales_f32(words.unsqueeze(0), "ue8m0")[0]
             assert torch.equal(unpacked, ref_s)
+
+
+def test_max_tokens_from_the_environment(world, monkeypatch):
+    # Frameworks build the Buffer themselves: the normal-mode cap can come from the environment.
+    monkeypatch.delenv("EPCOMM_DEEP_EP_MAX_TOKENS", raising=False)
+    assert Buffer(world).max_tokens_per_rank == 4096
+    monkeypatch.setenv("EPCOMM_DEEP_EP_MAX_TOKENS", "16384")
+    b = Buffer(world)
+    assert b.max_tokens_per_rank == 16384
+    assert Buffer(world, max_tokens_per_rank=8).max_tokens_per_rank == 8  # the argument wins
+    x = torch.ones((16385, 128), dtype=torch.bfloat16)
+    raises("EPCOMM_DEEP_EP_MAX_TOKENS", b.dispatch, x,
+           is_token_in_rank=torch.ones((16385, 1), dtype=torch.bool),
+           num_tokens_per_expert=torch.zeros(8, dtype=torch.int32))
+    monkeypatch.setenv("EPCOMM_DEEP_EP_MAX_TOKENS", "lots")
+    raises("EPCOMM_DEEP_EP_MAX_TOKENS", Buffer, world)
 
 
 def test_low_latency_needs_the_mode(world):
