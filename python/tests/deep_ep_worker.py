@@ -137,8 +137,11 @@ def ll_scales_f32(scales, scale_mode):
     """The low-latency dispatch's scales as [E_l, S, H / 128] fp32 (UE8M0 words unpacked)."""
     if scale_mode != "ue8m0":
         return scales
-    b = scales.contiguous().view(torch.uint8).to(torch.int32)  # [E_l, S, H / 128] bytes
-    return (b << 23).view(torch.float32)
+    # Bytes by shifts, not by a dtype view: the words are token-major (strided), and with
+    # H = 512 the last dimension has size 1, where contiguous() keeps the stride and view fails.
+    w = scales.to(torch.int64)
+    b = torch.stack([(w >> (8 * i)) & 0xff for i in range(4)], dim=-1)  # scale 4j + i at [..., i]
+    return (b.flatten(-2).to(torch.int32) << 23).view(torch.float32)  # [E_l, S, H / 128]
 
 
 def fp8_back(q, s):

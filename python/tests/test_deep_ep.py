@@ -183,6 +183,11 @@ def test_worker_fp8_casts_match_the_reference():
             assert words.shape == (40, w.H // 512) and words.dtype == torch.int32
             unpacked = w.ll_scales_f32(words.unsqueeze(0), "ue8m0")[0]
             assert torch.equal(unpacked, ref_s)
+            # As the layer hands them over: token-major words (here one column, H = 512).
+            strided = torch.empty_strided((1, 40, 1), (40, 1, 40), dtype=torch.int32)
+            strided.copy_(words.unsqueeze(0))
+            assert strided.stride(-1) != 1
+            assert torch.equal(w.ll_scales_f32(strided, "ue8m0")[0], ref_s)
 
 
 def test_max_tokens_from_the_environment(world, monkeypatch):
