@@ -54,6 +54,10 @@ struct Config {
   int32_t max_tokens_per_rank = 0;  // upper bound on T of any call
   TokenFormat format = TokenFormat::kBF16;  // the dispatch output's format (inputs are bf16)
   float nvfp4_global_scale = 1.0f;  // NVFP4's global input scale gs (positive, finite)
+  // Blockwise FP8 only: each block's scale rounded up to a power of two (Fp8BlockQuant, pow2),
+  // still stored as fp32; a consumer that wants UE8M0 bytes takes the scale's exponent byte.
+  // DeepEP's round_scale; GEMMs with UE8M0 scales (DeepGEMM on Blackwell) need it.
+  bool fp8_pow2_scales = false;
   int32_t num_sms = 24;             // SMs the dispatch/combine kernels may occupy; today one
                                     // block per SM
   // The bound on every wait for a peer (seconds). The default, default_timeout_seconds(), is
@@ -143,6 +147,7 @@ inline constexpr auto kConfigFields = std::make_tuple(
     ConfigField<int32_t>{"max_tokens_per_rank", &Config::max_tokens_per_rank},
     ConfigField<TokenFormat>{"format", &Config::format},
     ConfigField<float>{"nvfp4_global_scale", &Config::nvfp4_global_scale},
+    ConfigField<bool>{"fp8_pow2_scales", &Config::fp8_pow2_scales},
     ConfigField<int32_t>{"num_sms", &Config::num_sms},
     ConfigField<double>{"timeout_seconds", &Config::timeout_seconds},
     ConfigField<bool>{"trace", &Config::trace, false},

@@ -70,9 +70,10 @@ struct SiluMxfp4Output {
 // out [max_rows, I] bf16: z rounded to nearest even. in.src_info is ignored.
 void silu_bf16(const SiluInput& in, void* out, cudaStream_t stream);
 
-// Blockwise FP8: s = max(amax, 1e-4) / 448 per 128 values of z, codes e4m3(z / s). With
-// in.src_info, a row r with src_info[r].rank < 0 (a padding row of the FP8 dispatch) is not
-// read; its codes and scales are written as zero. Without it, padding rows are ordinary rows.
+// Blockwise FP8: s = max(amax, 1e-4) / 448 per 128 values of z, codes
+// e4m3(z * (448 / max(amax, 1e-4))). With in.src_info, a row r with src_info[r].rank < 0 (a
+// padding row of the FP8 dispatch) is not read; its codes and scales are written as zero.
+// Without it, padding rows are ordinary rows.
 void silu_fp8(const SiluInput& in, const SiluFp8Output& out, cudaStream_t stream);
 
 // NVFP4 with a global scale per group: global_scales [G] (device, each positive and finite),

@@ -5,8 +5,7 @@ changing its import.
     from epcomm.deep_ep import Buffer, EventOverlap, Config
 
 The calls take DeepEP's argument names, dtypes and shapes and return its tuples. What epcomm
-does not do (several nodes, RDMA-only transport, UE8M0 or power-of-two FP8 scales, LogFMT
-combine, the wait-time statistics) raises epcomm.InvalidArgument naming the argument; nothing
+does not do (several nodes, RDMA-only transport, LogFMT combine, the wait-time statistics) raises epcomm.InvalidArgument naming the argument; nothing
 is silently different. docs/deep_ep.md maps every call.
 
 How it runs on epcomm:
@@ -23,6 +22,7 @@ Every call is stream-ordered and checked; outputs are new tensors the caller own
 
 from __future__ import annotations
 
+import operator
 import os
 from typing import Optional, Tuple, Union
 
@@ -41,6 +41,21 @@ _DEFAULT_MAX_TOKENS = 4096
 __all__ = ["Buffer", "Config", "EventOverlap", "topk_idx_t"]
 
 topk_idx_t = torch.int64  # DeepEP's index dtype
+
+
+def _collective(group, t: torch.Tensor, op: str):
+    """all_reduce (sum; returns the sum) or all_gather (returns every rank's copy, in rank
+    order) of a small tensor over a torch.distributed group, on t's device; through host
+    memory where the group's backend (gloo) does not take device tensors. Leaves t as it was."""
+    dev = t.device
+    on_host = dev.type == "cuda" and dist.get_backend(group) == "gloo"
+    x = t.cpu() if on_host else t.clone()
+    if op == "all_reduce":
+        dist.all_reduce(x, group=group)
+        return x.to(dev)
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x, group=group)
+    return [q.to(dev) for q in parts]
 
 
 def _bad(call: str, msg: str):
@@ -113,7 +128,13 @@ class Config:
 
 class _Routing:
     """What a normal-mode dispatch fixes: which ranks each token went to, and the receive side's
-    row count. The handle DeepEP returns (opaque here: its fields are epcomm's)."""
+    row count. The handle DeepEP returns. Like DeepEP's 6-tuple it can be indexed: handle[0] is
+    rank_prefix_matrix and handle[4] is_token_in_rank; the other four entries (DeepEP's
+    channels, and recv_src_idx, which is not kept) raise InvalidArgument, so unpacking or
+    iterating the handle raises too."""
+
+    _ENTRIES = ("rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix",
+                "recv_src_idx", "is_token_in_rank", "send_head")
 
     def __init__(self, buffer, num_tokens, num_experts, worst):
         self.buffer = buffer
@@ -123,6 +144,42 @@ class _Routing:
         self.num_rows = 0                 # rows of recv_x (num_worst_tokens where given)
         self.worst = worst                # the recv row cap (num_worst_tokens) or 0
         self.meta_key = None              # the group the top-k and weights went through
+        self.is_token_in_rank = None      # bool [T, R], the dispatch's
+        self.tokens_to_rank = None        # int32 [R]: this rank's tokens sent to each rank
+        self.tokens_ready = None          # event: tokens_to_rank written (on the comm stream)
+        self._prefix = None               # rank_prefix_matrix, once read
+
+    def __len__(self):
+        return len(self._ENTRIES)
+
+    def __getitem__(self, i):
+        i = operator.index(i)
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"a dispatch handle has {len(self)} entries; got index {i}")
+        i %= len(self)
+        if i == 0:
+            return self.rank_prefix_matrix()
+        if i == 4:
+            return self.is_token_in_rank
+        why = ("is not kept: each received row's source lives in epcomm's own layout, "
+               "overwritten by the next dispatch" if i == 3 else
+               "describes DeepEP's channels, which epcomm does not have")
+        _bad("handle", f"handle[{i}] ({self._ENTRIES[i]}) {why}; handle[0] "
+                       "(rank_prefix_matrix) and handle[4] (is_token_in_rank) are given")
+
+    def rank_prefix_matrix(self) -> torch.Tensor:
+        """int32 [R, R]: entry [i][j] = the tokens ranks 0..i sent to rank j, so rank j's
+        received rows from source i end at row [i][j]. Gathered from every rank the first time
+        it is read: a collective over the Buffer's group, so every rank must read it at the same
+        point of the group's sequence of collectives (DeepEP computes it in dispatch)."""
+        if self._prefix is None:
+            # The counts were written on the comm stream: the caller may read handle[0] before
+            # waiting on an async dispatch's event.
+            if self.tokens_ready is not None:
+                torch.cuda.current_stream().wait_event(self.tokens_ready)
+            parts = _collective(self.buffer.group, self.tokens_to_rank, "all_gather")
+            self._prefix = torch.stack(parts).cumsum(0, dtype=torch.int32)
+        return self._prefix
 
 
 class _LowLatencyHandle(tuple):
@@ -471,6 +528,7 @@ class Buffer:
                             num_tokens_per_rank=num_tokens_per_rank, topk_idx=topk_idx,
                             topk_weights=topk_weights)
             routing = _Routing(self, T, E, int(num_worst_tokens))
+            routing.is_token_in_rank = is_token_in_rank
         self._on_device(call, x=codes, scales=scales)
         S = 0 if scales is None else scales.size(1)
         meta_words = S + 2 * K  # int32 words: scales, then topk_idx, then weights
@@ -482,6 +540,9 @@ class Buffer:
                 routing.rank_ids = torch.where(
                     is_token_in_rank, torch.arange(R, dtype=torch.int32, device=codes.device),
                     torch.full((), -1, dtype=torch.int32, device=codes.device))
+                routing.tokens_to_rank = is_token_in_rank.sum(0, dtype=torch.int32)
+                routing.tokens_ready = torch.cuda.Event()
+                routing.tokens_ready.record(comm)
             payload = codes if scales is None and codes.dtype == torch.bfloat16 else \
                 codes.view(torch.uint8).view(torch.bfloat16)
             data_key = ("data", payload.size(1), num_sms, routing.worst)
@@ -518,7 +579,12 @@ class Buffer:
                                "rank can receive")
             else:
                 host = recv_dev.to(torch.int32)
-                if K:
+                if not K:
+                    # No top-k ids travel: as DeepEP, the list comes from every rank's
+                    # num_tokens_per_expert, summed (a collective over the group).
+                    total = _collective(self.group, num_tokens_per_expert, "all_reduce")
+                    host = torch.cat([host, total[self.rank * n_local:(self.rank + 1) * n_local]])
+                else:
                     per_expert = torch.zeros(n_local + 1, dtype=torch.int32, device=ids.device)
                     per_expert.index_add_(0, torch.where(ok, ids, n_local).flatten(),
                                           torch.ones(ids.numel(), dtype=torch.int32,
@@ -644,14 +710,15 @@ class Buffer:
                              use_ue8m0: bool = False, async_finish: bool = False,
                              return_recv_hook: bool = False):
         """(recv_x, recv_count, handle, event, hook): recv_x [E_l, R * max, H] (FP8: (codes,
-        scales [E_l, R * max, H / 128] float32 column-major per expert)), recv_count int32
-        [E_l]; only the first recv_count[e] rows of expert e are written."""
+        scales [E_l, R * max, H / 128] float32 column-major per expert; with use_ue8m0, scales
+        [E_l, R * max, H / 512] int32 column-major per expert, each word four UE8M0 bytes, scale
+        block 4j in its lowest byte)), recv_count int32 [E_l]; only the first recv_count[e] rows
+        of expert e are written. round_scale: power-of-two scales (Config::fp8_pow2_scales)."""
         call = "low_latency_dispatch"
-        if round_scale:
-            _bad(call, "round_scale=True (power-of-two FP8 scales) is not supported: epcomm's "
-                       "scales are amax / 448")
-        if use_ue8m0:
-            _bad(call, "use_ue8m0=True (UE8M0 scales) is not supported")
+        if (round_scale or use_ue8m0) and not use_fp8:
+            _bad(call, "round_scale and use_ue8m0 shape FP8 scales: they need use_fp8=True")
+        if use_ue8m0 and not round_scale:
+            _bad(call, "use_ue8m0=True needs round_scale=True (UE8M0 holds powers of two only)")
         self._ll_check(call, "dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats,
                        async_finish, return_recv_hook)
         _check(call, "x", x, torch.bfloat16, 2)
@@ -666,6 +733,9 @@ class Buffer:
             _bad(call, f"num_experts = {num_experts} must be a positive multiple of the {R} ranks")
         if use_fp8 and H % 128:
             _bad(call, f"hidden = {H} must be a multiple of 128 with use_fp8")
+        if use_ue8m0 and H % 512:
+            _bad(call, f"hidden = {H} must be a multiple of 512 with use_ue8m0 (four scales "
+                       "per word)")
         E_l = num_experts // R
         if cumulative_local_expert_recv_stats is not None:
             _check(call, "cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
@@ -674,9 +744,11 @@ class Buffer:
                         cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats)
         fmt = "fp8-blockwise" if use_fp8 else "bf16"
         self._ll_parity ^= 1  # two groups in turn, so two dispatches may await their combines
-        key = ("ll", H, num_experts, K, max_t, fmt, Buffer.num_sms, self._ll_parity)
+        key = ("ll", H, num_experts, K, max_t, fmt, bool(round_scale), Buffer.num_sms,
+               self._ll_parity)
         g = self._group(key, hidden=H, top_k=K, n_experts=num_experts,
-                        max_tokens_per_rank=max_t, format=fmt, num_sms=Buffer.num_sms)
+                        max_tokens_per_rank=max_t, format=fmt, num_sms=Buffer.num_sms,
+                        **({"fp8_pow2_scales": True} if round_scale else {}))
         S = R * max_t
         ids = topk_idx.to(torch.int32)
         dev = x.device
@@ -686,6 +758,8 @@ class Buffer:
                                 torch.bfloat16, device=dev)
             scales = torch.empty((E_l, H // 128, S), dtype=torch.float32, device=dev) \
                 if use_fp8 else None
+            ue8m0 = torch.empty((E_l, H // 512, S), dtype=torch.int32, device=dev) \
+                if use_ue8m0 else None
             count = torch.empty(E_l, dtype=torch.int32, device=dev)
             src_info = torch.empty((E_l, S), dtype=torch.int32, device=dev)
             layout_range = torch.empty((E_l, R), dtype=torch.int64, device=dev)
@@ -698,6 +772,11 @@ class Buffer:
             _C.pad_expert_rows(d.tokens.view(torch.uint8), d.scales if use_fp8 else None,
                                d.row_offsets, d.src_info, R, codes.view(torch.uint8),
                                scales, count, src_info, layout_range, stream)
+            if use_ue8m0:  # each power-of-two scale's exponent byte, four to a word
+                e = (scales.view(torch.int32) >> 23) & 0xff
+                e = e.view(E_l, H // 512, 4, S)
+                ue8m0.copy_(e[:, :, 0] | (e[:, :, 1] << 8) | (e[:, :, 2] << 16) |
+                            (e[:, :, 3] << 24))
             if cumulative_local_expert_recv_stats is not None:
                 cumulative_local_expert_recv_stats.add_(count)
 
@@ -708,7 +787,8 @@ class Buffer:
             else:
                 g._impl.dispatch(x, ids, None, stream)
                 receive(stream)
-        recv_x = codes if not use_fp8 else (codes, scales.transpose(1, 2))
+        recv_x = codes if not use_fp8 else \
+            (codes, (ue8m0 if use_ue8m0 else scales).transpose(1, 2))
         hook = None
         if return_recv_hook:
             def receive_hook():
@@ -720,7 +800,7 @@ class Buffer:
             event = EventOverlap(None)
         else:
             event = self._finish(compute, comm, async_finish,
-                                 (x, ids, codes, scales, count, src_info, layout_range))
+                                 (x, ids, codes, scales, ue8m0, count, src_info, layout_range))
         return recv_x, count, handle, event, hook
 
     def get_next_low_latency_combine_buffer(self, handle: _LowLatencyHandle) -> torch.Tensor:
@@ -780,8 +860,9 @@ class Buffer:
             _check(call, "out", out, torch.bfloat16, 2, rows=T, cols=H)
         self._on_device(call, x=x, topk_idx=topk_idx, topk_weights=topk_weights, out=out)
         sc = self._ll_scratch(handle)
-        if zero_copy and x.data_ptr() != sc["padded"].data_ptr():
-            _bad(call, "zero_copy=True needs x to be get_next_low_latency_combine_buffer(handle)")
+        # zero_copy: as in DeepEP, the expert outputs are already in
+        # get_next_low_latency_combine_buffer(handle), and x's storage is not read.
+        src = sc["padded"] if zero_copy else x
         g = handle.group
         compute, comm = self._ll_streams(call, async_finish, return_recv_hook)
         with torch.cuda.stream(compute):
@@ -790,7 +871,7 @@ class Buffer:
         with torch.cuda.stream(comm):
             stream = comm.cuda_stream
             d = g._dispatch_result("torch", None, stream)
-            _C.unpad_expert_rows(x, d.row_offsets, d.src_info, sc["rows"], stream)
+            _C.unpad_expert_rows(src, d.row_offsets, d.src_info, sc["rows"], stream)
             if return_recv_hook:
                 g._impl.combine_async(sc["rows"], stream)
             else:

@@ -188,12 +188,13 @@ void bind_reference(nb::module_& m) {
   r.def(
       "dispatch_quantized",
       [](const epcomm::reference::Problem& p, int rank, const std::string& format,
-         float global_scale, int64_t max_routed_rows) {
+         float global_scale, int64_t max_routed_rows, bool fp8_pow2_scales) {
         return epcomm::reference::dispatch_quantized(
             p, rank, epcomm::reference::quant_format(parse_format(format)), global_scale,
-            max_routed_rows);
+            max_routed_rows, fp8_pow2_scales);
       },
-      "problem"_a, "rank"_a, "format"_a, "global_scale"_a = 1.0f, "max_routed_rows"_a = -1);
+      "problem"_a, "rank"_a, "format"_a, "global_scale"_a = 1.0f, "max_routed_rows"_a = -1,
+      "fp8_pow2_scales"_a = false);
   r.def(
       "combine",
       [](const epcomm::reference::Problem& p,

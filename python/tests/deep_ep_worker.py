@@ -104,14 +104,44 @@ class Problem:
         return out
 
 
-def fp8_cast(x):
-    """Blockwise FP8 of bf16 rows: per 128 values s = max(amax, 1e-4) / 448, q = e4m3(x / s)."""
+def fp8_cast(x, pow2=False):
+    """Blockwise FP8 of bf16 rows, DeepEP's cast: per 128 values s = max(amax, 1e-4) / 448,
+    q = e4m3(x * (448 / max(amax, 1e-4))). pow2 (round_scale): s = the least power of two not
+    below max(amax, 1e-4) * fl(1 / 448), from the product's exponent and mantissa bits;
+    q = e4m3(x / s), exact scaling."""
     T = x.size(0)
     xf = x.float().view(T, H // 128, 128)
     amax = xf.abs().amax(2).clamp(min=1e-4)
+    if pow2:
+        inv448 = torch.tensor(1.0, dtype=torch.float32, device=x.device) / 448.0  # fp32 1/448
+        b = (amax * inv448).view(torch.int32)
+        e = ((b >> 23) & 0xff) - 127 + ((b & 0x7fffff) != 0).to(torch.int32)
+        s = ((e + 127) << 23).view(torch.float32)
+        q = (xf / s.unsqueeze(2)).to(torch.float8_e4m3fn).view(T, H)
+        return q, s
     s = amax / torch.full_like(amax, 448.0)  # a true division (by a scalar torch multiplies)
-    q = (xf / s.unsqueeze(2)).to(torch.float8_e4m3fn).view(T, H)
+    inv = torch.full_like(amax, 448.0) / amax
+    q = (xf * inv.unsqueeze(2)).to(torch.float8_e4m3fn).view(T, H)
     return q, s
+
+
+def pack_ue8m0(s):
+    """[T, H / 128] power-of-two fp32 scales as DeepEP's use_ue8m0 words: [T, H / 512] int32,
+    each four exponent bytes, scale 4j in the lowest."""
+    e = (s.view(torch.int32) >> 23) & 0xff
+    e = e.view(s.size(0), -1, 4)
+    return e[:, :, 0] | (e[:, :, 1] << 8) | (e[:, :, 2] << 16) | (e[:, :, 3] << 24)
+
+
+def ll_scales_f32(scales, scale_mode):
+    """The low-latency dispatch's scales as [E_l, S, H / 128] fp32 (UE8M0 words unpacked)."""
+    if scale_mode != "ue8m0":
+        return scales
+    # Bytes by shifts, not by a dtype view: the words are token-major (strided), and with
+    # H = 512 the last dimension has size 1, where contiguous() keeps the stride and view fails.
+    w = scales.to(torch.int64)
+    b = torch.stack([(w >> (8 * i)) & 0xff for i in range(4)], dim=-1)  # scale 4j + i at [..., i]
+    return (b.flatten(-2).to(torch.int32) << 23).view(torch.float32)  # [E_l, S, H / 128]
 
 
 def fp8_back(q, s):
@@ -156,6 +186,9 @@ def check_normal(buf, p, me, fp8, weights, worst, async_mode, seed_case):
         num_tokens_per_expert=per_expert, topk_idx=idx if weights else None,
         topk_weights=w if weights else None, expert_alignment=4, num_worst_tokens=worst,
         previous_event=prev, async_finish=async_mode, allocate_on_comm_stream=async_mode)
+    # handle[0] read before waiting on the async event, as a DeepEP caller may: the handle
+    # orders the read after the dispatch's counts itself.
+    prefix = handle[0]
     if async_mode:
         expect(isinstance(ev, EventOverlap) and ev.event is not None, "async event")
         ev.current_stream_wait()
@@ -189,6 +222,32 @@ def check_normal(buf, p, me, fp8, weights, worst, async_mode, seed_case):
         same(recv_w[:N], ref_w, "recv_topk_weights")
     else:
         expect(recv_idx is None and recv_w is None, "no top-k given: none returned")
+        # As DeepEP: the list sums every rank's num_tokens_per_expert over the group.
+        counts = [sum(int((p.idx[r] == me * n_local + e).sum()) for r in range(n))
+                  for e in range(n_local)]
+        expect(per_expert_list == [(c + 3) // 4 * 4 for c in counts],
+               f"per-expert list without top-k {per_expert_list} (counts {counts}, alignment 4)")
+    # The handle indexed as DeepEP's tests do: handle[0] is rank_prefix_matrix ([i][j]: tokens
+    # of ranks 0..i sent to rank j), whose column `me` bounds each source's received rows.
+    sent = torch.stack([p.in_rank(r).sum(0, dtype=torch.int32) for r in range(n)])
+    same(prefix, sent.cumsum(0, dtype=torch.int32), "handle[0] (rank_prefix_matrix)")
+    expect(handle[0] is prefix, "handle[0] is gathered once")
+    expect(handle[0].dtype == torch.int32 and handle[0].device == dev, "rank_prefix_matrix")
+    begin = 0
+    for r in range(n):
+        end = int(handle[0][r][me])
+        rows_r = fp8_cast(p.x[r])[0] if fp8 else p.x[r]
+        got = recv_x[0] if fp8 else recv_x
+        same(got[begin:end], rows_r[p.in_rank(r)[:, me]], f"rows from rank {r} by handle[0]")
+        begin = end
+    expect(handle[4] is in_rank, "handle[4] is the dispatch's is_token_in_rank")
+    expect(len(handle) == 6, "the handle has DeepEP's 6 entries")
+    for i in (1, 2, 3, 5):
+        try:
+            handle[i]
+            raise Failure(f"handle[{i}] must raise")
+        except epcomm.InvalidArgument as e:
+            expect(f"handle[{i}]" in str(e), str(e))
 
     # Expert stand-in: each received row scaled by a per-rank factor, in bf16.
     def expert(rows, r):
@@ -286,9 +345,9 @@ def ll_expert(rows_bf16, ge):
     return (rows_bf16.float() * (1.0 + ge / 16.0)).to(torch.bfloat16)
 
 
-def ll_combine_ref(p, me, fp8):
+def ll_combine_ref(p, me, fp8, pow2=False):
     x, idx, w = p.x[me], p.idx[me], p.w[me]
-    seen = (fp8_back(*fp8_cast(x)) if fp8 else x.float()).to(torch.bfloat16)
+    seen = (fp8_back(*fp8_cast(x, pow2)) if fp8 else x.float()).to(torch.bfloat16)
     # fp32 fma per slot, k ascending (w * y is exact in double, then one rounding to fp32).
     acc = torch.zeros((p.T[me], H), dtype=torch.float32, device=x.device)
     for k in range(K):
@@ -299,7 +358,8 @@ def ll_combine_ref(p, me, fp8):
     return acc.to(torch.bfloat16)
 
 
-def check_ll_recv(p, me, fp8, max_t, recv, count, handle, stats_before, stats):
+def check_ll_recv(p, me, fp8, max_t, recv, count, handle, stats_before, stats,
+                  scale_mode="fp32"):
     n_local, S = E // p.n, p.n * max_t
     ref = ll_reference(p, me, fp8)
     src_info, layout_range, mt, hid, ne = handle
@@ -308,8 +368,11 @@ def check_ll_recv(p, me, fp8, max_t, recv, count, handle, stats_before, stats):
         codes, scales = recv
         expect(tuple(codes.shape) == (n_local, S, H) and codes.dtype == torch.float8_e4m3fn,
                "fp8 recv shape")
-        expect(tuple(scales.shape) == (n_local, S, H // 128) and scales.stride() ==
-               (H // 128 * S, 1, S), f"scales layout {scales.stride()}")
+        cols = H // 512 if scale_mode == "ue8m0" else H // 128
+        expect(tuple(scales.shape) == (n_local, S, cols) and scales.stride() == (cols * S, 1, S),
+               f"scales layout {tuple(scales.shape)} {scales.stride()}")
+        expect(scales.dtype == (torch.int32 if scale_mode == "ue8m0" else torch.float32),
+               f"scales dtype {scales.dtype}")
     else:
         expect(tuple(recv.shape) == (n_local, S, H) and recv.dtype == torch.bfloat16, "recv")
     for e in range(n_local):
@@ -317,9 +380,10 @@ def check_ll_recv(p, me, fp8, max_t, recv, count, handle, stats_before, stats):
         c = rows.size(0)
         expect(int(count[e]) == c, f"expert {e}: count {int(count[e])}, want {c}")
         if fp8:
-            q, s = fp8_cast(rows)
+            q, s = fp8_cast(rows, scale_mode != "fp32")
             same(codes[e, :c], q, f"expert {e} fp8 codes")
-            same(scales[e, :c], s, f"expert {e} fp8 scales")
+            same(scales[e, :c], pack_ue8m0(s) if scale_mode == "ue8m0" else s,
+                 f"expert {e} fp8 scales ({scale_mode})")
         else:
             same(recv[e, :c], rows, f"expert {e} rows")
         same(src_info[e, :c], toks.to(torch.int32), f"expert {e} src_info")
@@ -334,10 +398,11 @@ def check_ll_recv(p, me, fp8, max_t, recv, count, handle, stats_before, stats):
         same(stats, stats_before + count, "cumulative_local_expert_recv_stats")
 
 
-def ll_expert_out(p, me, recv, count, fp8):
+def ll_expert_out(p, me, recv, count, fp8, scale_mode="fp32"):
     """The padded expert outputs: slot rows scaled per expert, NaN past the counts."""
     n_local = E // p.n
-    src = (recv[0].float() * recv[1].repeat_interleave(128, dim=2)) if fp8 else recv.float()
+    src = (recv[0].float() * ll_scales_f32(recv[1], scale_mode).repeat_interleave(128, dim=2)) \
+        if fp8 else recv.float()
     y = torch.full(src.shape, float("nan"), device=src.device).to(torch.bfloat16)
     for e in range(n_local):
         c = int(count[e])
@@ -349,41 +414,45 @@ def case_low_latency(buf, me, n, dev):
     max_t = 48
     T = [37, 0, 48, 13][:n] if n > 1 else [45]
     cases = 0
-    for fp8 in (True, False):
-        for mode in ("plain", "hook", "async", "zero_copy"):
-            p = Problem(n, T, 300 + cases, dev, masked=5)
-            stats = torch.randint(0, 5, (E // n,), dtype=torch.int32, device=dev)
-            before = stats.clone()
-            recv, count, handle, ev, hook = buf.low_latency_dispatch(
-                p.x[me], p.idx[me], max_t, E, cumulative_local_expert_recv_stats=stats,
-                use_fp8=fp8, async_finish=mode == "async", return_recv_hook=mode == "hook")
-            if mode == "hook":
-                expect(callable(hook), "a hook with return_recv_hook")
-                hook()
-            else:
-                expect(hook is None, "no hook without return_recv_hook")
-            if mode == "async":
-                ev.current_stream_wait()
-            check_ll_recv(p, me, fp8, max_t, recv, count, handle, before, stats)
-            y = ll_expert_out(p, me, recv, count, fp8)
-            out = torch.full((p.T[me], H), float("nan"), device=dev).to(torch.bfloat16)
-            if mode == "zero_copy":
-                zbuf = buf.get_next_low_latency_combine_buffer(handle)
-                zbuf.copy_(y)
-                y = zbuf
-            res, ev2, hook2 = buf.low_latency_combine(
-                y, p.idx[me], p.w[me], handle, zero_copy=mode == "zero_copy",
-                async_finish=mode == "async", return_recv_hook=mode == "hook", out=out)
-            if mode == "hook":
-                hook2()
-            if mode == "async":
-                ev2.current_stream_wait()
-            expect(res.data_ptr() == out.data_ptr(), "combine writes out=")
-            ref = ll_combine_ref(p, me, fp8)
-            same(res, ref, f"low_latency_combine ({'fp8' if fp8 else 'bf16'}, {mode})")
-            bound = 7e-4 if fp8 else 1e-5
-            expect(calc_diff(res.float(), ref.float()) < bound, "within DeepEP's bound")
-            cases += 1
+    runs = [(fp8, mode, "fp32") for fp8 in (True, False)
+            for mode in ("plain", "hook", "async", "zero_copy")]
+    runs += [(True, "plain", "pow2"), (True, "hook", "ue8m0")]  # round_scale, use_ue8m0
+    for fp8, mode, scale_mode in runs:
+        p = Problem(n, T, 300 + cases, dev, masked=5)
+        stats = torch.randint(0, 5, (E // n,), dtype=torch.int32, device=dev)
+        before = stats.clone()
+        recv, count, handle, ev, hook = buf.low_latency_dispatch(
+            p.x[me], p.idx[me], max_t, E, cumulative_local_expert_recv_stats=stats,
+            use_fp8=fp8, round_scale=scale_mode != "fp32", use_ue8m0=scale_mode == "ue8m0",
+            async_finish=mode == "async", return_recv_hook=mode == "hook")
+        if mode == "hook":
+            expect(callable(hook), "a hook with return_recv_hook")
+            hook()
+        else:
+            expect(hook is None, "no hook without return_recv_hook")
+        if mode == "async":
+            ev.current_stream_wait()
+        check_ll_recv(p, me, fp8, max_t, recv, count, handle, before, stats, scale_mode)
+        y = ll_expert_out(p, me, recv, count, fp8, scale_mode)
+        out = torch.full((p.T[me], H), float("nan"), device=dev).to(torch.bfloat16)
+        if mode == "zero_copy":  # as DeepEP's test: x is another tensor, not read
+            zbuf = buf.get_next_low_latency_combine_buffer(handle)
+            zbuf.copy_(y)
+            y = torch.full_like(y, float("nan"))
+        res, ev2, hook2 = buf.low_latency_combine(
+            y, p.idx[me], p.w[me], handle, zero_copy=mode == "zero_copy",
+            async_finish=mode == "async", return_recv_hook=mode == "hook", out=out)
+        if mode == "hook":
+            hook2()
+        if mode == "async":
+            ev2.current_stream_wait()
+        expect(res.data_ptr() == out.data_ptr(), "combine writes out=")
+        ref = ll_combine_ref(p, me, fp8, scale_mode != "fp32")
+        same(res, ref, f"low_latency_combine ({'fp8' if fp8 else 'bf16'}, {mode}, "
+                       f"{scale_mode})")
+        bound = 7e-4 if fp8 else 1e-5
+        expect(calc_diff(res.float(), ref.float()) < bound, "within DeepEP's bound")
+        cases += 1
     # Two dispatches in flight, combined in order; a third makes the first uncombinable.
     ps = [Problem(n, T, 400 + i, dev, masked=2) for i in range(3)]
     got = []

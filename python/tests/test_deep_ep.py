@@ -100,8 +100,11 @@ def test_buffer_calls_reject_bad_arguments(buf):
     raises("handle must come from", buf.combine, x, object())
     # Low-latency mode.
     ll = (x, idx, 8, E)
-    raises("round_scale", buf.low_latency_dispatch, *ll, round_scale=True)
-    raises("use_ue8m0", buf.low_latency_dispatch, *ll, use_ue8m0=True)
+    raises("use_ue8m0=True needs round_scale=True", buf.low_latency_dispatch, *ll,
+           use_ue8m0=True)
+    raises("need use_fp8=True", buf.low_latency_dispatch, *ll, round_scale=True, use_fp8=False)
+    raises("multiple of 512 with use_ue8m0", buf.low_latency_dispatch, *ll, round_scale=True,
+           use_ue8m0=True)  # H = 256
     raises("dispatch_wait_recv_cost_stats", buf.low_latency_dispatch, *ll,
            dispatch_wait_recv_cost_stats=torch.zeros(1, dtype=torch.int64))
     raises("cannot both", buf.low_latency_dispatch, *ll, async_finish=True,
@@ -123,6 +126,68 @@ def test_buffer_calls_reject_bad_arguments(buf):
     raises("get_local_buffer_tensor", buf.get_local_buffer_tensor, torch.bfloat16)
     # Valid arguments on the CPU: the last check names the tensor and the GPU it needs.
     raises("x is on cpu", buf.low_latency_dispatch, *ll)
+
+
+def test_handle_indexes_like_deep_eps_tuple(buf):
+    # A normal-mode handle as dispatch leaves it (one rank: the gather is over a group of one).
+    from epcomm.deep_ep import _Routing
+    h = _Routing(buf, 5, 8, 0)
+    h.tokens_to_rank = torch.tensor([4], dtype=torch.int32)
+    h.is_token_in_rank = torch.tensor([[True], [True], [False], [True], [True]])
+    assert len(h) == 6
+    assert h[0].tolist() == [[4]] and h[0].dtype == torch.int32
+    assert h[-6] is h[0]  # gathered once, then kept
+    assert h[4] is h.is_token_in_rank
+    for i in (1, 2, 5):
+        raises(rf"handle\[{i}\] .* DeepEP's channels", h.__getitem__, i)
+    raises(r"handle\[3\] \(recv_src_idx\) is not kept", h.__getitem__, 3)
+    with pytest.raises(IndexError):
+        h[6]
+    with pytest.raises(TypeError):
+        h["rank_prefix_matrix"]
+
+
+def test_collective_helper_leaves_its_input(world):
+    from epcomm.deep_ep import _collective
+    t = torch.tensor([3, 1, 2], dtype=torch.int32)
+    total = _collective(world, t, "all_reduce")
+    assert total.tolist() == [3, 1, 2] and total.data_ptr() != t.data_ptr()
+    parts = _collective(world, t, "all_gather")
+    assert len(parts) == 1 and parts[0].tolist() == [3, 1, 2]
+    assert t.tolist() == [3, 1, 2]
+
+
+def test_worker_fp8_casts_match_the_reference():
+    # deep_ep_worker.py's torch casts (its GPU checks' oracle) against epcomm's CPU reference,
+    # bit for bit: the default scales, and round_scale's powers of two with their UE8M0 words.
+    import numpy as np
+    import deep_ep_worker as w
+    R = epcomm.reference
+    p = R.make_problem(1, w.H, 4, 16, [40], 7)
+    x = torch.from_numpy(p.tokens(0).astype(np.int16)).view(torch.bfloat16)
+    for pow2 in (False, True):
+        q = R.dispatch_quantized(p, 0, "fp8-blockwise", fp8_pow2_scales=pow2)
+        ld = q.out_rows
+        scales = np.frombuffer(q.scales.tobytes(), dtype=np.float32)
+        codes = torch.from_numpy(q.codes.copy())
+        ref_q, ref_s = w.fp8_cast(x, pow2)
+        rows = [(r, int(t)) for r, (t, _) in enumerate(q.src_info) if t >= 0]  # not padding
+        assert len(rows) > 40
+        for r, t in rows:
+            assert torch.equal(codes[r], ref_q[t].view(torch.uint8)), (pow2, r, t)
+            got = torch.tensor([scales[c * ld + r] for c in range(w.H // 128)])
+            assert torch.equal(got, ref_s[t]), (pow2, r, t)
+        if pow2:
+            assert bool(((ref_s.view(torch.int32) & 0x7fffff) == 0).all())  # powers of two
+            words = w.pack_ue8m0(ref_s)
+            assert words.shape == (40, w.H // 512) and words.dtype == torch.int32
+            unpacked = w.ll_scales_f32(words.unsqueeze(0), "ue8m0")[0]
+            assert torch.equal(unpacked, ref_s)
+            # As the layer hands them over: token-major words (here one column, H = 512).
+            strided = torch.empty_strided((1, 40, 1), (40, 1, 40), dtype=torch.int32)
+            strided.copy_(words.unsqueeze(0))
+            assert strided.stride(-1) != 1
+            assert torch.equal(w.ll_scales_f32(strided, "ue8m0")[0], ref_s)
 
 
 def test_max_tokens_from_the_environment(world, monkeypatch):

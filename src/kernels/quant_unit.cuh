@@ -84,12 +84,15 @@ struct BlockQuantOf<TokenFormat::kMxfp4> {
   using type = Mxfp4BlockQuant;
 };
 
-// Format F's quantiser of a block with this amax (gs: NVFP4's global scale, unused by the
-// others).
+// Format F's quantiser of a block with this amax (gs: NVFP4's global scale; pow2: blockwise
+// FP8's power-of-two scales, Config::fp8_pow2_scales; each unused by the other formats).
 template <TokenFormat F>
-__device__ __forceinline__ typename BlockQuantOf<F>::type make_block_quant(float amax, float gs) {
+__device__ __forceinline__ typename BlockQuantOf<F>::type make_block_quant(float amax, float gs,
+                                                                          bool pow2 = false) {
   if constexpr (F == TokenFormat::kNvfp4) {
     return Nvfp4BlockQuant::from_amax(amax, gs);
+  } else if constexpr (F == TokenFormat::kFp8Blockwise) {
+    return Fp8BlockQuant::from_amax(amax, pow2);
   } else {
     return BlockQuantOf<F>::type::from_amax(amax);
   }

@@ -150,7 +150,7 @@ QuantizedRows quantize_grouped_rows(const QuantOutputShape& shape, const float* 
   switch (shape.format) {
     case QuantFormat::kFp8Blockwise: {
       std::vector<float> row_scales(size_t(rows * cols));
-      encode_fp8_blockwise(x, rows, H, codes, row_scales.data());
+      encode_fp8_blockwise(x, rows, H, codes, row_scales.data(), shape.fp8_pow2);
       zero_padding_rows(src_info, rows, row_bytes, cols, codes, row_scales.data());
       q.fp8_scales.assign(size_t(shape.scales_size()), 0.0f);
       place_fp8_scales(row_scales.data(), rows, shape.fp8_layout(), q.fp8_scales.data());
@@ -239,7 +239,8 @@ std::vector<float> dequantize_grouped_rows(const QuantizedRows& q,
 // ---- quantised dispatch ---------------------------------------------------------------------
 
 QuantDispatchResult dispatch_quantized(const Problem& p, int32_t rank, QuantFormat format,
-                                       float global_scale, int64_t max_routed_rows) {
+                                       float global_scale, int64_t max_routed_rows,
+                                       bool fp8_pow2) {
   const DispatchResult bf16 = dispatch(p, rank);
   const int32_t groups = int32_t(bf16.expert_ids.size());
   const int32_t H = p.hidden;
@@ -249,7 +250,8 @@ QuantDispatchResult dispatch_quantized(const Problem& p, int32_t rank, QuantForm
             std::to_string(bf16.rows()) + " rows, more than max_routed_rows " +
             std::to_string(max_routed_rows));
   }
-  const QuantOutputShape shape = dispatch_output_shape(format, H, max_routed_rows, groups);
+  QuantOutputShape shape = dispatch_output_shape(format, H, max_routed_rows, groups);
+  shape.fp8_pow2 = fp8_pow2;
 
   std::vector<int32_t> counts(static_cast<size_t>(groups));
   for (int32_t g = 0; g < groups; ++g)

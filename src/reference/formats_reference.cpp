@@ -99,10 +99,10 @@ float block_amax(const float* x, int64_t n) {
 // ---- blockwise FP8 --------------------------------------------------------------------------
 
 void encode_fp8_blockwise(const float* x, int64_t rows, int32_t hidden, uint8_t* codes,
-                          float* scales) {
+                          float* scales, bool pow2) {
   check_hidden("encode_fp8_blockwise", hidden, Fp8BlockQuant::kGroup);
   encode_blocks<Fp8BlockQuant>(
-      x, rows, hidden, [](float amax) { return Fp8BlockQuant::from_amax(amax); },
+      x, rows, hidden, [&](float amax) { return Fp8BlockQuant::from_amax(amax, pow2); },
       [&](int64_t i, const Fp8BlockQuant& q) { scales[i] = q.scale; },
       [&](int64_t i, uint8_t c) { codes[i] = c; });
 }

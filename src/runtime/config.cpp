@@ -151,6 +151,11 @@ void Config::validate(int n_ranks) const {
     throw Error(ErrorCode::kInvalidArgument,
                 "epcomm config: " + std::string(name(&Config::nvfp4_global_scale)) + " = " +
                     std::to_string(nvfp4_global_scale) + " is invalid: a positive finite number");
+  if (fp8_pow2_scales && format != TokenFormat::kFp8Blockwise)
+    throw Error(ErrorCode::kInvalidArgument,
+                "epcomm config: " + std::string(name(&Config::fp8_pow2_scales)) +
+                    " = true needs format fp8-blockwise (the format is " +
+                    token_format_name(format) + ")");
   require(num_sms >= 1 && num_sms <= 1024, name(&Config::num_sms), "between 1 and 1024", num_sms);
   if (!(timeout_seconds > 0 && timeout_seconds <= kMaxTimeoutSeconds)) {
     std::ostringstream os;

@@ -98,6 +98,7 @@ GroupView make_view(const Config& cfg, int n_ranks, int rank, const Sizes& sizes
   v.num_blocks = cfg.num_sms;
   v.format = cfg.format;
   v.nvfp4_global_scale = cfg.nvfp4_global_scale;
+  v.fp8_pow2 = cfg.fp8_pow2_scales ? 1 : 0;
   v.low_latency = cfg.resolved_path() == DispatchPath::kLowLatency;
   v.routed_rows = sizes.max_routed_rows;
   v.timeout_ns = (unsigned long long)(cfg.timeout_seconds * 1e9);

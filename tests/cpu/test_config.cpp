@@ -104,6 +104,13 @@ TEST(Config, RejectsEachBadField) {
   c.nvfp4_global_scale = 1.0f / 0.0f;
   expect_bad(c, 8, "nvfp4_global_scale");
   c = good();
+  c.fp8_pow2_scales = true;  // power-of-two scales belong to blockwise FP8 only
+  expect_bad(c, 8, "fp8_pow2_scales");
+  c.format = TokenFormat::kMxfp8;
+  expect_bad(c, 8, "fp8_pow2_scales");
+  c.format = TokenFormat::kFp8Blockwise;
+  EXPECT_NO_THROW(c.validate(8));
+  c = good();
   c.ranks_per_node = 3;  // does not divide 8
   expect_bad(c, 8, "ranks_per_node");
   c.ranks_per_node = -1;

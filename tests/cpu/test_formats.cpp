@@ -661,14 +661,17 @@ float step_ulps(float x, int k) {
 // x / s and x * (1 / s) differ in the last bit now and then, and next to an e4m3 tie that changes
 // the code. Find such values (x within a few ulps of midpoint * s) and check the encoder divides,
 // as docs/design.md's q = x / s says.
-TEST(FormatsFp8Blockwise, DividesByTheScale) {
+// Blockwise FP8 multiplies by 448 / amax (DeepEP's cast: x * (448 / amax), scale amax / 448),
+// which differs from dividing by the stored scale near code boundaries: the test finds such
+// values and checks the reference takes the multiply.
+TEST(FormatsFp8Blockwise, MultipliesByTheReciprocal) {
   std::mt19937_64 gen(11);
   int found = 0;
   for (int trial = 0; trial < 300; ++trial) {
     const float amax =
         float(std::ldexp(1.0 + double(gen() % (1u << 23)) / double(1u << 23), int(gen() % 24) - 8));
     const float s = amax / 448.0f;
-    const float inv = 1.0f / s;
+    const float inv = 448.0f / amax;
     for (uint32_t c = 0; c + 1 < 0x7e; ++c) {
       const float mid = float((e4m3_value(c) + e4m3_value(c + 1)) / 2);
       for (int k = -3; k <= 3; ++k) {
@@ -683,12 +686,62 @@ TEST(FormatsFp8Blockwise, DividesByTheScale) {
         float scale = 0;
         reference::encode_fp8_blockwise(block.data(), 1, 128, codes.data(), &scale);
         ASSERT_EQ(scale, s);
-        ASSERT_EQ(codes[1], by_div | 0x80) << "amax " << describe(amax) << " x " << describe(x);
-        ASSERT_EQ(float_to_e4m3(-x / s), by_div | 0x80);
+        ASSERT_EQ(codes[1], by_mul | 0x80) << "amax " << describe(amax) << " x " << describe(x);
+        ASSERT_EQ(float_to_e4m3(-x * inv), by_mul | 0x80);
       }
     }
   }
   EXPECT_GT(found, 20) << "the search should find values that tell the two apart";
+}
+
+// Power-of-two scales (Config::fp8_pow2_scales): s is the least power of two not below
+// x = max(amax, 1e-4) * fl(1 / 448) (an independent frexp oracle), codes are e4m3(v / s) exactly
+// (no block saturates: |v| / s <= 448), and the UE8M0 byte is s's biased exponent.
+TEST(FormatsFp8Blockwise, PowerOfTwoScales) {
+  std::mt19937_64 gen(13);
+  const float inv448 = 1.0f / 448.0f;
+  auto expected_scale = [&](float amax) {
+    const float x = (amax > 1e-4f ? amax : 1e-4f) * inv448;
+    int e = 0;
+    const double m = std::frexp(double(x), &e);  // x = m 2^e, m in [0.5, 1)
+    return float(m == 0.5 ? double(x) : std::ldexp(1.0, e));
+  };
+  std::vector<float> amaxes = {0.0f, 1e-4f, 448.0f, 224.0f, 896.0f, 1.0f, 3.0e38f};
+  for (int i = 0; i < 300; ++i)  // random, and just above / below powers of two times 448
+    amaxes.push_back(float(std::ldexp(1.0 + double(gen() % (1u << 23)) / double(1u << 23),
+                                      int(gen() % 60) - 30)));
+  for (int k = -20; k <= 20; ++k) {
+    const float p = float(std::ldexp(448.0, k));
+    amaxes.insert(amaxes.end(), {p, std::nextafter(p, 0.0f), std::nextafter(p, 1e38f)});
+  }
+  int rounded_up = 0;
+  for (const float amax : amaxes) {
+    std::vector<float> block(128);
+    for (int i = 0; i < 128; ++i)
+      block[size_t(i)] = amax * (float(int(gen() % 2001) - 1000) / 1000.0f);
+    block[size_t(gen() % 128)] = (gen() & 1) ? amax : -amax;
+    std::vector<uint8_t> codes(128);
+    float s = 0.0f;
+    reference::encode_fp8_blockwise(block.data(), 1, 128, codes.data(), &s, true);
+    ASSERT_EQ(s, expected_scale(amax)) << "amax " << describe(amax);
+    int e = 0;
+    ASSERT_EQ(std::frexp(double(s), &e), 0.5) << "a power of two";
+    ASSERT_EQ(int(Fp8BlockQuant::ue8m0_of(s)), e - 1 + 127);
+    if (s > (amax > 1e-4f ? amax : 1e-4f) * inv448) ++rounded_up;
+    for (int i = 0; i < 128; ++i) {
+      const double scaled = double(block[size_t(i)]) / double(s);  // exact: s is 2^k
+      ASSERT_LE(std::fabs(scaled), 448.0);
+      ASSERT_EQ(codes[size_t(i)], oracle_e4m3(float(scaled))) << "amax " << describe(amax);
+    }
+    // The fp32 rule is unchanged by the flag's default.
+    float s32 = 0.0f;
+    reference::encode_fp8_blockwise(block.data(), 1, 128, codes.data(), &s32);
+    ASSERT_EQ(s32, Fp8BlockQuant::from_amax(amax).scale);
+  }
+  EXPECT_GT(rounded_up, 100) << "most scales are rounded up, not already powers of two";
+  const Fp8BlockQuant inf = Fp8BlockQuant::from_amax(INFINITY, true);
+  EXPECT_TRUE(std::isinf(inf.scale));
+  EXPECT_EQ(inf.inv, 0.0f);
 }
 
 // NVFP4 fixes the order of its fp32 operations: scale code e4m3((gs * amax) / 6), then

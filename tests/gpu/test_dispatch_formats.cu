@@ -181,6 +181,7 @@ struct SweepCase {
   double mask_prob, zipf_s;
   float gs;  // NVFP4 global scale
   std::string name;
+  bool pow2 = false;  // blockwise FP8: Config::fp8_pow2_scales
 };
 
 // Every quantised format x its hidden sizes x 1, 2, 4, 8 ranks; K, experts, token counts, masking,
@@ -214,6 +215,25 @@ std::vector<SweepCase> sweep_cases() {
       }
     }
   }
+  // Blockwise FP8 with power-of-two scales (Config::fp8_pow2_scales), on 2 and 8 ranks.
+  for (int32_t H : hidden_sizes(TokenFormat::kFp8Blockwise)) {
+    for (int n : {2, 8}) {
+      SweepCase c;
+      c.format = TokenFormat::kFp8Blockwise;
+      c.n_ranks = n;
+      c.hidden = H;
+      c.top_k = n == 2 ? 8 : 4;
+      c.n_experts = n == 2 ? 64 : 256;
+      c.max_tokens = 64;
+      c.mask_prob = n == 2 ? 0.2 : 0.0;
+      c.zipf_s = 0.0;
+      c.gs = kNvfp4Gs;
+      c.pow2 = true;
+      c.name = std::string(short_name(c.format)) + "_h" + std::to_string(H) + "_r" +
+               std::to_string(n) + "_pow2";
+      v.push_back(c);
+    }
+  }
   return v;
 }
 
@@ -230,9 +250,9 @@ TEST_P(FormatSweep, MatchesReference) {
   const SweepCase c = GetParam();
   EPCOMM_REQUIRE_GPU();
   for (DispatchPath path : kBothPaths) {
-    LocalGroup lg(
-        with_path(quant_cfg(c.format, c.hidden, c.top_k, c.n_experts, c.max_tokens, c.gs), path),
-        c.n_ranks);
+    Config cfg = quant_cfg(c.format, c.hidden, c.top_k, c.n_experts, c.max_tokens, c.gs);
+    cfg.fp8_pow2_scales = c.pow2;
+    LocalGroup lg(with_path(cfg, path), c.n_ranks);
     uint64_t seed = 100;
     for (Form form : {Form::kFused, Form::kAsyncWait}) {
       const auto p = stressed_problem(c.n_ranks, c.hidden, c.top_k, c.n_experts,

@@ -346,7 +346,8 @@ std::vector<reference::QuantDispatchResult> reference_dispatch_quantized_all(
   std::vector<reference::QuantDispatchResult> r;
   for (int d = 0; d < p.n_ranks; ++d)
     r.push_back(reference::dispatch_quantized(p, d, reference::quant_format(cfg.format),
-                                              cfg.nvfp4_global_scale, sizes.max_routed_rows));
+                                              cfg.nvfp4_global_scale, sizes.max_routed_rows,
+                                              cfg.fp8_pow2_scales));
   return r;
 }
 

@@ -95,6 +95,7 @@ struct GroupView {
   TokenFormat format;     // the dispatch output's format
   float nvfp4_global_scale;
   int32_t low_latency;    // DispatchPath::kLowLatency (Config::resolved_path)
+  int32_t fp8_pow2;       // Config::fp8_pow2_scales
   int64_t routed_rows;    // rows a dispatch may deliver here (Sizes::max_routed_rows: the cap)
   unsigned long long timeout_ns;
   // Every rank's symmetric window, as seen from here; null for ranks of other nodes, which are

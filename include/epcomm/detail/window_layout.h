@@ -15,7 +15,8 @@
 namespace epcomm {
 namespace detail {
 
-// One dispatch message: a routing header, then the token payload. 16-byte aligned throughout.
+// One dispatch message: a routing header, then the token payload; the header and the message
+// padded to multiples of 128 bytes (MessageLayout::kAlign), the payload's parts 16-byte aligned.
 //   header: int32 token, int16 n_entries, int16 rank_slot, then n_entries x
 //   {int32 group | slot << 16, int32 pos, float weight}, top-k slot ascending, where `pos` is
 //   the token's position among the source's tokens routed to that group, `weight` the router
@@ -51,13 +52,17 @@ EPCOMM_HD constexpr int32_t rank_slot_of(unsigned long long rank_mask, int32_t d
 
 //   payload: the token's codes in the format (bf16: the token itself), then for the quantised
 //   formats its scales in row order (fp32 or one byte each), each part 16-byte aligned.
+// A message, and its payload, start on a 128-byte line: a warp's 512 bytes of a row then touch
+// 4 lines, not 5, and no 32-byte sector is split between two store instructions (with the
+// header packed to 16 bytes, every payload began 16 bytes into a sector).
 struct MessageLayout {
+  static constexpr int64_t kAlign = 128;
   int32_t hidden;
   int32_t top_k;
   TokenFormat format;
 
   EPCOMM_HD int64_t header_bytes() const {
-    return align_up(8 + int64_t(sizeof(MessageEntry)) * top_k, 16);
+    return align_up(8 + int64_t(sizeof(MessageEntry)) * top_k, kAlign);
   }
   EPCOMM_HD int64_t codes_bytes() const { return align_up(format_row_bytes(format, hidden), 16); }
   EPCOMM_HD int64_t scales_bytes() const {
@@ -67,7 +72,7 @@ struct MessageLayout {
   EPCOMM_HD int64_t payload_offset() const { return header_bytes(); }
   EPCOMM_HD int64_t scales_offset() const { return header_bytes() + codes_bytes(); }
   EPCOMM_HD int64_t payload_bytes() const { return codes_bytes() + scales_bytes(); }
-  EPCOMM_HD int64_t bytes() const { return header_bytes() + payload_bytes(); }
+  EPCOMM_HD int64_t bytes() const { return align_up(header_bytes() + payload_bytes(), kAlign); }
   // Byte ranges of the low-latency path's part p (values [p * kPartValues, ...), see below)
   // inside a message: its codes and its scales (empty for bf16).
   EPCOMM_HD int64_t part_codes_offset(int32_t p) const;
@@ -261,13 +266,16 @@ struct OutboxLayout {
   int32_t n_remote;
   int64_t combine_rows;  // max(routed output rows, n_remote * max_tokens)
 
+  // The meta record's share of a peer's slice, padded so that the staged messages start on a
+  // line, as they do in the window (MessageLayout::kAlign).
+  EPCOMM_HD int64_t meta_bytes() const {
+    return align_up(window.meta().bytes(), MessageLayout::kAlign);
+  }
   EPCOMM_HD int64_t peer_bytes() const {
-    return align_up(window.meta().bytes() + window.dispatch_recv().bytes(1), 256);
+    return align_up(meta_bytes() + window.dispatch_recv().bytes(1), 256);
   }
   EPCOMM_HD int64_t meta_offset(int32_t i) const { return i * peer_bytes(); }
-  EPCOMM_HD int64_t stream_offset(int32_t i) const {
-    return i * peer_bytes() + window.meta().bytes();
-  }
+  EPCOMM_HD int64_t stream_offset(int32_t i) const { return i * peer_bytes() + meta_bytes(); }
   EPCOMM_HD int64_t combine_offset(int64_t row) const {
     return n_remote * peer_bytes() + row * window.combine_recv().row_bytes();
   }

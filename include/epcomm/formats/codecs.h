@@ -138,6 +138,7 @@ EPCOMM_HD uint32_t minifloat_magnitude_bits(uint32_t code) {
 // ---- e4m3 -----------------------------------------------------------------------------------
 
 constexpr float kE4m3Max = 448.0f;
+constexpr float kE4m3MaxInv = 1.0f / 448.0f;  // rounded once, at compile time, on host and device
 constexpr uint8_t kE4m3MaxCode = 0x7e;
 constexpr uint8_t kE4m3Nan = 0x7f;
 
@@ -313,18 +314,43 @@ EPCOMM_HD uint8_t mxfp4_scale_code(float amax) {
 // (decode side). Kernels and the reference call the same functions, so codes and scales agree
 // bit for bit; the float operations in them are fixed here (and their order with them).
 
-// Blockwise FP8, 128 values per fp32 scale: s = max(amax, 1e-4) / 448, q = e4m3(x / s).
+// Blockwise FP8, 128 values per fp32 scale: s = max(amax, 1e-4) / 448 is stored, and the codes
+// are q = e4m3(x * inv), inv = 448 / max(amax, 1e-4): one multiply per value instead of an
+// IEEE division (the quantising sender is bound by its arithmetic), and the convention of
+// DeepEP's own FP8 cast (x * (448 / amax), scale amax / 448), whose codes it then matches.
 struct Fp8BlockQuant {
   static constexpr int32_t kGroup = 128;
   static constexpr int32_t kCodeBits = 8;  // e4m3 codes
   float scale;  // s, stored as is
+  float inv;    // what values are multiplied by before encoding
 
-  EPCOMM_HD static Fp8BlockQuant from_amax(float amax) {
+  // pow2 (Config::fp8_pow2_scales; DeepEP's round_scale, and what UE8M0 scale consumers need):
+  // s = 2^e, e = ceil(log2(max(amax, 1e-4) * (1 / 448))), read off that fp32 product's bits (its
+  // exponent, plus one when a mantissa bit is set), so host and device agree exactly; inv = 2^-e,
+  // and x * inv is exact scaling. e lies in [-22, 120] for finite amax; an infinite amax gives
+  // s = inf and inv = 0, as the other rule's 448 / inf.
+  EPCOMM_HD static Fp8BlockQuant from_amax(float amax, bool pow2 = false) {
     const float floor_amax = amax > 1e-4f ? amax : 1e-4f;
-    return Fp8BlockQuant{detail::div_rn(floor_amax, kE4m3Max)};
+    if (!pow2)
+      return Fp8BlockQuant{detail::div_rn(floor_amax, kE4m3Max),
+                           detail::div_rn(kE4m3Max, floor_amax)};
+    const float x = detail::mul_rn(floor_amax, kE4m3MaxInv);
+    const uint32_t bits = float_as_bits(x);
+    const int32_t biased = int32_t((bits >> 23) & 0xffu);
+    if (biased == 0xff) return Fp8BlockQuant{x, 0.0f};
+    const int32_t e = biased - 127 + ((bits & 0x7fffffu) != 0u ? 1 : 0);
+    return Fp8BlockQuant{bits_as_float(uint32_t(e + 127) << 23),
+                         bits_as_float(uint32_t(127 - e) << 23)};
   }
-  EPCOMM_HD static Fp8BlockQuant from_scale(float s) { return Fp8BlockQuant{s}; }
-  EPCOMM_HD float scaled(float x) const { return detail::div_rn(x, scale); }  // what is encoded
+  // The UE8M0 byte of a power-of-two scale s = 2^e: e + 127 (s's biased exponent).
+  EPCOMM_HD static uint8_t ue8m0_of(float pow2_scale) {
+    return uint8_t((float_as_bits(pow2_scale) >> 23) & 0xffu);
+  }
+  // Decode side (inv is 1 / s there, for completeness: nothing encodes from a stored scale).
+  EPCOMM_HD static Fp8BlockQuant from_scale(float s) {
+    return Fp8BlockQuant{s, s == 0.0f ? 0.0f : detail::div_rn(1.0f, s)};
+  }
+  EPCOMM_HD float scaled(float x) const { return detail::mul_rn(x, inv); }  // what is encoded
   EPCOMM_HD uint8_t encode(float x) const { return float_to_e4m3(scaled(x)); }
   EPCOMM_HD float decode(uint8_t q) const { return detail::mul_rn(e4m3_to_float(q), scale); }
 };

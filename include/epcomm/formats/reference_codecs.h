@@ -24,9 +24,10 @@ namespace reference {
 // max |x[i]| over n values, NaN ignored.
 float block_amax(const float* x, int64_t n);
 
-// Blockwise FP8. codes [rows, hidden] e4m3; scales [rows, hidden / 128] fp32.
+// Blockwise FP8. codes [rows, hidden] e4m3; scales [rows, hidden / 128] fp32; pow2: each scale
+// a power of two (Fp8BlockQuant, Config::fp8_pow2_scales). Decoding is the same either way.
 void encode_fp8_blockwise(const float* x, int64_t rows, int32_t hidden, uint8_t* codes,
-                          float* scales);
+                          float* scales, bool pow2 = false);
 void decode_fp8_blockwise(const uint8_t* codes, const float* scales, int64_t rows, int32_t hidden,
                           float* out);
 
@@ -102,6 +103,7 @@ struct QuantOutputShape {
   int32_t hidden;
   int32_t groups;
   int64_t rows;
+  bool fp8_pow2 = false;  // blockwise FP8: power-of-two scales (Config::fp8_pow2_scales)
 
   int32_t group() const;      // values per scale: 128, 16, 32, 32
   int32_t row_align() const;  // each group's rows padded to a multiple of this: 4 (FP8) or 1
@@ -177,7 +179,8 @@ struct Problem;  // reference.h
 //               {token -1, rank -1, slot -1}, and their codes and scales are zero.
 //   out         codes and scales, shape = dispatch_output_shape(format, hidden,
 //               max_routed_rows, G); max_routed_rows < 0 means the rows this rank received.
-// global_scale is NVFP4's gs (positive and finite; ignored by the other formats). Throws
+// global_scale is NVFP4's gs (positive and finite; ignored by the other formats); fp8_pow2 is
+// blockwise FP8's power-of-two scales (Config::fp8_pow2_scales; ignored by the others). Throws
 // Error(kInvalidArgument) when the rank receives more than max_routed_rows rows or the hidden
 // size does not suit the format.
 struct QuantizedDispatchView;  // below
@@ -194,7 +197,8 @@ struct QuantDispatchResult {
   QuantizedDispatchView view() const;
 };
 QuantDispatchResult dispatch_quantized(const Problem& p, int32_t rank, QuantFormat format,
-                                       float global_scale, int64_t max_routed_rows = -1);
+                                       float global_scale, int64_t max_routed_rows = -1,
+                                       bool fp8_pow2 = false);
 
 // A quantised dispatch output in host memory (e.g. downloaded from a GPU): the caller's
 // pointers and the sizes of the buffers they were copied from. Of src_info and codes only the

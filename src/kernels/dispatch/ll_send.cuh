@@ -103,17 +103,20 @@ __device__ __noinline__ bool ll_send(const DispatchParams& p, unsigned long long
                       // as the signal.
                       if (any_remote(g)) {
                         __syncwarp();
-                        for (int32_t j = 0; j < d.n; ++j)
-                          if (remote(g, d.rank[j])) put_part(g, d.rank[j], d.slot[j], part, seq);
-                      }
-                      if (lane == 0) {
-                        const int32_t n0 = n_flags[warp];
                         for (int32_t j = 0; j < d.n; ++j) {
-                          flag_rank[warp][n0 + j] = d.rank[j];
-                          flag_slot[warp][n0 + j] = d.slot[j];
+                          const int32_t rank = d.rank_of(j), slot = d.slot_of(j);
+                          if (remote(g, rank)) put_part(g, rank, slot, part, seq);
                         }
-                        n_flags[warp] = n0 + d.n;
                       }
+                      // Lane j < d.n holds destination j (Dests).
+                      __syncwarp();  // lane 0's n_flags
+                      const int32_t n0 = n_flags[warp];
+                      if (lane < d.n) {
+                        flag_rank[warp][n0 + lane] = d.rank;
+                        flag_slot[warp][n0 + lane] = d.slot;
+                      }
+                      __syncwarp();
+                      if (lane == 0) n_flags[warp] = n0 + d.n;
                     });
     } else if (lane == 0) {
       n_flags[warp] = 0;

@@ -36,7 +36,41 @@ __device__ __forceinline__ uint4 pack_codes16(uint32_t c) {  // e2m1: 4 units
                     __shfl_down_sync(0xffffffffu, c, 3));
 }
 
-// Quantises one bf16 row of `hidden` values into the payload of each of n_dest messages: codes
+// A token's destinations go at most one per top-k slot (kMaxDests), taken kDestBatch at a
+// time in rank order: a batch's messages are written in one pass over the token (each value
+// loaded once per batch). Up to 8 destinations (every group of up to 8 ranks, every K <= 8) is
+// one batch. Destination j of a batch is held by lane j (an array indexed by the copy's loop
+// variable lived in local memory: a load before every round of stores, the most-sampled stall
+// of the send, docs/results/2026-11-25_h100_sm_pinning_f9e9acc.md); the *_of accessors are
+// whole-warp calls.
+constexpr int32_t kMaxDests =
+    kMaxTopK < WindowLayout::kMaxPeers ? kMaxTopK : WindowLayout::kMaxPeers;
+constexpr int32_t kDestBatch = 8;
+static_assert(kDestBatch <= kWarpSize, "a lane per destination of a batch");
+struct Dests {
+  int32_t n = 0;                    // the warp's: destinations in this batch
+  int32_t rank = -1, slot = -1;     // lane j < n: destination j's rank and message slot
+  char* payload = nullptr;          // lane j < n: destination j's payload
+
+  __device__ int32_t rank_of(int32_t j) const { return __shfl_sync(kFullMask, rank, j); }
+  __device__ int32_t slot_of(int32_t j) const { return __shfl_sync(kFullMask, slot, j); }
+  __device__ char* payload_of(int32_t j) const {
+    return reinterpret_cast<char*>(
+        __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(payload), j));
+  }
+  // Whole warp: destination (r, s, at) becomes the batch's next.
+  __device__ void add(int32_t r, int32_t s, char* at) {
+    if (threadIdx.x % kWarpSize == n) {
+      rank = r;
+      slot = s;
+      payload = at;
+    }
+    ++n;
+  }
+};
+
+// Quantises one bf16 row of `hidden` values into the payload of each of the messages of
+// `dests`: codes
 // (unit u's 8 codes at byte u * 8 or u * 4, stored 16 bytes at a time), then the row's scales
 // (scale b at scales_offset + b * scale bytes). All 32 lanes step together (lanes past the row's
 // end carry zeros), so the shuffles of a block's amax never sit in a loop whose trip count
@@ -45,8 +79,8 @@ __device__ __forceinline__ uint4 pack_codes16(uint32_t c) {  // e2m1: 4 units
 // warps per scheduler), so the overlap is what keeps the SM issuing.
 // Units [unit_begin, unit_end) of the row (the low-latency path quantises one part per warp).
 template <TokenFormat F>
-__device__ void quantize_to(const uint16_t* row, int32_t hidden, float gs, const MessageLayout& ml,
-                            char* const* payload, int32_t n_dest, int32_t unit_begin,
+__device__ void quantize_to(const uint16_t* row, int32_t hidden, float gs, bool pow2,
+                            const MessageLayout& ml, const Dests& dests, int32_t unit_begin,
                             int32_t unit_end) {
   using Quant = typename BlockQuantOf<F>::type;
   constexpr int32_t kLanes = Quant::kGroup / kLaneValues;  // lanes per scale block
@@ -71,18 +105,19 @@ __device__ void quantize_to(const uint16_t* row, int32_t hidden, float gs, const
     for (int k = 0; k < kUnroll; ++k) {
       float z[kLaneValues];
       unpack_bf16x8(raw[k], z);
-      const Quant q = make_block_quant<F>(lanes_amax<kLanes>(z), gs);
+      const Quant q = make_block_quant<F>(lanes_amax<kLanes>(z), gs, pow2);
       packed[k] = pack_codes16(encode_unit(q, z));
       scale[k] = stored_scale(q);
     }
+    for (int32_t j = 0; j < dests.n; ++j) {
+      char* const payload = dests.payload_of(j);  // every lane: a shuffle
 #pragma unroll
-    for (int k = 0; k < kUnroll; ++k) {
-      const int32_t unit = base + k * kWarpSize + lane;
-      if (unit >= units) break;  // so are this lane's later units
-      for (int32_t j = 0; j < n_dest; ++j) {
-        if (lane % kPack == 0) st_v4(payload[j] + int64_t(unit / kPack) * 16, packed[k]);
+      for (int k = 0; k < kUnroll; ++k) {
+        const int32_t unit = base + k * kWarpSize + lane;
+        if (unit >= units) break;  // so are this lane's later units
+        if (lane % kPack == 0) st_v4(payload + int64_t(unit / kPack) * 16, packed[k]);
         if (unit % kLanes == 0)
-          reinterpret_cast<Scale*>(payload[j] + scales_at)[unit / kLanes] = scale[k];
+          reinterpret_cast<Scale*>(payload + scales_at)[unit / kLanes] = scale[k];
       }
     }
   }
@@ -193,21 +228,6 @@ __device__ LaneRoute route_from_scratch(const DispatchParams& p, int32_t t) {
   return r;
 }
 
-// A token's destinations go at most one per top-k slot (kMaxDests), taken kDestBatch at a
-// time in rank order: a batch's messages are written in one pass over the token (each value
-// loaded once per batch). Up to 8 destinations (every group of up to 8 ranks, every K <= 8) is
-// one batch; a larger Dests array lives in local memory and made decode dispatch measurably
-// slower (commit ea3a73e has the figures).
-constexpr int32_t kMaxDests =
-    kMaxTopK < WindowLayout::kMaxPeers ? kMaxTopK : WindowLayout::kMaxPeers;
-constexpr int32_t kDestBatch = 8;
-struct Dests {
-  int32_t n = 0;
-  int32_t rank[kDestBatch];
-  int32_t slot[kDestBatch];
-  char* payload[kDestBatch];
-};
-
 // Token t's message to every destination rank it goes to: the header when `headers`, and the
 // payload's units [unit_begin, unit_end) (8 values each: bf16 copied, the other formats
 // quantised in registers). Whole warp. Calls sent(batch) after each batch of destinations.
@@ -242,16 +262,14 @@ __device__ void send_token(const DispatchParams& p, int32_t t, const LaneRoute& 
           h->rank_slot = int16_t(rank_slot_of(dest_mask, rank));
         }
       }
-      d.rank[d.n] = rank;
-      d.slot[d.n] = s;
-      d.payload[d.n++] = msg + ml.payload_offset();
+      d.add(rank, s, msg + ml.payload_offset());
     }
     if constexpr (F == TokenFormat::kBF16) {  // a unit is one 16-byte vector
       copy_vectors(src + int64_t(unit_begin) * 16, unit_end - unit_begin, d.n, LoadNc{},
-                   [&](int32_t j) { return d.payload[j] + int64_t(unit_begin) * 16; });
+                   [&](int32_t j) { return d.payload_of(j) + int64_t(unit_begin) * 16; });
     } else {
-      quantize_to<F>(reinterpret_cast<const uint16_t*>(src), g.hidden, g.nvfp4_global_scale, ml,
-                     d.payload, d.n, unit_begin, unit_end);
+      quantize_to<F>(reinterpret_cast<const uint16_t*>(src), g.hidden, g.nvfp4_global_scale,
+                     g.fp8_pow2 != 0, ml, d, unit_begin, unit_end);
     }
     sent(d);
   }
@@ -277,8 +295,8 @@ __device__ void send_messages(const DispatchParams& p, int32_t num_tokens, int32
                       // the ranks of this node).
                       const MessageLayout ml = p.g.layout().msg();
                       for (int32_t j = 0; j < d.n; ++j)
-                        warp_put(p.g, d.rank[j], message_offset(p.g, d.slot[j]),
-                                 d.payload[j] - ml.payload_offset(), ml.bytes());
+                        warp_put(p.g, d.rank_of(j), message_offset(p.g, d.slot_of(j)),
+                                 d.payload_of(j) - ml.payload_offset(), ml.bytes());
                     });
       put_quiet(p.g);  // completed before this warp arrives on the chunk
     }
