@@ -51,7 +51,7 @@ ForwardDecision decide_forwarding(const ForwardShape& s) {
     std::snprintf(line, sizeof line,
                   "forward: %d nodes x %d ranks, top-%d of %d experts: a token meets %.2f ranks "
                   "of each other node it reaches (uniform routing), so one copy per node cuts "
-                  "network bytes %.2fx",
+                  "network copies %.2fx",
                   nodes, s.ranks_per_node, s.top_k, s.n_experts, d.expected_saving,
                   d.expected_saving);
   } else {
