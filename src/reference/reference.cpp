@@ -344,8 +344,9 @@ std::vector<CrossNodeTraffic> cross_node_traffic(const Problem& p, int32_t ranks
     const RankInput& in = p.ranks[size_t(s)];
     for (int32_t t = 0; t < in.num_tokens; ++t) {
       const uint64_t dest = destination_ranks(p, s, t);
-      for (int32_t d = 0; d < p.n_ranks; ++d) {
-        if (!((dest >> d) & 1) || !nm.remote(s, d)) continue;
+      for (uint64_t bits = dest; bits != 0; bits &= bits - 1) {  // destination ranks ascending
+        const int32_t d = __builtin_ctzll(bits);
+        if (!nm.remote(s, d)) continue;
         ++out[size_t(s)].direct.dispatch_messages;
         ++out[size_t(d)].direct.combine_rows_expert_side;
         const int32_t relay = plan.relay_for(s, d);
