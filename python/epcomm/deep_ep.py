@@ -309,6 +309,32 @@ class Buffer:
         _bad("get_local_buffer_tensor", "epcomm exposes no raw communication buffer: pass "
                                         "tensors to dispatch and combine")
 
+    # DeepEP's shrink mode (vLLM's fault tolerance): masking a failed rank out of the
+    # low-latency calls. DeepEP asserts enable_shrink=True for these; epcomm refuses that flag
+    # at construction, so each says so here.
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False):
+        _bad("low_latency_update_mask_buffer", self._no_shrink)
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor):
+        _bad("low_latency_query_mask_buffer", self._no_shrink)
+
+    def low_latency_clean_mask_buffer(self):
+        _bad("low_latency_clean_mask_buffer", self._no_shrink)
+
+    _no_shrink = ("needs shrink mode (Buffer(..., enable_shrink=True)), which epcomm does not "
+                  "support: a failed rank cannot be masked out")
+
+    # DeepEP's internode kernels, which its own dispatch and combine call on groups that span
+    # nodes. This layer runs one node (the package's epcomm.Group spans nodes through NVSHMEM).
+    def internode_dispatch(self, *args, **kwargs):
+        _bad("internode_dispatch", self._one_node)
+
+    def internode_combine(self, *args, **kwargs):
+        _bad("internode_combine", self._one_node)
+
+    _one_node = ("this layer runs groups within one node; across nodes use epcomm.Group "
+                 "directly (NVSHMEM build)")
+
     def destroy(self) -> None:
         """Tears every epcomm group down (collective), for explicitly_destroy=True."""
         if not self.explicitly_destroy:

@@ -124,6 +124,14 @@ def test_buffer_calls_reject_bad_arguments(buf):
     raises("handle must come from", buf.low_latency_combine, x, idx, w, None)
     raises("handle must come from", buf.get_next_low_latency_combine_buffer, None)
     raises("get_local_buffer_tensor", buf.get_local_buffer_tensor, torch.bfloat16)
+    # Shrink mode's calls (vLLM's fault tolerance) and the internode kernels: present, refused.
+    for call, args in (("low_latency_update_mask_buffer", (1, True)),
+                       ("low_latency_query_mask_buffer", (torch.zeros(1, dtype=torch.int32),)),
+                       ("low_latency_clean_mask_buffer", ())):
+        raises(rf"{call}: needs shrink mode \(Buffer\(\.\.\., enable_shrink=True\)\)",
+               getattr(buf, call), *args)
+    for call in ("internode_dispatch", "internode_combine"):
+        raises(rf"{call}: this layer runs groups within one node", getattr(buf, call), None)
     # Valid arguments on the CPU: the last check names the tensor and the GPU it needs.
     raises("x is on cpu", buf.low_latency_dispatch, *ll)
 
