@@ -22,9 +22,11 @@ Every call is stream-ordered and checked; outputs are new tensors the caller own
 
 from __future__ import annotations
 
+import itertools
 import operator
 import os
-from typing import Optional, Tuple, Union
+import weakref
+from typing import List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -265,6 +267,11 @@ class Buffer:
         self._ll_parity = 0
         self._stream = None
         self._destroyed = False
+        # torch.compile: the operators below find this Buffer by its id, and a traced
+        # low-latency combine finds its dispatch's handle by the src_info tensor it returned.
+        self._op_id = next(_op_ids)
+        _op_buffers[self._op_id] = weakref.ref(self)
+        self._ll_traced = {}    # src_info.data_ptr() -> handle, the last two traced dispatches
 
     # ---- DeepEP's static helpers --------------------------------------------------------
     @staticmethod
@@ -739,8 +746,15 @@ class Buffer:
         scales [E_l, R * max, H / 128] float32 column-major per expert; with use_ue8m0, scales
         [E_l, R * max, H / 512] int32 column-major per expert, each word four UE8M0 bytes, scale
         block 4j in its lowest byte)), recv_count int32 [E_l]; only the first recv_count[e] rows
-        of expert e are written. round_scale: power-of-two scales (Config::fp8_pow2_scales)."""
+        of expert e are written. round_scale: power-of-two scales (Config::fp8_pow2_scales).
+        Under torch.compile it runs as the operator torch.ops.epcomm_deep_ep.ll_dispatch (plain
+        calls: no async_finish or hook), after one call outside it has set the group up."""
         call = "low_latency_dispatch"
+        if torch.compiler.is_compiling():
+            return self._ll_dispatch_traced(x, topk_idx, num_max_dispatch_tokens_per_rank,
+                                            num_experts, cumulative_local_expert_recv_stats,
+                                            dispatch_wait_recv_cost_stats, use_fp8, round_scale,
+                                            use_ue8m0, async_finish, return_recv_hook)
         if (round_scale or use_ue8m0) and not use_fp8:
             _bad(call, "round_scale and use_ue8m0 shape FP8 scales: they need use_fp8=True")
         if use_ue8m0 and not round_scale:
@@ -838,6 +852,31 @@ class Buffer:
             _bad(call, "handle must come from low_latency_dispatch")
         return self._ll_scratch(handle)["padded"]
 
+    def _ll_dispatch_traced(self, x, topk_idx, max_t, num_experts, stats, cost_stats, use_fp8,
+                            round_scale, use_ue8m0, async_finish, return_recv_hook):
+        call = "low_latency_dispatch"
+        if async_finish or return_recv_hook or cost_stats is not None:
+            _bad(call, "under torch.compile only plain calls are traced (no async_finish, "
+                       "return_recv_hook or dispatch_wait_recv_cost_stats)")
+        codes, scales, count, src_info, layout_range = torch.ops.epcomm_deep_ep.ll_dispatch(
+            self._op_id, x, topk_idx, stats, int(max_t), int(num_experts), bool(use_fp8),
+            bool(round_scale), bool(use_ue8m0))
+        recv_x = (codes, scales) if use_fp8 else codes
+        handle = (src_info, layout_range, int(max_t), x.size(1), int(num_experts))
+        return recv_x, count, handle, EventOverlap(None), None
+
+    def _ll_combine_traced(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy,
+                           async_finish, return_recv_hook, out, cost_stats):
+        call = "low_latency_combine"
+        if use_logfmt or zero_copy or async_finish or return_recv_hook or out is not None or \
+                cost_stats is not None:
+            _bad(call, "under torch.compile only plain calls are traced (no use_logfmt, "
+                       "zero_copy, async_finish, return_recv_hook, out or "
+                       "combine_wait_recv_cost_stats)")
+        combined = torch.ops.epcomm_deep_ep.ll_combine(self._op_id, x, topk_idx, topk_weights,
+                                                        handle[0], handle[1])
+        return combined, EventOverlap(None), None
+
     def _ll_scratch(self, handle) -> dict:
         sc = self._scratch.get(handle.key)
         if sc is None:
@@ -859,8 +898,14 @@ class Buffer:
                             out: Optional[torch.Tensor] = None,
                             combine_wait_recv_cost_stats: Optional[torch.Tensor] = None):
         """(combined_x [T, H] bf16, event, hook): sum over k of topk_weights * the expert
-        output of slot k (fp32, slot ascending, one bf16 rounding; -1 slots skipped)."""
+        output of slot k (fp32, slot ascending, one bf16 rounding; -1 slots skipped). Under
+        torch.compile it runs as the operator torch.ops.epcomm_deep_ep.ll_combine (plain calls,
+        with a handle from a traced low_latency_dispatch)."""
         call = "low_latency_combine"
+        if torch.compiler.is_compiling():
+            return self._ll_combine_traced(x, topk_idx, topk_weights, handle, use_logfmt,
+                                           zero_copy, async_finish, return_recv_hook, out,
+                                           combine_wait_recv_cost_stats)
         if use_logfmt:
             _bad(call, "use_logfmt=True (LogFMT-compressed combine) is not supported")
         self._ll_check(call, "combine_wait_recv_cost_stats", combine_wait_recv_cost_stats,
@@ -913,6 +958,88 @@ class Buffer:
         else:
             event = self._finish(compute, comm, async_finish, (x, topk_weights, combined))
         return combined, event, hook
+
+
+# ---- torch.compile: the low-latency calls as operators -----------------------------------------
+# A traced MoE layer calls these instead of the methods' bodies (torch.compiler.is_compiling()).
+# Each operator's real implementation is the eager method; its fake implementation makes the
+# outputs' shapes from the arguments (DeepEP's padded layout is fixed by max tokens, hidden and
+# the expert count), so nothing in the graph depends on the routing. The handle a traced
+# dispatch returns is DeepEP's plain 5-tuple; the combine operator finds the dispatch's epcomm
+# handle by the src_info tensor in it (the last two traced dispatches, as in eager mode).
+
+_op_ids = itertools.count()  # next() is atomic under the GIL
+_op_buffers = {}             # op id -> weakref to the Buffer
+
+
+def _op_buffer(buffer_id: int) -> "Buffer":
+    ref = _op_buffers.get(buffer_id)
+    b = ref() if ref is not None else None
+    if b is None:
+        raise InvalidArgument(f"epcomm.deep_ep: no live Buffer has operator id {buffer_id}")
+    return b
+
+
+def _ll_shapes(b: "Buffer", x: torch.Tensor, max_t: int, num_experts: int, use_fp8: bool,
+               use_ue8m0: bool):
+    """The traced dispatch's outputs as empty tensors: codes, scales (FP8: [E_l, S, H / 128]
+    float32 or [E_l, S, H / 512] int32 with UE8M0, column-major per expert; bf16: an empty
+    float32 tensor), count [E_l] int32, src_info [E_l, S] int32, layout_range [E_l, R] int64."""
+    R, H = b.group_size, x.size(1)
+    E_l, S = num_experts // R, R * max_t
+    dev = x.device
+    codes = torch.empty((E_l, S, H), dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16,
+                        device=dev)
+    if use_ue8m0:
+        scales = torch.empty((E_l, H // 512, S), dtype=torch.int32, device=dev).transpose(1, 2)
+    elif use_fp8:
+        scales = torch.empty((E_l, H // 128, S), dtype=torch.float32, device=dev).transpose(1, 2)
+    else:
+        scales = torch.empty(0, dtype=torch.float32, device=dev)
+    return (codes, scales, torch.empty(E_l, dtype=torch.int32, device=dev),
+            torch.empty((E_l, S), dtype=torch.int32, device=dev),
+            torch.empty((E_l, R), dtype=torch.int64, device=dev))
+
+
+@torch.library.custom_op("epcomm_deep_ep::ll_dispatch", mutates_args=("stats",))
+def _ll_dispatch_op(buffer_id: int, x: torch.Tensor, topk_idx: torch.Tensor,
+                    stats: Optional[torch.Tensor], max_t: int, num_experts: int, use_fp8: bool,
+                    round_scale: bool, use_ue8m0: bool) -> List[torch.Tensor]:
+    b = _op_buffer(buffer_id)
+    recv_x, count, handle, _, _ = b.low_latency_dispatch(
+        x, topk_idx, max_t, num_experts, cumulative_local_expert_recv_stats=stats,
+        use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0)
+    codes, scales = recv_x if use_fp8 else (recv_x, torch.empty(0, dtype=torch.float32,
+                                                                 device=x.device))
+    src_info, layout_range = handle[0], handle[1]
+    traced = b._ll_traced
+    traced[src_info.data_ptr()] = handle
+    while len(traced) > 2:  # only the last two dispatches can be combined
+        del traced[next(iter(traced))]
+    return [codes, scales, count, src_info, layout_range]
+
+
+@_ll_dispatch_op.register_fake
+def _(buffer_id, x, topk_idx, stats, max_t, num_experts, use_fp8, round_scale, use_ue8m0):
+    return list(_ll_shapes(_op_buffer(buffer_id), x, max_t, num_experts, use_fp8, use_ue8m0))
+
+
+@torch.library.custom_op("epcomm_deep_ep::ll_combine", mutates_args=())
+def _ll_combine_op(buffer_id: int, x: torch.Tensor, topk_idx: torch.Tensor,
+                   topk_weights: torch.Tensor, src_info: torch.Tensor,
+                   layout_range: torch.Tensor) -> torch.Tensor:
+    b = _op_buffer(buffer_id)
+    handle = b._ll_traced.get(src_info.data_ptr())
+    if handle is None:
+        raise InvalidArgument("epcomm.deep_ep low_latency_combine: the handle is not one of "
+                              "the last two traced low_latency_dispatch calls of this Buffer")
+    combined, _, _ = b.low_latency_combine(x, topk_idx, topk_weights, handle)
+    return combined
+
+
+@_ll_combine_op.register_fake
+def _(buffer_id, x, topk_idx, topk_weights, src_info, layout_range):
+    return torch.empty((topk_idx.size(0), x.size(2)), dtype=torch.bfloat16, device=x.device)
 
 
 def _hostname() -> str:

@@ -16,6 +16,7 @@ and checks each result against a reference computed here in plain torch:
                 slot-ascending fp32 weighted sum rounded once, and within DeepEP's bound
                 (calc_diff < 1e-5 for bf16, 7e-4 for FP8); two dispatches in flight; CUDA-graph
                 capture of the dispatch + expert + combine, replayed on new inputs.
+  compile       the same under torch.compile(fullgraph=True), run on new inputs exactly.
 
 Every output the caller can give (out=) is poisoned with NaN first; padded slots past the
 counts are NaN in the expert outputs, so combine reading one would show. Prints one line per
@@ -519,9 +520,40 @@ def case_graph(buf, me, n, dev):
     return 3
 
 
+def case_compile(buf, me, n, dev):
+    """low_latency_dispatch + expert + low_latency_combine under torch.compile(fullgraph=True)
+    (the layer's calls become the epcomm_deep_ep operators), after two eager calls that set the
+    groups up; run on new inputs and checked exactly."""
+    max_t = 48
+    T = [40, 0, 48, 13][:n] if n > 1 else [45]
+    n_local = E // n
+    scale = (1.0 + (torch.arange(n_local, device=dev) + me * n_local) / 16.0).view(-1, 1, 1)
+
+    def step(x, idx, w):
+        recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, max_t, E, use_fp8=True)
+        deq = recv[0].float() * recv[1].repeat_interleave(128, dim=2)
+        y = (deq.to(torch.bfloat16).float() * scale).to(torch.bfloat16)
+        out, _, _ = buf.low_latency_combine(y, idx, w, handle)
+        return out, count
+
+    p0 = Problem(n, T, 700, dev, masked=3)
+    for _ in range(2):  # both groups of the pair, set up outside the compiled code
+        step(p0.x[me], p0.idx[me], p0.w[me])
+    torch.cuda.synchronize()
+    compiled = torch.compile(step, fullgraph=True)
+    cases = 0
+    for i in range(3):
+        p = Problem(n, T, 701 + i, dev, masked=3)
+        out, count = compiled(p.x[me], p.idx[me], p.w[me])
+        torch.cuda.synchronize()
+        same(out, ll_combine_ref(p, me, True), f"compiled call {i}")
+        cases += 1
+    return cases
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--cases", default="normal,low_latency,graph")
+    ap.add_argument("--cases", default="normal,low_latency,graph,compile")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     me, n = dist.get_rank(), dist.get_world_size()
@@ -535,7 +567,7 @@ def main():
     try:
         for name in args.cases.split(","):
             fn = {"normal": case_normal, "low_latency": case_low_latency,
-                  "graph": case_graph}[name]
+                  "graph": case_graph, "compile": case_compile}[name]
             c = fn(buf, me, n, dev)
             torch.cuda.synchronize()
             print(f"[rank {me}] {name}: {c} cases ok", flush=True)

@@ -239,3 +239,59 @@ def torchrun(nproc, *args, timeout=500):
 @pytest.mark.parametrize("nproc", [1, 2, 4])
 def test_deep_ep_calls_under_torchrun(nproc):
     torchrun(nproc)
+
+
+@pytest.mark.parametrize("use_fp8", [False, True])
+def test_low_latency_calls_trace_whole(buf, use_fp8):
+    # torch.compile(fullgraph=True) of a layer's low-latency dispatch, expert and combine: no
+    # graph break, and the graph holds the two operators (run on a GPU by deep_ep_worker.py).
+    # The backend only records the graph: its outputs are zeros of the traced shapes.
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        vals = [a.meta.get("val", a.meta.get("example_value")) for a in out]
+        return lambda *args: [torch.zeros(v.shape, dtype=v.dtype) for v in vals]
+
+    T, H, K, E, max_t = 5, 256, 2, 8, 8
+
+    def layer(x, idx, w):
+        recv_x, count, handle, event, hook = buf.low_latency_dispatch(x, idx, max_t, E,
+                                                                      use_fp8=use_fp8)
+        assert hook is None
+        if use_fp8:
+            codes, scales = recv_x
+            y = (codes.float() * scales.repeat_interleave(128, dim=2)).to(torch.bfloat16)
+        else:
+            y = recv_x * 2
+        out, event, hook = buf.low_latency_combine(y, idx, w, handle)
+        return out, count
+
+    torch._dynamo.reset()
+    x = torch.randn(T, H).to(torch.bfloat16)
+    idx = torch.randint(0, E, (T, K), dtype=torch.int64)
+    w = torch.rand(T, K)
+    out, count = torch.compile(layer, fullgraph=True, backend=record)(x, idx, w)
+    assert out.shape == (T, H) and out.dtype == torch.bfloat16
+    assert count.shape == (E,) and count.dtype == torch.int32
+    code = str(graphs[0].graph)
+    assert "epcomm_deep_ep.ll_dispatch" in code and "epcomm_deep_ep.ll_combine" in code
+
+
+def test_low_latency_traced_calls_refuse_what_they_cannot_trace(buf):
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    x = torch.randn(3, 256).to(torch.bfloat16)
+    idx = torch.zeros((3, 2), dtype=torch.int64)
+
+    def hooked(x, idx):
+        return buf.low_latency_dispatch(x, idx, 8, 8, use_fp8=False, return_recv_hook=True)[1]
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="only plain calls are traced"):
+        torch.compile(hooked, fullgraph=True, backend=record)(x, idx)
