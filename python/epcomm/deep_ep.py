@@ -270,7 +270,8 @@ class Buffer:
         # torch.compile: the operators below find this Buffer by its id, and a traced
         # low-latency combine finds its dispatch's handle by the src_info tensor it returned.
         self._op_id = next(_op_ids)
-        _op_buffers[self._op_id] = weakref.ref(self)
+        _op_buffers[self._op_id] = weakref.ref(
+            self, lambda _, i=self._op_id: _op_buffers.pop(i, None))  # gone with the Buffer
         self._ll_traced = {}    # src_info.data_ptr() -> handle, the last two traced dispatches
 
     # ---- DeepEP's static helpers --------------------------------------------------------
@@ -351,6 +352,8 @@ class Buffer:
         self._groups.clear()
         self._routing.clear()
         self._scratch.clear()
+        self._ll_traced.clear()
+        _op_buffers.pop(self._op_id, None)
         self._destroyed = True
 
     # ---- internals ------------------------------------------------------------------------
