@@ -273,6 +273,8 @@ class Buffer:
         _op_buffers[self._op_id] = weakref.ref(
             self, lambda _, i=self._op_id: _op_buffers.pop(i, None))  # gone with the Buffer
         self._ll_traced = {}    # src_info.data_ptr() -> handle, the last two traced dispatches
+        # Threads the compiled calls in program order (the operators take it as mutated).
+        self._ll_token = torch.zeros(1, dtype=torch.int64, device=self.device)
 
     # ---- DeepEP's static helpers --------------------------------------------------------
     @staticmethod
@@ -862,8 +864,10 @@ class Buffer:
             _bad(call, "under torch.compile only plain calls are traced (no async_finish, "
                        "return_recv_hook or dispatch_wait_recv_cost_stats)")
         codes, scales, count, src_info, layout_range = torch.ops.epcomm_deep_ep.ll_dispatch(
-            self._op_id, x, topk_idx, stats, int(max_t), int(num_experts), bool(use_fp8),
-            bool(round_scale), bool(use_ue8m0))
+            self._op_id, self._ll_token, x, topk_idx, int(max_t), int(num_experts),
+            bool(use_fp8), bool(round_scale), bool(use_ue8m0))
+        if stats is not None:  # as the eager call does, after the counts
+            stats.add_(count)
         recv_x = (codes, scales) if use_fp8 else codes
         handle = (src_info, layout_range, int(max_t), x.size(1), int(num_experts))
         return recv_x, count, handle, EventOverlap(None), None
@@ -876,8 +880,8 @@ class Buffer:
             _bad(call, "under torch.compile only plain calls are traced (no use_logfmt, "
                        "zero_copy, async_finish, return_recv_hook, out or "
                        "combine_wait_recv_cost_stats)")
-        combined = torch.ops.epcomm_deep_ep.ll_combine(self._op_id, x, topk_idx, topk_weights,
-                                                        handle[0], handle[1])
+        combined = torch.ops.epcomm_deep_ep.ll_combine(self._op_id, self._ll_token, x, topk_idx,
+                                                        topk_weights, handle[0], handle[1])
         return combined, EventOverlap(None), None
 
     def _ll_scratch(self, handle) -> dict:
@@ -913,6 +917,9 @@ class Buffer:
             _bad(call, "use_logfmt=True (LogFMT-compressed combine) is not supported")
         self._ll_check(call, "combine_wait_recv_cost_stats", combine_wait_recv_cost_stats,
                        async_finish, return_recv_hook)
+        if not isinstance(handle, _LowLatencyHandle) and isinstance(handle, tuple) and \
+                handle and isinstance(handle[0], torch.Tensor):  # from a compiled dispatch
+            handle = self._ll_traced.get(handle[0].data_ptr(), handle)
         if not isinstance(handle, _LowLatencyHandle) or self._groups.get(handle.key) \
                 is not handle.group:
             _bad(call, "handle must come from this Buffer's low_latency_dispatch")
@@ -970,6 +977,9 @@ class Buffer:
 # the expert count), so nothing in the graph depends on the routing. The handle a traced
 # dispatch returns is DeepEP's plain 5-tuple; the combine operator finds the dispatch's epcomm
 # handle by the src_info tensor in it (the last two traced dispatches, as in eager mode).
+# Order: every operator of a Buffer takes its token tensor as mutated, so the compiled graph
+# keeps the calls in program order (each is collective: ranks must make them in one order) and
+# never drops a dispatch whose outputs go unused.
 
 _op_ids = itertools.count()  # next() is atomic under the GIL
 _op_buffers = {}             # op id -> weakref to the Buffer
@@ -979,7 +989,8 @@ def _op_buffer(buffer_id: int) -> "Buffer":
     ref = _op_buffers.get(buffer_id)
     b = ref() if ref is not None else None
     if b is None:
-        raise InvalidArgument(f"epcomm.deep_ep: no live Buffer has operator id {buffer_id}")
+        raise InvalidArgument(f"epcomm.deep_ep: Buffer {buffer_id} of the compiled code was "
+                              "destroyed or collected")
     return b
 
 
@@ -1004,14 +1015,12 @@ def _ll_shapes(b: "Buffer", x: torch.Tensor, max_t: int, num_experts: int, use_f
             torch.empty((E_l, R), dtype=torch.int64, device=dev))
 
 
-@torch.library.custom_op("epcomm_deep_ep::ll_dispatch", mutates_args=("stats",))
-def _ll_dispatch_op(buffer_id: int, x: torch.Tensor, topk_idx: torch.Tensor,
-                    stats: Optional[torch.Tensor], max_t: int, num_experts: int, use_fp8: bool,
-                    round_scale: bool, use_ue8m0: bool) -> List[torch.Tensor]:
-    b = _op_buffer(buffer_id)
+def _ll_dispatch_eager(b: "Buffer", x, topk_idx, max_t, num_experts, use_fp8, round_scale,
+                       use_ue8m0):
+    """The dispatch operator's work: the eager call, its handle kept for the combine."""
     recv_x, count, handle, _, _ = b.low_latency_dispatch(
-        x, topk_idx, max_t, num_experts, cumulative_local_expert_recv_stats=stats,
-        use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0)
+        x, topk_idx, max_t, num_experts, use_fp8=use_fp8, round_scale=round_scale,
+        use_ue8m0=use_ue8m0)
     codes, scales = recv_x if use_fp8 else (recv_x, torch.empty(0, dtype=torch.float32,
                                                                  device=x.device))
     src_info, layout_range = handle[0], handle[1]
@@ -1019,19 +1028,11 @@ def _ll_dispatch_op(buffer_id: int, x: torch.Tensor, topk_idx: torch.Tensor,
     traced[src_info.data_ptr()] = handle
     while len(traced) > 2:  # only the last two dispatches can be combined
         del traced[next(iter(traced))]
-    return [codes, scales, count, src_info, layout_range]
+    return codes, scales, count, src_info, layout_range
 
 
-@_ll_dispatch_op.register_fake
-def _(buffer_id, x, topk_idx, stats, max_t, num_experts, use_fp8, round_scale, use_ue8m0):
-    return list(_ll_shapes(_op_buffer(buffer_id), x, max_t, num_experts, use_fp8, use_ue8m0))
-
-
-@torch.library.custom_op("epcomm_deep_ep::ll_combine", mutates_args=())
-def _ll_combine_op(buffer_id: int, x: torch.Tensor, topk_idx: torch.Tensor,
-                   topk_weights: torch.Tensor, src_info: torch.Tensor,
-                   layout_range: torch.Tensor) -> torch.Tensor:
-    b = _op_buffer(buffer_id)
+def _ll_combine_eager(b: "Buffer", x, topk_idx, topk_weights, src_info, layout_range):
+    """The combine operator's work: the eager call with the dispatch's handle."""
     handle = b._ll_traced.get(src_info.data_ptr())
     if handle is None:
         raise InvalidArgument("epcomm.deep_ep low_latency_combine: the handle is not one of "
@@ -1040,8 +1041,31 @@ def _ll_combine_op(buffer_id: int, x: torch.Tensor, topk_idx: torch.Tensor,
     return combined
 
 
+@torch.library.custom_op("epcomm_deep_ep::ll_dispatch", mutates_args=("token",))
+def _ll_dispatch_op(buffer_id: int, token: torch.Tensor, x: torch.Tensor,
+                    topk_idx: torch.Tensor, max_t: int, num_experts: int, use_fp8: bool,
+                    round_scale: bool, use_ue8m0: bool
+                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                               torch.Tensor]:
+    return _ll_dispatch_eager(_op_buffer(buffer_id), x, topk_idx, max_t, num_experts, use_fp8,
+                              round_scale, use_ue8m0)
+
+
+@_ll_dispatch_op.register_fake
+def _(buffer_id, token, x, topk_idx, max_t, num_experts, use_fp8, round_scale, use_ue8m0):
+    return _ll_shapes(_op_buffer(buffer_id), x, max_t, num_experts, use_fp8, use_ue8m0)
+
+
+@torch.library.custom_op("epcomm_deep_ep::ll_combine", mutates_args=("token",))
+def _ll_combine_op(buffer_id: int, token: torch.Tensor, x: torch.Tensor,
+                   topk_idx: torch.Tensor, topk_weights: torch.Tensor, src_info: torch.Tensor,
+                   layout_range: torch.Tensor) -> torch.Tensor:
+    return _ll_combine_eager(_op_buffer(buffer_id), x, topk_idx, topk_weights, src_info,
+                             layout_range)
+
+
 @_ll_combine_op.register_fake
-def _(buffer_id, x, topk_idx, topk_weights, src_info, layout_range):
+def _(buffer_id, token, x, topk_idx, topk_weights, src_info, layout_range):
     return torch.empty((topk_idx.size(0), x.size(2)), dtype=torch.bfloat16, device=x.device)
 
 

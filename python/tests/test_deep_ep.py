@@ -293,5 +293,49 @@ def test_low_latency_traced_calls_refuse_what_they_cannot_trace(buf):
         return buf.low_latency_dispatch(x, idx, 8, 8, use_fp8=False, return_recv_hook=True)[1]
 
     torch._dynamo.reset()
-    with pytest.raises(Exception, match="only plain calls are traced"):
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="only plain calls are traced"):
         torch.compile(hooked, fullgraph=True, backend=record)(x, idx)
+
+
+def test_low_latency_traced_calls_run_in_program_order(buf, monkeypatch):
+    # Compiled through AOTAutograd (functionalisation), as inductor compiles it: the operators
+    # run in program order, a dispatch whose outputs go unused still runs, and the cumulative
+    # stats are added. The operators' eager work is replaced by CPU stand-ins that allocate as
+    # the eager call does and record the order.
+    import epcomm.deep_ep as D
+    calls = []
+
+    def dispatch(b, x, topk_idx, max_t, num_experts, use_fp8, round_scale, use_ue8m0):
+        calls.append("d")
+        codes, scales, count, src_info, layout_range = D._ll_shapes(
+            b, x, max_t, num_experts, use_fp8, use_ue8m0)
+        count.fill_(len(calls))
+        src_info.fill_(len(calls))  # which dispatch, for the combine to record
+        return codes.zero_(), scales, count, src_info, layout_range.zero_()
+
+    def combine(b, x, topk_idx, topk_weights, src_info, layout_range):
+        calls.append(f"c{int(src_info.flatten()[0])}")
+        return torch.full((topk_idx.size(0), x.size(2)), float(len(calls)), dtype=torch.bfloat16)
+
+    monkeypatch.setattr(D, "_ll_dispatch_eager", dispatch)
+    monkeypatch.setattr(D, "_ll_combine_eager", combine)
+    T, H, K, E, max_t = 4, 128, 2, 8, 8
+    stats = torch.zeros(E, dtype=torch.int32)
+
+    def layer(x, idx, w):
+        r1, c1, h1, _, _ = buf.low_latency_dispatch(x, idx, max_t, E, use_fp8=False,
+                                                    cumulative_local_expert_recv_stats=stats)
+        r2, c2, h2, _, _ = buf.low_latency_dispatch(x, idx, max_t, E, use_fp8=False)
+        o1, _, _ = buf.low_latency_combine(r1 * 2, idx, w, h1)
+        buf.low_latency_dispatch(x, idx, max_t, E, use_fp8=False)  # outputs unused
+        o2, _, _ = buf.low_latency_combine(r2 * 2, idx, w, h2)
+        return o1, o2
+
+    torch._dynamo.reset()
+    x = torch.randn(T, H).to(torch.bfloat16)
+    idx = torch.randint(0, E, (T, K), dtype=torch.int64)
+    w = torch.rand(T, K)
+    o1, o2 = torch.compile(layer, fullgraph=True, backend="aot_eager")(x, idx, w)
+    assert calls == ["d", "d", "c1", "d", "c2"]
+    assert float(o1[0, 0]) == 3.0 and float(o2[0, 0]) == 5.0
+    assert stats.tolist() == [1] * E  # the first dispatch's counts, added once
