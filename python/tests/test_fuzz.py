@@ -209,3 +209,12 @@ def test_group_without_a_gpu_or_with_bad_arguments(device, n):
         return
     attempt(epcomm.Group.create_local, devices=[device] * max(0, min(n, 3)), hidden=-1, top_k=2,
             n_experts=8, max_tokens_per_rank=4)
+
+
+def test_absurd_capacity_is_bad_input():
+    # Hypothesis found it: an output capacity no host can allocate raised MemoryError
+    # (std::bad_alloc), not epcomm's error naming the argument.
+    p = R.make_problem(1, 128, 2, 4, [3], 1)
+    import pytest
+    with pytest.raises(epcomm.InvalidArgument, match="max_routed_rows 2147483647"):
+        R.dispatch_quantized(p, 0, "fp8-blockwise", 1.0, 2**31 - 1)

@@ -4,8 +4,11 @@
 // of a dispatch output with it.
 #include <algorithm>
 #include <cstring>
+#include <new>
 #include <sstream>
 #include <string>
+
+#include <unistd.h>
 
 #include "epcomm/bf16.h"
 #include "epcomm/error.h"
@@ -252,6 +255,15 @@ QuantDispatchResult dispatch_quantized(const Problem& p, int32_t rank, QuantForm
   }
   QuantOutputShape shape = dispatch_output_shape(format, H, max_routed_rows, groups);
   shape.fp8_pow2 = fp8_pow2;
+  // The output is sized by the caller's capacity: one larger than this host's memory is bad
+  // input (checked before anything is allocated; the catch below covers what is left).
+  const double out_bytes = double(shape.codes_size()) + 4.0 * double(shape.scales_size());
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+  if (pages > 0 && page > 0 && out_bytes > double(pages) * double(page)) {
+    invalid("dispatch_quantized: max_routed_rows " + std::to_string(max_routed_rows) +
+            " asks for an output of " + std::to_string(shape.rows) +
+            " rows, more than this host's memory");
+  }
 
   std::vector<int32_t> counts(static_cast<size_t>(groups));
   for (int32_t g = 0; g < groups; ++g)
@@ -272,9 +284,15 @@ QuantDispatchResult dispatch_quantized(const Problem& p, int32_t rank, QuantForm
                      x.begin() + to * H, bf16_to_float);
     }
   }
-  r.out =
-      quantize_grouped_rows(shape, x.data(), r.row_offsets,
-                            std::vector<float>(size_t(groups), global_scale), r.src_info.data());
+  try {  // the output is sized by the caller's capacity: an absurd one is bad input, not a crash
+    r.out = quantize_grouped_rows(shape, x.data(), r.row_offsets,
+                                  std::vector<float>(size_t(groups), global_scale),
+                                  r.src_info.data());
+  } catch (const std::bad_alloc&) {
+    invalid("dispatch_quantized: max_routed_rows " + std::to_string(max_routed_rows) +
+            " asks for an output of " + std::to_string(shape.rows) +
+            " rows, more than this host can allocate");
+  }
   return r;
 }
 
