@@ -178,11 +178,14 @@ class WorkloadRun {
         result_.ranks_per_node = cfg_.ranks_per_node;
         result_.cross_node_direct.resize(size_t(n), 0.0);
         result_.cross_node_per_node.resize(size_t(n), 0.0);
+        // Counts only: no sizes (the printed model multiplies by the message's own).
+        const std::vector<ref::CrossNodeTraffic> traffic =
+            ref::cross_node_traffic(problems_.back(), cfg_.ranks_per_node, {});
         for (int r = 0; r < n; ++r) {
-          const ref::CrossNodeMessages m =
-              ref::cross_node_messages(problems_.back(), r, cfg_.ranks_per_node);
-          result_.cross_node_direct[size_t(r)] += double(m.direct) / kInputSets;
-          result_.cross_node_per_node[size_t(r)] += double(m.per_node) / kInputSets;
+          result_.cross_node_direct[size_t(r)] +=
+              double(traffic[size_t(r)].direct.dispatch_messages) / kInputSets;
+          result_.cross_node_per_node[size_t(r)] +=
+              double(traffic[size_t(r)].forwarded.dispatch_messages) / kInputSets;
         }
       }
     }

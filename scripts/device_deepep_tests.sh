@@ -25,8 +25,7 @@ echo "from epcomm.deep_ep import *  # noqa: F401,F403" >"$shim/deep_ep/__init__.
 cp "$DEEPEP/deep_ep/utils/math.py" "$DEEPEP/deep_ep/utils/testing.py" "$shim/deep_ep/utils/"
 cp "$(dirname "$0")/deepep_envs.py" "$shim/deep_ep/utils/envs.py"
 if [ "${INSTALL:-1}" = 1 ]; then
-  timeout 400 python3 -m pip install --no-build-isolation -q . >"$OUT/pip_install.log" 2>&1 ||
-    { echo "pip install failed"; tail -10 "$OUT/pip_install.log"; exit 1; }
+  pip_install || exit 1
 fi
 status=0 port=8361
 for t in $TESTS; do

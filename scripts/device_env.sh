@@ -22,3 +22,14 @@ cmake_build() {
   timeout "${BUILD_TIMEOUT:-400}" cmake --build "$dir" -j "${build_args[@]}" >"${log}build.log" 2>&1 ||
     { grep -E "error|FAILED" "${log}build.log" | head -30; return 1; }
 }
+
+# pip_install: this tree's Python package into the machine's environment (no build isolation:
+# the machine has no network), under a timeout, logged to $OUT/pip_install.log; prints its
+# status and, on failure, the log's tail; returns pip's status.
+pip_install() {
+  timeout 400 python3 -m pip install --no-build-isolation -q . >"$OUT/pip_install.log" 2>&1
+  local rc=$?
+  echo "== pip install rc=$rc"
+  [ $rc -eq 0 ] || tail -10 "$OUT/pip_install.log"
+  return $rc
+}

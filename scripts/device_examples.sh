@@ -20,8 +20,7 @@ run() {  # run NAME COMMAND...: logged, bounded, its last lines shown
 run moe_layer_bf16 $BUILD/examples/moe_layer --ranks $RANKS --format bf16
 run moe_layer_fp8_shared $BUILD/examples/moe_layer --ranks $RANKS --format fp8 --shared
 run moe_layer_nvfp4 $BUILD/examples/moe_layer --ranks $RANKS --format nvfp4
-timeout 400 python3 -m pip install --no-build-isolation -q . >"$OUT/pip_install.log" 2>&1
-rc=$?; echo "== pip install rc=$rc"; [ $rc -eq 0 ] || { status=1; tail -10 "$OUT/pip_install.log"; }
+pip_install || status=1
 for fmt in bf16 fp8-blockwise; do
   run torch_moe_$fmt torchrun --nproc-per-node $RANKS examples/torch_moe.py --format $fmt
 done

@@ -28,11 +28,11 @@ struct ForwardPlan {
   EPCOMM_HD static ForwardPlan make(int32_t n_ranks, int32_t ranks_per_node) {
     return ForwardPlan{detail::NodeMap{n_ranks, ranks_per_node}};
   }
-  EPCOMM_HD int32_t n_nodes() const { return nodes.n_ranks / nodes.ranks_per_node; }
-  EPCOMM_HD int32_t local_of(int32_t r) const { return r % nodes.ranks_per_node; }
+  EPCOMM_HD int32_t n_nodes() const { return nodes.n_nodes(); }
+  EPCOMM_HD int32_t local_of(int32_t r) const { return nodes.local_of(r); }
   // The rank of node `node` that receives what `sender` sends there (its own node: itself).
   EPCOMM_HD int32_t relay(int32_t sender, int32_t node) const {
-    return node * nodes.ranks_per_node + local_of(sender);
+    return node * nodes.ranks_per_node + nodes.local_of(sender);
   }
   // The relay of the node of destination rank `dst`, for `sender`.
   EPCOMM_HD int32_t relay_for(int32_t sender, int32_t dst) const {

@@ -268,11 +268,11 @@ class Buffer:
         self._stream = None
         self._destroyed = False
         # torch.compile: the operators below find this Buffer by its id, and a traced
-        # low-latency combine finds its dispatch's handle by the src_info tensor it returned.
+        # low-latency combine finds its dispatch's handle by the src_info tensor it returned
+        # (_ll_handle_of).
         self._op_id = next(_op_ids)
         _op_buffers[self._op_id] = weakref.ref(
             self, lambda _, i=self._op_id: _op_buffers.pop(i, None))  # gone with the Buffer
-        self._ll_traced = {}    # src_info.data_ptr() -> handle, the last two traced dispatches
         # Threads the compiled calls in program order (the operators take it as mutated).
         self._ll_token = torch.zeros(1, dtype=torch.int64, device=self.device)
 
@@ -354,7 +354,6 @@ class Buffer:
         self._groups.clear()
         self._routing.clear()
         self._scratch.clear()
-        self._ll_traced.clear()
         _op_buffers.pop(self._op_id, None)
         self._destroyed = True
 
@@ -755,11 +754,6 @@ class Buffer:
         Under torch.compile it runs as the operator torch.ops.epcomm_deep_ep.ll_dispatch (plain
         calls: no async_finish or hook), after one call outside it has set the group up."""
         call = "low_latency_dispatch"
-        if torch.compiler.is_compiling():
-            return self._ll_dispatch_traced(x, topk_idx, num_max_dispatch_tokens_per_rank,
-                                            num_experts, cumulative_local_expert_recv_stats,
-                                            dispatch_wait_recv_cost_stats, use_fp8, round_scale,
-                                            use_ue8m0, async_finish, return_recv_hook)
         if (round_scale or use_ue8m0) and not use_fp8:
             _bad(call, "round_scale and use_ue8m0 shape FP8 scales: they need use_fp8=True")
         if use_ue8m0 and not round_scale:
@@ -785,6 +779,11 @@ class Buffer:
         if cumulative_local_expert_recv_stats is not None:
             _check(call, "cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
                    torch.int32, 1, rows=E_l)
+        if torch.compiler.is_compiling():  # the operator, after the same checks
+            return self._ll_dispatch_traced(x, topk_idx, max_t, num_experts,
+                                            cumulative_local_expert_recv_stats, use_fp8,
+                                            round_scale, use_ue8m0, async_finish,
+                                            return_recv_hook)
         self._on_device(call, x=x, topk_idx=topk_idx,
                         cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats)
         fmt = "fp8-blockwise" if use_fp8 else "bf16"
@@ -799,15 +798,8 @@ class Buffer:
         dev = x.device
         compute, comm = self._ll_streams(call, async_finish, return_recv_hook)
         with torch.cuda.stream(compute):
-            codes = torch.empty((E_l, S, H), dtype=torch.float8_e4m3fn if use_fp8 else
-                                torch.bfloat16, device=dev)
-            scales = torch.empty((E_l, H // 128, S), dtype=torch.float32, device=dev) \
-                if use_fp8 else None
-            ue8m0 = torch.empty((E_l, H // 512, S), dtype=torch.int32, device=dev) \
-                if use_ue8m0 else None
-            count = torch.empty(E_l, dtype=torch.int32, device=dev)
-            src_info = torch.empty((E_l, S), dtype=torch.int32, device=dev)
-            layout_range = torch.empty((E_l, R), dtype=torch.int64, device=dev)
+            codes, scales, ue8m0, count, src_info, layout_range = _ll_outputs(
+                R, num_experts, max_t, H, dev, use_fp8, use_ue8m0)
         handle = _LowLatencyHandle((src_info, layout_range, max_t, H, num_experts), g, key,
                                    tuple(topk_idx.shape))
         self._routing[key] = handle
@@ -832,8 +824,7 @@ class Buffer:
             else:
                 g._impl.dispatch(x, ids, None, stream)
                 receive(stream)
-        recv_x = codes if not use_fp8 else \
-            (codes, (ue8m0 if use_ue8m0 else scales).transpose(1, 2))
+        recv_x = (codes, _ll_returned_scales(scales, ue8m0, dev)) if use_fp8 else codes
         hook = None
         if return_recv_hook:
             def receive_hook():
@@ -857,12 +848,20 @@ class Buffer:
             _bad(call, "handle must come from low_latency_dispatch")
         return self._ll_scratch(handle)["padded"]
 
-    def _ll_dispatch_traced(self, x, topk_idx, max_t, num_experts, stats, cost_stats, use_fp8,
-                            round_scale, use_ue8m0, async_finish, return_recv_hook):
+    def _ll_handle_of(self, src_info: torch.Tensor):
+        """The low-latency handle (of the last two dispatches) whose src_info is this tensor's
+        memory, or None: how a compiled dispatch's plain handle finds its own."""
+        for h in self._routing.values():
+            if isinstance(h, _LowLatencyHandle) and h[0].data_ptr() == src_info.data_ptr():
+                return h
+        return None
+
+    def _ll_dispatch_traced(self, x, topk_idx, max_t, num_experts, stats, use_fp8, round_scale,
+                            use_ue8m0, async_finish, return_recv_hook):
         call = "low_latency_dispatch"
-        if async_finish or return_recv_hook or cost_stats is not None:
-            _bad(call, "under torch.compile only plain calls are traced (no async_finish, "
-                       "return_recv_hook or dispatch_wait_recv_cost_stats)")
+        if async_finish or return_recv_hook:
+            _bad(call, "under torch.compile only plain calls are traced (no async_finish or "
+                       "return_recv_hook)")
         codes, scales, count, src_info, layout_range = torch.ops.epcomm_deep_ep.ll_dispatch(
             self._op_id, self._ll_token, x, topk_idx, int(max_t), int(num_experts),
             bool(use_fp8), bool(round_scale), bool(use_ue8m0))
@@ -872,16 +871,14 @@ class Buffer:
         handle = (src_info, layout_range, int(max_t), x.size(1), int(num_experts))
         return recv_x, count, handle, EventOverlap(None), None
 
-    def _ll_combine_traced(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy,
-                           async_finish, return_recv_hook, out, cost_stats):
+    def _ll_combine_traced(self, x, topk_idx, topk_weights, handle, zero_copy, async_finish,
+                           return_recv_hook, out):
         call = "low_latency_combine"
-        if use_logfmt or zero_copy or async_finish or return_recv_hook or out is not None or \
-                cost_stats is not None:
-            _bad(call, "under torch.compile only plain calls are traced (no use_logfmt, "
-                       "zero_copy, async_finish, return_recv_hook, out or "
-                       "combine_wait_recv_cost_stats)")
+        if zero_copy or async_finish or return_recv_hook or out is not None:
+            _bad(call, "under torch.compile only plain calls are traced (no zero_copy, "
+                       "async_finish, return_recv_hook or out)")
         combined = torch.ops.epcomm_deep_ep.ll_combine(self._op_id, self._ll_token, x, topk_idx,
-                                                        topk_weights, handle[0], handle[1])
+                                                        topk_weights, handle[0])
         return combined, EventOverlap(None), None
 
     def _ll_scratch(self, handle) -> dict:
@@ -909,17 +906,16 @@ class Buffer:
         torch.compile it runs as the operator torch.ops.epcomm_deep_ep.ll_combine (plain calls,
         with a handle from a traced low_latency_dispatch)."""
         call = "low_latency_combine"
-        if torch.compiler.is_compiling():
-            return self._ll_combine_traced(x, topk_idx, topk_weights, handle, use_logfmt,
-                                           zero_copy, async_finish, return_recv_hook, out,
-                                           combine_wait_recv_cost_stats)
         if use_logfmt:
             _bad(call, "use_logfmt=True (LogFMT-compressed combine) is not supported")
         self._ll_check(call, "combine_wait_recv_cost_stats", combine_wait_recv_cost_stats,
                        async_finish, return_recv_hook)
+        if torch.compiler.is_compiling():  # the operator; its handle is a traced dispatch's
+            return self._ll_combine_traced(x, topk_idx, topk_weights, handle, zero_copy,
+                                           async_finish, return_recv_hook, out)
         if not isinstance(handle, _LowLatencyHandle) and isinstance(handle, tuple) and \
                 handle and isinstance(handle[0], torch.Tensor):  # from a compiled dispatch
-            handle = self._ll_traced.get(handle[0].data_ptr(), handle)
+            handle = self._ll_handle_of(handle[0]) or handle
         if not isinstance(handle, _LowLatencyHandle) or self._groups.get(handle.key) \
                 is not handle.group:
             _bad(call, "handle must come from this Buffer's low_latency_dispatch")
@@ -976,7 +972,8 @@ class Buffer:
 # outputs' shapes from the arguments (DeepEP's padded layout is fixed by max tokens, hidden and
 # the expert count), so nothing in the graph depends on the routing. The handle a traced
 # dispatch returns is DeepEP's plain 5-tuple; the combine operator finds the dispatch's epcomm
-# handle by the src_info tensor in it (the last two traced dispatches, as in eager mode).
+# handle by the src_info tensor in it (Buffer._ll_handle_of: the last two dispatches, as in
+# eager mode).
 # Order: every operator of a Buffer takes its token tensor as mutated, so the compiled graph
 # keeps the calls in program order (each is collective: ranks must make them in one order) and
 # never drops a dispatch whose outputs go unused.
@@ -994,49 +991,51 @@ def _op_buffer(buffer_id: int) -> "Buffer":
     return b
 
 
-def _ll_shapes(b: "Buffer", x: torch.Tensor, max_t: int, num_experts: int, use_fp8: bool,
-               use_ue8m0: bool):
-    """The traced dispatch's outputs as empty tensors: codes, scales (FP8: [E_l, S, H / 128]
-    float32 or [E_l, S, H / 512] int32 with UE8M0, column-major per expert; bf16: an empty
-    float32 tensor), count [E_l] int32, src_info [E_l, S] int32, layout_range [E_l, R] int64."""
-    R, H = b.group_size, x.size(1)
+def _ll_outputs(R: int, num_experts: int, max_t: int, H: int, dev, use_fp8: bool,
+                use_ue8m0: bool):
+    """A low-latency dispatch's outputs, allocated (S = R * max_t, E_l = num_experts / R):
+    codes [E_l, S, H] (e4m3 or bf16), scales [E_l, H / 128, S] float32 (FP8, else None),
+    ue8m0 [E_l, H / 512, S] int32 (use_ue8m0, else None), count [E_l] int32, src_info [E_l, S]
+    int32, layout_range [E_l, R] int64. The eager call and the operator's fake both take them
+    from here."""
     E_l, S = num_experts // R, R * max_t
-    dev = x.device
     codes = torch.empty((E_l, S, H), dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16,
                         device=dev)
-    if use_ue8m0:
-        scales = torch.empty((E_l, H // 512, S), dtype=torch.int32, device=dev).transpose(1, 2)
-    elif use_fp8:
-        scales = torch.empty((E_l, H // 128, S), dtype=torch.float32, device=dev).transpose(1, 2)
-    else:
-        scales = torch.empty(0, dtype=torch.float32, device=dev)
-    return (codes, scales, torch.empty(E_l, dtype=torch.int32, device=dev),
+    scales = torch.empty((E_l, H // 128, S), dtype=torch.float32, device=dev) if use_fp8 \
+        else None
+    ue8m0 = torch.empty((E_l, H // 512, S), dtype=torch.int32, device=dev) if use_ue8m0 \
+        else None
+    return (codes, scales, ue8m0, torch.empty(E_l, dtype=torch.int32, device=dev),
             torch.empty((E_l, S), dtype=torch.int32, device=dev),
             torch.empty((E_l, R), dtype=torch.int64, device=dev))
 
 
+def _ll_returned_scales(scales, ue8m0, dev):
+    """The scales a dispatch returns: UE8M0 words or fp32 scales, column-major per expert
+    ([E_l, S, cols] views); without FP8, the operator's empty float32 placeholder."""
+    if ue8m0 is not None:
+        return ue8m0.transpose(1, 2)
+    if scales is not None:
+        return scales.transpose(1, 2)
+    return torch.empty(0, dtype=torch.float32, device=dev)
+
+
 def _ll_dispatch_eager(b: "Buffer", x, topk_idx, max_t, num_experts, use_fp8, round_scale,
                        use_ue8m0):
-    """The dispatch operator's work: the eager call, its handle kept for the combine."""
+    """The dispatch operator's work: the eager call, returning its tensors."""
     recv_x, count, handle, _, _ = b.low_latency_dispatch(
         x, topk_idx, max_t, num_experts, use_fp8=use_fp8, round_scale=round_scale,
         use_ue8m0=use_ue8m0)
-    codes, scales = recv_x if use_fp8 else (recv_x, torch.empty(0, dtype=torch.float32,
-                                                                 device=x.device))
-    src_info, layout_range = handle[0], handle[1]
-    traced = b._ll_traced
-    traced[src_info.data_ptr()] = handle
-    while len(traced) > 2:  # only the last two dispatches can be combined
-        del traced[next(iter(traced))]
-    return codes, scales, count, src_info, layout_range
+    codes, scales = recv_x if use_fp8 else (recv_x, _ll_returned_scales(None, None, x.device))
+    return codes, scales, count, handle[0], handle[1]
 
 
-def _ll_combine_eager(b: "Buffer", x, topk_idx, topk_weights, src_info, layout_range):
+def _ll_combine_eager(b: "Buffer", x, topk_idx, topk_weights, src_info):
     """The combine operator's work: the eager call with the dispatch's handle."""
-    handle = b._ll_traced.get(src_info.data_ptr())
+    handle = b._ll_handle_of(src_info)
     if handle is None:
         raise InvalidArgument("epcomm.deep_ep low_latency_combine: the handle is not one of "
-                              "the last two traced low_latency_dispatch calls of this Buffer")
+                              "the last two low_latency_dispatch calls of this Buffer")
     combined, _, _ = b.low_latency_combine(x, topk_idx, topk_weights, handle)
     return combined
 
@@ -1053,19 +1052,21 @@ def _ll_dispatch_op(buffer_id: int, token: torch.Tensor, x: torch.Tensor,
 
 @_ll_dispatch_op.register_fake
 def _(buffer_id, token, x, topk_idx, max_t, num_experts, use_fp8, round_scale, use_ue8m0):
-    return _ll_shapes(_op_buffer(buffer_id), x, max_t, num_experts, use_fp8, use_ue8m0)
+    codes, scales, ue8m0, count, src_info, layout_range = _ll_outputs(
+        _op_buffer(buffer_id).group_size, num_experts, max_t, x.size(1), x.device, use_fp8,
+        use_ue8m0)
+    return codes, _ll_returned_scales(scales, ue8m0, x.device), count, src_info, layout_range
 
 
 @torch.library.custom_op("epcomm_deep_ep::ll_combine", mutates_args=("token",))
 def _ll_combine_op(buffer_id: int, token: torch.Tensor, x: torch.Tensor,
-                   topk_idx: torch.Tensor, topk_weights: torch.Tensor, src_info: torch.Tensor,
-                   layout_range: torch.Tensor) -> torch.Tensor:
-    return _ll_combine_eager(_op_buffer(buffer_id), x, topk_idx, topk_weights, src_info,
-                             layout_range)
+                   topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                   src_info: torch.Tensor) -> torch.Tensor:
+    return _ll_combine_eager(_op_buffer(buffer_id), x, topk_idx, topk_weights, src_info)
 
 
 @_ll_combine_op.register_fake
-def _(buffer_id, token, x, topk_idx, topk_weights, src_info, layout_range):
+def _(buffer_id, token, x, topk_idx, topk_weights, src_info):
     return torch.empty((topk_idx.size(0), x.size(2)), dtype=torch.bfloat16, device=x.device)
 
 

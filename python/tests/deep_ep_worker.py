@@ -476,23 +476,33 @@ def case_low_latency(buf, me, n, dev):
     return cases + 2
 
 
-def case_graph(buf, me, n, dev):
-    """Capture low_latency_dispatch + expert + low_latency_combine; replay on new inputs."""
+def ll_layer(buf, me, n, dev):
+    """The low-latency layer the graph and compile cases run: (tokens per rank, step(x, idx, w)
+    = FP8 dispatch, the expert (ll_combine_ref's, scaled per expert), combine)."""
     max_t = 48
     T = [40, 0, 48, 13][:n] if n > 1 else [45]
     n_local = E // n
+    scale = (1.0 + (torch.arange(n_local, device=dev) + me * n_local) / 16.0).view(-1, 1, 1)
+
+    def step(x, idx, w):
+        recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, max_t, E, use_fp8=True)
+        deq = recv[0].float() * recv[1].repeat_interleave(128, dim=2)
+        y = (deq.to(torch.bfloat16).float() * scale).to(torch.bfloat16)
+        out, _, _ = buf.low_latency_combine(y, idx, w, handle)
+        return out
+
+    return T, step
+
+
+def case_graph(buf, me, n, dev):
+    """Capture low_latency_dispatch + expert + low_latency_combine; replay on new inputs."""
+    T, layer = ll_layer(buf, me, n, dev)
     static_x = torch.empty((T[me], H), dtype=torch.bfloat16, device=dev)
     static_idx = torch.empty((T[me], K), dtype=torch.int64, device=dev)
     static_w = torch.empty((T[me], K), dtype=torch.float32, device=dev)
-    scale = (1.0 + (torch.arange(n_local, device=dev) + me * n_local) / 16.0).view(-1, 1, 1)
 
     def step():
-        recv, count, handle, _, _ = buf.low_latency_dispatch(static_x, static_idx, max_t, E,
-                                                             use_fp8=True)
-        deq = recv[0].float() * recv[1].repeat_interleave(128, dim=2)
-        y = (deq.to(torch.bfloat16).float() * scale).to(torch.bfloat16)
-        out, _, _ = buf.low_latency_combine(y, static_idx, static_w, handle)
-        return out
+        return layer(static_x, static_idx, static_w)
 
     def load(p):
         static_x.copy_(p.x[me])
@@ -524,18 +534,7 @@ def case_compile(buf, me, n, dev):
     """low_latency_dispatch + expert + low_latency_combine under torch.compile(fullgraph=True)
     (the layer's calls become the epcomm_deep_ep operators), after two eager calls that set the
     groups up; run on new inputs and checked exactly."""
-    max_t = 48
-    T = [40, 0, 48, 13][:n] if n > 1 else [45]
-    n_local = E // n
-    scale = (1.0 + (torch.arange(n_local, device=dev) + me * n_local) / 16.0).view(-1, 1, 1)
-
-    def step(x, idx, w):
-        recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, max_t, E, use_fp8=True)
-        deq = recv[0].float() * recv[1].repeat_interleave(128, dim=2)
-        y = (deq.to(torch.bfloat16).float() * scale).to(torch.bfloat16)
-        out, _, _ = buf.low_latency_combine(y, idx, w, handle)
-        return out, count
-
+    T, step = ll_layer(buf, me, n, dev)
     p0 = Problem(n, T, 700, dev, masked=3)
     for _ in range(2):  # both groups of the pair, set up outside the compiled code
         step(p0.x[me], p0.idx[me], p0.w[me])
@@ -544,7 +543,7 @@ def case_compile(buf, me, n, dev):
     cases = 0
     for i in range(3):
         p = Problem(n, T, 701 + i, dev, masked=3)
-        out, count = compiled(p.x[me], p.idx[me], p.w[me])
+        out = compiled(p.x[me], p.idx[me], p.w[me])
         torch.cuda.synchronize()
         same(out, ll_combine_ref(p, me, True), f"compiled call {i}")
         cases += 1

@@ -280,12 +280,6 @@ def test_low_latency_calls_trace_whole(buf, use_fp8):
 
 
 def test_low_latency_traced_calls_refuse_what_they_cannot_trace(buf):
-    graphs = []
-
-    def record(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
     x = torch.randn(3, 256).to(torch.bfloat16)
     idx = torch.zeros((3, 2), dtype=torch.int64)
 
@@ -294,7 +288,7 @@ def test_low_latency_traced_calls_refuse_what_they_cannot_trace(buf):
 
     torch._dynamo.reset()
     with pytest.raises(torch._dynamo.exc.Unsupported, match="only plain calls are traced"):
-        torch.compile(hooked, fullgraph=True, backend=record)(x, idx)
+        torch.compile(hooked, fullgraph=True, backend="eager")(x, idx)
 
 
 def test_low_latency_traced_calls_run_in_program_order(buf, monkeypatch):
@@ -307,13 +301,14 @@ def test_low_latency_traced_calls_run_in_program_order(buf, monkeypatch):
 
     def dispatch(b, x, topk_idx, max_t, num_experts, use_fp8, round_scale, use_ue8m0):
         calls.append("d")
-        codes, scales, count, src_info, layout_range = D._ll_shapes(
-            b, x, max_t, num_experts, use_fp8, use_ue8m0)
+        codes, scales, ue8m0, count, src_info, layout_range = D._ll_outputs(
+            b.group_size, num_experts, max_t, x.size(1), x.device, use_fp8, use_ue8m0)
         count.fill_(len(calls))
         src_info.fill_(len(calls))  # which dispatch, for the combine to record
-        return codes.zero_(), scales, count, src_info, layout_range.zero_()
+        return (codes.zero_(), D._ll_returned_scales(scales, ue8m0, x.device), count, src_info,
+                layout_range.zero_())
 
-    def combine(b, x, topk_idx, topk_weights, src_info, layout_range):
+    def combine(b, x, topk_idx, topk_weights, src_info):
         calls.append(f"c{int(src_info.flatten()[0])}")
         return torch.full((topk_idx.size(0), x.size(2)), float(len(calls)), dtype=torch.bfloat16)
 

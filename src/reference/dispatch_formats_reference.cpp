@@ -4,7 +4,6 @@
 // of a dispatch output with it.
 #include <algorithm>
 #include <cstring>
-#include <new>
 #include <sstream>
 #include <string>
 
@@ -98,8 +97,19 @@ QuantOutputShape dispatch_output_shape(QuantFormat format, int32_t hidden, int64
     invalid("dispatch_output_shape: max_routed_rows " + std::to_string(max_routed_rows) +
             ", groups " + std::to_string(groups));
   }
-  shape.rows =
-      DispatchOutputLayout::make(token_format(format), hidden, max_routed_rows, groups).rows;
+  const DispatchOutputLayout layout =
+      DispatchOutputLayout::make(token_format(format), hidden, max_routed_rows, groups);
+  // The output is sized by the caller's capacity: one larger than this host's memory is bad
+  // input, refused before anything is allocated.
+  const double bytes = double(layout.rows) * double(layout.row_bytes()) +
+                       double(layout.scales_bytes());
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+  if (pages > 0 && page > 0 && bytes > double(pages) * double(page)) {
+    invalid("dispatch_output_shape: max_routed_rows " + std::to_string(max_routed_rows) +
+            " asks for an output of " + std::to_string(layout.rows) +
+            " rows, more than this host's memory");
+  }
+  shape.rows = layout.rows;
   return shape;
 }
 
@@ -255,15 +265,6 @@ QuantDispatchResult dispatch_quantized(const Problem& p, int32_t rank, QuantForm
   }
   QuantOutputShape shape = dispatch_output_shape(format, H, max_routed_rows, groups);
   shape.fp8_pow2 = fp8_pow2;
-  // The output is sized by the caller's capacity: one larger than this host's memory is bad
-  // input (checked before anything is allocated; the catch below covers what is left).
-  const double out_bytes = double(shape.codes_size()) + 4.0 * double(shape.scales_size());
-  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
-  if (pages > 0 && page > 0 && out_bytes > double(pages) * double(page)) {
-    invalid("dispatch_quantized: max_routed_rows " + std::to_string(max_routed_rows) +
-            " asks for an output of " + std::to_string(shape.rows) +
-            " rows, more than this host's memory");
-  }
 
   std::vector<int32_t> counts(static_cast<size_t>(groups));
   for (int32_t g = 0; g < groups; ++g)
@@ -284,15 +285,9 @@ QuantDispatchResult dispatch_quantized(const Problem& p, int32_t rank, QuantForm
                      x.begin() + to * H, bf16_to_float);
     }
   }
-  try {  // the output is sized by the caller's capacity: an absurd one is bad input, not a crash
-    r.out = quantize_grouped_rows(shape, x.data(), r.row_offsets,
-                                  std::vector<float>(size_t(groups), global_scale),
-                                  r.src_info.data());
-  } catch (const std::bad_alloc&) {
-    invalid("dispatch_quantized: max_routed_rows " + std::to_string(max_routed_rows) +
-            " asks for an output of " + std::to_string(shape.rows) +
-            " rows, more than this host can allocate");
-  }
+  r.out =
+      quantize_grouped_rows(shape, x.data(), r.row_offsets,
+                            std::vector<float>(size_t(groups), global_scale), r.src_info.data());
   return r;
 }
 

@@ -236,6 +236,7 @@ std::vector<float> combine_expert_side(const Problem& p, const std::vector<Dispa
   if (rpn < 0 || (rpn > 0 && p.n_ranks % rpn != 0))
     bad_argument("combine_expert_side: forward_ranks_per_node = " + std::to_string(rpn) +
                  " does not divide n_ranks = " + std::to_string(p.n_ranks));
+  const detail::NodeMap nm{p.n_ranks, rpn > 0 ? rpn : p.n_ranks};  // 0: one node, all direct
   const RankInput& in = p.ranks[size_t(rank)];
   const int32_t T = sends(p, rank) ? in.num_tokens : 0;
   const int64_t H = p.hidden, K = p.top_k, slots = K + (p.shared_expert ? 1 : 0);
@@ -270,8 +271,7 @@ std::vector<float> combine_expert_side(const Problem& p, const std::vector<Dispa
     }
     float* o = out.data() + t * H;  // the token side: bf16 rows added in fp32, rank order
     for (int32_t r = 0; r < p.n_ranks; ++r) {
-      const bool remote = rpn > 0 && r / rpn != rank / rpn;
-      if (!remote) {
+      if (!nm.remote(rank, r)) {
         if (!any[size_t(r)]) continue;
         const float* pr = partial.data() + r * H;
         for (int64_t h = 0; h < H; ++h)
@@ -279,10 +279,10 @@ std::vector<float> combine_expert_side(const Problem& p, const std::vector<Dispa
         continue;
       }
       // Another node, forwarded: its relay's sum of the node's rows, at the node's first rank.
-      if (r % rpn != 0) continue;
+      if (nm.local_of(r) != 0) continue;
       bool reached = false;
       std::fill(node_sum.begin(), node_sum.end(), 0.0f);
-      for (int32_t q = r; q < r + rpn; ++q) {
+      for (int32_t q = r; q < r + nm.ranks_per_node; ++q) {
         if (!any[size_t(q)]) continue;
         reached = true;
         const float* pq = partial.data() + q * H;

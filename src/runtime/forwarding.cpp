@@ -46,23 +46,19 @@ ForwardDecision decide_forwarding(const ForwardShape& s) {
   }
   d.expected_saving = s.ranks_per_node * reach_probability(s.n_experts, s.top_k, s.n_ranks) /
                       reach_probability(s.n_experts, s.top_k, nodes);
-  if (d.expected_saving >= kForwardMinSaving) {
-    d.route = CrossNodeRoute::kForward;
-    std::snprintf(line, sizeof line,
-                  "forward: %d nodes x %d ranks, top-%d of %d experts: a token meets %.2f ranks "
-                  "of each other node it reaches (uniform routing), so one copy per node cuts "
-                  "network copies %.2fx",
-                  nodes, s.ranks_per_node, s.top_k, s.n_experts, d.expected_saving,
-                  d.expected_saving);
-  } else {
-    std::snprintf(line, sizeof line,
-                  "direct: %d nodes x %d ranks, top-%d of %d experts: a token meets %.2f ranks "
-                  "of each other node it reaches (uniform routing), below the %.2f forwarding "
-                  "needs to pay for its hop",
-                  nodes, s.ranks_per_node, s.top_k, s.n_experts, d.expected_saving,
-                  kForwardMinSaving);
-  }
+  if (d.expected_saving >= kForwardMinSaving) d.route = CrossNodeRoute::kForward;
+  std::snprintf(line, sizeof line,
+                "%s: %d nodes x %d ranks, top-%d of %d experts: a token meets %.2f ranks of each "
+                "other node it reaches (uniform routing), ",
+                cross_node_route_name(d.route), nodes, s.ranks_per_node, s.top_k, s.n_experts,
+                d.expected_saving);
   d.reason = line;
+  std::snprintf(line, sizeof line,
+                d.route == CrossNodeRoute::kForward
+                    ? "so one copy per node cuts network copies %.2fx"
+                    : "below the %.2f forwarding needs to pay for its hop",
+                d.route == CrossNodeRoute::kForward ? d.expected_saving : kForwardMinSaving);
+  d.reason += line;
   return d;
 }
 

@@ -16,6 +16,7 @@
 #include "epcomm/detail/window_layout.h"
 #include "epcomm/forwarding.h"
 #include "epcomm/reference.h"
+#include "harness.h"
 
 using namespace epcomm;
 using namespace epcomm::reference;
@@ -98,12 +99,6 @@ std::vector<std::vector<uint16_t>> identity_outputs(const std::vector<DispatchRe
   for (const DispatchResult& d : l)
     y.push_back(d.tokens);
   return y;
-}
-std::vector<DispatchResult> dispatch_all(const Problem& p) {
-  std::vector<DispatchResult> l;
-  for (int32_t r = 0; r < p.n_ranks; ++r)
-    l.push_back(dispatch(p, r));
-  return l;
 }
 bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
   if (a.size() != b.size()) return false;
@@ -372,7 +367,7 @@ TEST(Forwarding, ForwardedCombineOrderDiffersFromTheDirectOneByHand) {
   Problem p = make_problem(4, 8, 3, 4, {1, 0, 0, 0}, 2);
   p.ranks[0].topk_ids = {0, 2, 3};
   p.ranks[0].weights = {1.0f, 1.0f, 1.0f};
-  const std::vector<DispatchResult> l = dispatch_all(p);
+  const std::vector<DispatchResult> l = epcomm::testing::reference_dispatch_all(p);
   const float value[4] = {std::ldexp(1.0f, -8), 0.0f, 1.0f, std::ldexp(1.0f, -9)};
   std::vector<std::vector<uint16_t>> y(4);
   for (int32_t d = 0; d < 4; ++d)
@@ -398,7 +393,7 @@ TEST(Forwarding, ForwardedCombineOrderIsTheDirectOneWhereNothingIsForwarded) {
   // the forwarded order is the direct one, bit for bit.
   Problem p = make_problem(8, 64, 4, 32, {9, 7, 8, 5, 6, 9, 3, 8}, 21, 0.0, 0.2);
   p.shared_expert = true;
-  const std::vector<DispatchResult> l = dispatch_all(p);
+  const std::vector<DispatchResult> l = epcomm::testing::reference_dispatch_all(p);
   const auto y = identity_outputs(l);
   for (int32_t r = 0; r < 8; ++r) {
     const std::vector<float> direct = combine_expert_side(p, l, y, r);
@@ -412,7 +407,7 @@ TEST(Forwarding, ForwardedCombineOrderIsTheDirectOneWhereNothingIsForwarded) {
     for (int32_t t = 0; t < 6; ++t)
       for (int32_t k = 0; k < 4; ++k)  // node k, rank (t + s) % 2 of it, expert t
         q.ranks[size_t(s)].topk_ids[size_t(t * 4 + k)] = (2 * k + (t + s) % 2) * 8 + t;
-  const std::vector<DispatchResult> lq = dispatch_all(q);
+  const std::vector<DispatchResult> lq = epcomm::testing::reference_dispatch_all(q);
   const auto yq = identity_outputs(lq);
   for (int32_t r = 0; r < 8; ++r)
     EXPECT_TRUE(same_bits(combine_expert_side(q, lq, yq, r, 2), combine_expert_side(q, lq, yq, r)))
@@ -429,7 +424,7 @@ TEST(Forwarding, ForwardedCombineOrderStaysWithinTheReferenceTolerance) {
     const int32_t R = nodes * rpn;
     Problem p =
         make_problem(R, 128, 8, 64, std::vector<int32_t>(size_t(R), 24), uint64_t(30 + R + nodes));
-    const std::vector<DispatchResult> l = dispatch_all(p);
+    const std::vector<DispatchResult> l = epcomm::testing::reference_dispatch_all(p);
     const auto y = identity_outputs(l);
     for (int32_t r = 0; r < R; ++r) {
       const std::vector<double> ref = combine(p, l, y, r, true);

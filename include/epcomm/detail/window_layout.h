@@ -245,6 +245,8 @@ struct NodeMap {
   int32_t ranks_per_node;  // divides n_ranks; n_ranks: one node
 
   EPCOMM_HD int32_t node_of(int32_t r) const { return r / ranks_per_node; }
+  EPCOMM_HD int32_t local_of(int32_t r) const { return r % ranks_per_node; }
+  EPCOMM_HD int32_t n_nodes() const { return n_ranks / ranks_per_node; }
   EPCOMM_HD bool remote(int32_t me, int32_t peer) const { return node_of(me) != node_of(peer); }
   EPCOMM_HD int32_t n_remote() const { return n_ranks - ranks_per_node; }
   // Index of a rank of another node among the ranks of other nodes, in rank order.
