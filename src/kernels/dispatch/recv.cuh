@@ -246,25 +246,25 @@ __device__ void expand_parts(const DispatchParams& p, const RecvGroups& rg, unsi
 
 // The throughput path's receive: work items (chunk, source, part) of the chunks' messages.
 template <TokenFormat F>
-__device__ void expand_chunks(const DispatchParams& p, const RecvGroups& rg, unsigned long long seq,
-                              int32_t n_rb) {
+__device__ void expand_chunks(const DispatchParams& p, const RecvGroups& rg, unsigned long long seq) {
   const GroupView& g = p.g;
   const int32_t n_ranks = g.n_ranks;
   const MetaLayout ml = g.layout().meta();
   const int lane = threadIdx.x % kWarpSize;
-  // Work items (chunk, source, part), chunk-major so they come due in the order the chunks
-  // arrive: a warp takes the next item from the call's counter, waits for the chunk's flag, then
-  // expands messages part, part + parts, ... of it. A chunk holds up to 16 messages per source;
-  // parts spread them over more warps, at least 4 and up to one message per item when there are
-  // few chunks (decode: 8 per source), so that every warp of the grid has items. Taking items
-  // from a counter (not by warp index) lets senders that are done join, and keeps a warp that
-  // waited long from holding items others could take.
+  // Work items (chunk, source, message slot), chunk-major so they come due in the order the
+  // chunks arrive: a warp takes the next item from the call's counter, waits for the chunk's
+  // flag, then expands that one message. A chunk holds up to 16 messages per source; a slot past
+  // the chunk's messages costs one counter step and no wait. One message per item keeps the
+  // grid's tail short: a message expands into up to K rows (prefill: 8 rows, 115 KB of stores,
+  // some 30 us for one warp at its share of an SM's store rate), and items of 4 messages left
+  // their last warps storing for about 4 times that while the rest of the grid had nothing to
+  // take. Taking items from a counter (not by warp index) lets senders that are done join, and
+  // keeps a warp that waited long from holding items others could take.
   int32_t max_chunks = 0;
   for (int32_t s = 0; s < n_ranks; ++s)
     max_chunks = max(max_chunks, rg.n_chunks[s]);
   const int64_t cells = max(int64_t(1), int64_t(max_chunks) * n_ranks);
-  const int64_t want = (2 * int64_t(n_rb) * kWarps + cells - 1) / cells;
-  const int32_t parts = int32_t(min(int64_t(kChunkTokens), max(int64_t(4), want)));
+  constexpr int32_t parts = kChunkTokens;
   const int64_t items = cells * parts;
   unsigned long long* counter = &g.state->recv_item[seq & 1];
   unsigned long long taken = lane == 0 ? atomicAdd(counter, 1ull) : 0ull;
@@ -279,10 +279,10 @@ __device__ void expand_chunks(const DispatchParams& p, const RecvGroups& rg, uns
     const int32_t* starts = reinterpret_cast<const int32_t*>(
         window_at(g, g.rank, g.layout().meta_offset(s)) + ml.chunk_start_offset());
     const int32_t end = min(starts[c + 1], rg.stream_count[s]);
-    if (starts[c] + part >= end) continue;  // no message of this part: nothing to wait for
+    const int32_t m = starts[c] + part;
+    if (m >= end) continue;  // no message in this slot: nothing to wait for
     if (!warp_wait_chunk(g, s, c, seq)) break;
-    for (int32_t m = starts[c] + part; m < end; m += parts)
-      expand_message<F>(p, rg, s, m, 0, g.hidden / kLaneValues);
+    expand_message<F>(p, rg, s, m, 0, g.hidden / kLaneValues);
   }
 }
 
@@ -388,7 +388,7 @@ __device__ __noinline__ void dispatch_recv(const DispatchParams& p, unsigned lon
   if (g.low_latency)
     expand_parts<F>(p, rg, seq, rb, n_rb);
   else
-    expand_chunks<F>(p, rg, seq, n_rb);
+    expand_chunks<F>(p, rg, seq);
   // A warp that gave up has set the abort flag (or found it set): the block stops here.
   if (block_aborted(g)) return;
   dispatch_done(g, seq);
