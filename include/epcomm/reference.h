@@ -9,6 +9,7 @@
 
 #include "epcomm/error.h"
 #include "epcomm/layout.h"
+#include "epcomm/token_format.h"
 
 namespace epcomm {
 namespace reference {
@@ -87,10 +88,16 @@ std::vector<double> combine(const Problem& p, const std::vector<DispatchResult>&
 // exactly as the device computes it, in fp32 before the final bf16 rounding: per destination
 // rank r ascending, p_r = bf16(fma chain over r's slots k ascending of w[t,k] * y[t,k], from 0),
 // then out[t] = sum over r of p_r in fp32 from 0. [T, H].
-std::vector<float> combine_expert_side(const Problem& p,
-                                       const std::vector<DispatchResult>& layouts,
+// forward_ranks_per_node > 0: the order of a group of nodes of that many ranks that forwards
+// inside the node (epcomm/forwarding.h; docs/multinode.md "Forwarding inside the node
+// (design)"): the same p_r; the relay of each other node the token reaches sums that node's p_r
+// in fp32 from 0, rank ascending, and rounds the sum to bf16, q_n; out[t] is the fp32 sum from
+// 0, in rank order, of the p_r of the ranks of rank's own node and, at its node's place, the
+// q_n of every other node. Bit-identical to the direct order (0) where every other node holds
+// at most one of the token's destination ranks; elsewhere it may differ in the last bits.
+std::vector<float> combine_expert_side(const Problem& p, const std::vector<DispatchResult>& layouts,
                                        const std::vector<std::vector<uint16_t>>& expert_out,
-                                       int32_t rank);
+                                       int32_t rank, int32_t forward_ranks_per_node = 0);
 
 // The ranks token t of rank `rank` is sent to (the owners of its experts), bit r for rank r;
 // 0 under skip_a2a (no traffic between ranks). Ids outside [0, n_experts) count for nothing; a
@@ -98,11 +105,58 @@ std::vector<float> combine_expert_side(const Problem& p,
 // out. The shared expert's row stays on the rank and is not counted.
 uint64_t destination_ranks(const Problem& p, int32_t rank, int32_t t);
 
-// Dispatch messages rank `rank` sends to ranks of other nodes (nodes of ranks_per_node
-// consecutive ranks) in one call: `direct`, one per (token, destination rank on another node),
-// what crosses the network when every message goes straight to its rank; `per_node`, one per
-// (token, other node it goes to), what crosses when one copy per node is forwarded inside the
-// node. Their ratio is what forwarding saves on the network.
+// The byte model of a group that spans nodes (nodes of ranks_per_node consecutive ranks): what
+// each rank puts through NVSHMEM, to ranks of other nodes, in one dispatch and the combine after
+// it, on the direct path and when forwarding inside the node (epcomm/forwarding.h,
+// docs/multinode.md "Forwarding inside the node (design)"). Counted from the routing, each put
+// attributed to the rank that makes it:
+//  - dispatch, direct: one message per (token, destination rank of another node), by the
+//    token's rank; forwarded: one forwarded message per (token, other node it reaches), by the
+//    token's rank, to that node's relay;
+//  - meta records: one per (rank, rank of another node) on both paths (they stay direct);
+//  - combine, expert side (weights given to dispatch): direct, one pre-summed row per (token,
+//    destination rank of another node), by that destination; forwarded, one row per (token,
+//    other node it reached), by that node's relay, after it summed the node's rows;
+//  - combine, token side (weights given to combine, or none): one row per (token, top-k slot
+//    whose expert is on another node), by the expert's rank, on both paths (without the weights
+//    a relay has nothing to reduce).
+// Masked slots, the shared expert's row and a rank whose topk_ids the device refuses
+// (validate_topk) send nothing; skip_a2a moves nothing, meta records included. Signal words
+// (chunk flags, arrival counters, acknowledgements) are not counted.
+struct CrossNodeSizes {
+  int64_t message = 0;          // a dispatch message (detail::MessageLayout::bytes())
+  int64_t forward_message = 0;  // a forwarded one (detail::forward_message_bytes)
+  int64_t combine_row = 0;      // a combine row (detail::CombineRecvLayout::row_bytes())
+  int64_t meta_record = 0;      // a meta record (detail::MetaLayout::bytes())
+};
+// The sizes of a group running `p` in `format` with max_tokens_per_rank = max_tokens, as the
+// window lays them out (the modes' view: the shared expert's slot and group counted).
+CrossNodeSizes cross_node_sizes(const Problem& p, TokenFormat format, int32_t max_tokens,
+                                int32_t ranks_per_node);
+struct CrossNodePuts {
+  int64_t dispatch_messages = 0;
+  int64_t meta_records = 0;
+  int64_t combine_rows_expert_side = 0;
+  int64_t combine_rows_token_side = 0;
+  int64_t dispatch_bytes = 0;  // messages and meta records
+  int64_t combine_bytes_expert_side = 0;
+  int64_t combine_bytes_token_side = 0;
+};
+struct CrossNodeTraffic {
+  CrossNodePuts direct;
+  CrossNodePuts forwarded;
+  // Forwarding only, over NVLink: the messages this rank, as a relay, writes to the other ranks
+  // of its node that own the tokens' experts; as many pre-summed rows come back to it in the
+  // expert-side combine.
+  int64_t relay_copies = 0;
+};
+// One entry per rank. Throws Error(kInvalidArgument) for ranks_per_node not dividing n_ranks.
+std::vector<CrossNodeTraffic> cross_node_traffic(const Problem& p, int32_t ranks_per_node,
+                                                 const CrossNodeSizes& sizes);
+
+// The dispatch messages of cross_node_traffic for rank `rank`: `direct` its
+// direct.dispatch_messages, `per_node` its forwarded.dispatch_messages (the benchmark prints
+// them).
 struct CrossNodeMessages {
   int64_t direct = 0;
   int64_t per_node = 0;

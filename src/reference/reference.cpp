@@ -7,6 +7,8 @@
 
 #include "epcomm/bf16.h"
 #include "epcomm/config.h"
+#include "epcomm/detail/window_layout.h"
+#include "epcomm/forwarding.h"
 
 namespace epcomm {
 namespace reference {
@@ -226,22 +228,29 @@ std::vector<double> combine(const Problem& p, const std::vector<DispatchResult>&
   return out;
 }
 
-std::vector<float> combine_expert_side(const Problem& p,
-                                       const std::vector<DispatchResult>& layouts,
+std::vector<float> combine_expert_side(const Problem& p, const std::vector<DispatchResult>& layouts,
                                        const std::vector<std::vector<uint16_t>>& expert_out,
-                                       int32_t rank) {
+                                       int32_t rank, int32_t forward_ranks_per_node) {
   check_combine_args(p, layouts, expert_out, rank);
+  const int32_t rpn = forward_ranks_per_node;
+  if (rpn < 0 || (rpn > 0 && p.n_ranks % rpn != 0))
+    bad_argument("combine_expert_side: forward_ranks_per_node = " + std::to_string(rpn) +
+                 " does not divide n_ranks = " + std::to_string(p.n_ranks));
   const RankInput& in = p.ranks[size_t(rank)];
   const int32_t T = sends(p, rank) ? in.num_tokens : 0;
   const int64_t H = p.hidden, K = p.top_k, slots = K + (p.shared_expert ? 1 : 0);
   const ExpertMap em{p.n_experts, p.n_ranks};
   const auto where = slot_rows(p, layouts, rank, T);
   std::vector<float> out(static_cast<size_t>(T * H), 0.0f);
-  std::vector<float> partial(static_cast<size_t>(H));
+  // p_r of every rank r for the token in hand, already rounded to bf16 (held as float).
+  std::vector<float> partial(static_cast<size_t>(p.n_ranks * H));
+  std::vector<bool> any(static_cast<size_t>(p.n_ranks));
+  std::vector<float> node_sum(static_cast<size_t>(H));
   for (int32_t t = 0; t < T; ++t) {
-    for (int32_t r = 0; r < p.n_ranks; ++r) {  // rank ascending
-      bool any = false;
-      std::fill(partial.begin(), partial.end(), 0.0f);
+    for (int32_t r = 0; r < p.n_ranks; ++r) {
+      any[size_t(r)] = false;
+      float* pr = partial.data() + r * H;
+      std::fill(pr, pr + H, 0.0f);
       // The expert side: slot ascending (the shared expert's last, on this rank, weight 1),
       // fused multiply-add.
       for (int32_t k = 0; k < slots; ++k) {
@@ -250,15 +259,39 @@ std::vector<float> combine_expert_side(const Problem& p,
         if (k == K && r != rank) continue;
         const auto [d, row] = where[size_t(t * slots + k)];
         if (d < 0) continue;  // skip_a2a: another rank's expert; the shared slot of another share
-        any = true;
+        any[size_t(r)] = true;
         const uint16_t* y = expert_out[size_t(d)].data() + row * H;
         const float w = k < K ? in.weights[size_t(t * K + k)] : 1.0f;
         for (int64_t h = 0; h < H; ++h)
-          partial[size_t(h)] = std::fma(w, bf16_to_float(y[h]), partial[size_t(h)]);
+          pr[h] = std::fma(w, bf16_to_float(y[h]), pr[h]);
       }
-      if (!any) continue;
-      float* o = out.data() + t * H;  // the token side: the bf16 partial sums added in fp32
-      for (int64_t h = 0; h < H; ++h) o[h] += bf16_to_float(float_to_bf16(partial[size_t(h)]));
+      for (int64_t h = 0; h < H; ++h)
+        pr[h] = bf16_to_float(float_to_bf16(pr[h]));
+    }
+    float* o = out.data() + t * H;  // the token side: bf16 rows added in fp32, rank order
+    for (int32_t r = 0; r < p.n_ranks; ++r) {
+      const bool remote = rpn > 0 && r / rpn != rank / rpn;
+      if (!remote) {
+        if (!any[size_t(r)]) continue;
+        const float* pr = partial.data() + r * H;
+        for (int64_t h = 0; h < H; ++h)
+          o[h] += pr[h];
+        continue;
+      }
+      // Another node, forwarded: its relay's sum of the node's rows, at the node's first rank.
+      if (r % rpn != 0) continue;
+      bool reached = false;
+      std::fill(node_sum.begin(), node_sum.end(), 0.0f);
+      for (int32_t q = r; q < r + rpn; ++q) {
+        if (!any[size_t(q)]) continue;
+        reached = true;
+        const float* pq = partial.data() + q * H;
+        for (int64_t h = 0; h < H; ++h)
+          node_sum[size_t(h)] += pq[h];
+      }
+      if (!reached) continue;
+      for (int64_t h = 0; h < H; ++h)
+        o[h] += bf16_to_float(float_to_bf16(node_sum[size_t(h)]));
     }
   }
   return out;
@@ -279,25 +312,75 @@ uint64_t destination_ranks(const Problem& p, int32_t rank, int32_t t) {
   return mask;
 }
 
-CrossNodeMessages cross_node_messages(const Problem& p, int32_t rank, int32_t ranks_per_node) {
+CrossNodeSizes cross_node_sizes(const Problem& p, TokenFormat format, int32_t max_tokens,
+                                int32_t ranks_per_node) {
+  check_problem(p);
+  const RouteMap rm = p.route(0);
+  const detail::MessageLayout msg{p.hidden, rm.slots(), format};
+  CrossNodeSizes s;
+  s.message = msg.bytes();
+  s.forward_message = detail::forward_message_bytes(msg, ranks_per_node);
+  s.combine_row = detail::CombineRecvLayout{p.hidden, rm.slots(), max_tokens}.row_bytes();
+  s.meta_record =
+      detail::MetaLayout{rm.groups(), detail::num_chunks(max_tokens), rm.view_ranks()}.bytes();
+  return s;
+}
+
+std::vector<CrossNodeTraffic> cross_node_traffic(const Problem& p, int32_t ranks_per_node,
+                                                 const CrossNodeSizes& sizes) {
   check_problem(p);
   if (ranks_per_node < 1 || p.n_ranks % ranks_per_node != 0)
-    bad_argument("cross_node_messages: ranks_per_node = " + std::to_string(ranks_per_node) +
+    bad_argument("cross_node_traffic: ranks_per_node = " + std::to_string(ranks_per_node) +
                  " does not divide n_ranks = " + std::to_string(p.n_ranks));
-  const int32_t my_node = rank / ranks_per_node;
-  CrossNodeMessages m;
-  if (!sends(p, rank)) return m;  // the device sends nothing for refused topk_ids
-  for (int32_t t = 0; t < rank_input(p, rank, "cross_node_messages").num_tokens; ++t) {
-    const uint64_t dest = destination_ranks(p, rank, t);
-    uint64_t nodes = 0;
-    for (int32_t r = 0; r < p.n_ranks; ++r) {
-      if (!((dest >> r) & 1) || r / ranks_per_node == my_node) continue;
-      ++m.direct;
-      nodes |= uint64_t(1) << (r / ranks_per_node);
+  const ForwardPlan plan = ForwardPlan::make(p.n_ranks, ranks_per_node);
+  const detail::NodeMap& nm = plan.nodes;
+  const ExpertMap em{p.n_experts, p.n_ranks};
+  std::vector<CrossNodeTraffic> out(static_cast<size_t>(p.n_ranks));
+  if (p.skip_a2a) return out;  // no traffic between ranks
+  for (int32_t s = 0; s < p.n_ranks; ++s) {
+    out[size_t(s)].direct.meta_records = nm.n_remote();
+    out[size_t(s)].forwarded.meta_records = nm.n_remote();
+    if (!sends(p, s)) continue;  // the device sends nothing for refused topk_ids
+    const RankInput& in = p.ranks[size_t(s)];
+    for (int32_t t = 0; t < in.num_tokens; ++t) {
+      const uint64_t dest = destination_ranks(p, s, t);
+      for (uint64_t bits = dest; bits != 0; bits &= bits - 1) {  // destination ranks ascending
+        const int32_t d = __builtin_ctzll(bits);
+        if (!nm.remote(s, d)) continue;
+        ++out[size_t(s)].direct.dispatch_messages;
+        ++out[size_t(d)].direct.combine_rows_expert_side;
+        const int32_t relay = plan.relay_for(s, d);
+        // One forwarded message per node: counted at the node's first destination rank.
+        const int32_t first = nm.node_of(d) * nm.ranks_per_node;
+        if (((dest >> first) & ((uint64_t(1) << (d - first)) - 1)) == 0) {
+          ++out[size_t(s)].forwarded.dispatch_messages;
+          ++out[size_t(relay)].forwarded.combine_rows_expert_side;
+        }
+        if (d != relay) ++out[size_t(relay)].relay_copies;
+      }
+      for (int32_t k = 0; k < p.top_k; ++k) {
+        const int32_t id = in.topk_ids[size_t(t) * p.top_k + k];
+        if (id < 0 || !nm.remote(s, em.rank_of(id))) continue;
+        ++out[size_t(em.rank_of(id))].direct.combine_rows_token_side;
+        ++out[size_t(em.rank_of(id))].forwarded.combine_rows_token_side;
+      }
     }
-    for (; nodes != 0; nodes &= nodes - 1) ++m.per_node;
   }
-  return m;
+  for (CrossNodeTraffic& c : out) {
+    for (CrossNodePuts* q : {&c.direct, &c.forwarded}) {
+      const int64_t msg = q == &c.direct ? sizes.message : sizes.forward_message;
+      q->dispatch_bytes = q->dispatch_messages * msg + q->meta_records * sizes.meta_record;
+      q->combine_bytes_expert_side = q->combine_rows_expert_side * sizes.combine_row;
+      q->combine_bytes_token_side = q->combine_rows_token_side * sizes.combine_row;
+    }
+  }
+  return out;
+}
+
+CrossNodeMessages cross_node_messages(const Problem& p, int32_t rank, int32_t ranks_per_node) {
+  rank_input(p, rank, "cross_node_messages");
+  const CrossNodeTraffic c = cross_node_traffic(p, ranks_per_node, CrossNodeSizes{})[size_t(rank)];
+  return CrossNodeMessages{c.direct.dispatch_messages, c.forwarded.dispatch_messages};
 }
 
 std::vector<int32_t> make_topk(int32_t num_tokens, int32_t top_k, int32_t n_experts,

@@ -1,0 +1,447 @@
+// Forwarding inside the node (epcomm/forwarding.h, docs/multinode.md "Forwarding inside the node
+// (design)"): the relay plan for every declared split, the set-up decision, the size of a
+// forwarded message, the byte model (reference::cross_node_traffic) against a brute-force count
+// and against docs/multinode.md's closed form, and the forwarded combine order of the reference.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <set>
+#include <utility>
+#include <vector>
+
+#include "epcomm/bf16.h"
+#include "epcomm/detail/window_layout.h"
+#include "epcomm/forwarding.h"
+#include "epcomm/reference.h"
+
+using namespace epcomm;
+using namespace epcomm::reference;
+
+namespace {
+// The splits the issue names, nodes x ranks per node.
+const std::vector<std::pair<int32_t, int32_t>> kSplits = {{1, 4}, {2, 2}, {4, 1},
+                                                          {2, 4}, {4, 2}, {4, 4}};
+
+// What every rank puts to ranks of other nodes, counted the slow way from the definitions
+// (docs/multinode.md): sets of destination ranks and nodes per token.
+struct Count {
+  int64_t direct_msgs = 0, fwd_msgs = 0, direct_rows = 0, fwd_rows = 0, slot_rows = 0,
+          relay_copies = 0;
+};
+std::vector<Count> brute_force(const Problem& p, int32_t rpn) {
+  std::vector<Count> c(size_t(p.n_ranks));
+  const int32_t n_local = p.n_experts / p.n_ranks;
+  for (int32_t s = 0; s < p.n_ranks; ++s) {
+    const RankInput& in = p.ranks[size_t(s)];
+    for (int32_t t = 0; t < in.num_tokens; ++t) {
+      std::set<int32_t> ranks;
+      std::map<int32_t, std::set<int32_t>> by_node;  // other node -> its destination ranks
+      for (int32_t k = 0; k < p.top_k; ++k) {
+        const int32_t id = in.topk_ids[size_t(t * p.top_k + k)];
+        if (id < 0) continue;
+        const int32_t d = id / n_local;
+        if (d / rpn == s / rpn) continue;
+        ++c[size_t(d)].slot_rows;
+        ranks.insert(d);
+        by_node[d / rpn].insert(d);
+      }
+      c[size_t(s)].direct_msgs += int64_t(ranks.size());
+      for (int32_t d : ranks)
+        ++c[size_t(d)].direct_rows;
+      c[size_t(s)].fwd_msgs += int64_t(by_node.size());
+      for (const auto& [node, dests] : by_node) {
+        const int32_t relay = node * rpn + s % rpn;  // the same local index as the sender
+        ++c[size_t(relay)].fwd_rows;
+        c[size_t(relay)].relay_copies += int64_t(dests.size()) - int64_t(dests.count(relay));
+      }
+    }
+  }
+  return c;
+}
+
+void expect_model_matches(const Problem& p, int32_t rpn, const char* what) {
+  const CrossNodeSizes sz{1000, 1100, 300, 7};
+  const std::vector<CrossNodeTraffic> m = cross_node_traffic(p, rpn, sz);
+  const std::vector<Count> b = brute_force(p, rpn);
+  const int64_t remote = p.n_ranks - rpn;
+  for (int32_t r = 0; r < p.n_ranks; ++r) {
+    SCOPED_TRACE(std::string(what) + ", ranks_per_node " + std::to_string(rpn) + ", rank " +
+                 std::to_string(r));
+    const CrossNodeTraffic& x = m[size_t(r)];
+    const Count& y = b[size_t(r)];
+    EXPECT_EQ(x.direct.dispatch_messages, y.direct_msgs);
+    EXPECT_EQ(x.forwarded.dispatch_messages, y.fwd_msgs);
+    EXPECT_EQ(x.direct.combine_rows_expert_side, y.direct_rows);
+    EXPECT_EQ(x.forwarded.combine_rows_expert_side, y.fwd_rows);
+    EXPECT_EQ(x.direct.combine_rows_token_side, y.slot_rows);
+    EXPECT_EQ(x.forwarded.combine_rows_token_side, y.slot_rows);
+    EXPECT_EQ(x.relay_copies, y.relay_copies);
+    EXPECT_EQ(x.direct.meta_records, remote);
+    EXPECT_EQ(x.forwarded.meta_records, remote);
+    EXPECT_EQ(x.direct.dispatch_bytes, y.direct_msgs * 1000 + remote * 7);
+    EXPECT_EQ(x.forwarded.dispatch_bytes, y.fwd_msgs * 1100 + remote * 7);
+    EXPECT_EQ(x.direct.combine_bytes_expert_side, y.direct_rows * 300);
+    EXPECT_EQ(x.forwarded.combine_bytes_expert_side, y.fwd_rows * 300);
+    EXPECT_EQ(x.forwarded.combine_bytes_token_side, y.slot_rows * 300);
+    const CrossNodeMessages old = cross_node_messages(p, r, rpn);
+    EXPECT_EQ(old.direct, y.direct_msgs);
+    EXPECT_EQ(old.per_node, y.fwd_msgs);
+  }
+}
+
+// Expert outputs that are the dispatched tokens themselves (any bf16 rows would do).
+std::vector<std::vector<uint16_t>> identity_outputs(const std::vector<DispatchResult>& l) {
+  std::vector<std::vector<uint16_t>> y;
+  for (const DispatchResult& d : l)
+    y.push_back(d.tokens);
+  return y;
+}
+std::vector<DispatchResult> dispatch_all(const Problem& p) {
+  std::vector<DispatchResult> l;
+  for (int32_t r = 0; r < p.n_ranks; ++r)
+    l.push_back(dispatch(p, r));
+  return l;
+}
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i)
+    if (std::memcmp(&a[i], &b[i], sizeof(float)) != 0) return false;
+  return true;
+}
+}  // namespace
+
+TEST(Forwarding, RelayHasTheSendersLocalIndexInEverySplit) {
+  for (const auto& [nodes, rpn] : kSplits) {
+    SCOPED_TRACE(std::to_string(nodes) + "x" + std::to_string(rpn));
+    const int32_t R = nodes * rpn;
+    const ForwardPlan plan = ForwardPlan::make(R, rpn);
+    EXPECT_EQ(plan.n_nodes(), nodes);
+    EXPECT_EQ(plan.relayed_sources(), nodes - 1);
+    std::vector<int32_t> relayed(size_t(R), 0);
+    for (int32_t s = 0; s < R; ++s) {
+      for (int32_t n = 0; n < nodes; ++n) {
+        const int32_t relay = plan.relay(s, n);
+        EXPECT_EQ(relay / rpn, n);
+        EXPECT_EQ(relay % rpn, s % rpn);
+        for (int32_t d = n * rpn; d < (n + 1) * rpn; ++d)
+          EXPECT_EQ(plan.relay_for(s, d), relay);
+        if (n == s / rpn) {
+          EXPECT_EQ(relay, s);  // its own node: no relay
+        } else {
+          ++relayed[size_t(relay)];
+          const int32_t i = plan.relayed_index(relay, s);
+          ASSERT_GE(i, 0);
+          ASSERT_LT(i, nodes - 1);
+          EXPECT_EQ(plan.relayed_source(relay, i), s);
+        }
+      }
+    }
+    // Balance: every rank relays for one sender of each other node.
+    for (int32_t r = 0; r < R; ++r)
+      EXPECT_EQ(relayed[size_t(r)], nodes - 1) << r;
+    // relayed_source lists other nodes in node order, never r's own.
+    for (int32_t r = 0; r < R; ++r)
+      for (int32_t i = 0; i + 1 < nodes - 1; ++i)
+        EXPECT_LT(plan.relayed_source(r, i), plan.relayed_source(r, i + 1));
+  }
+}
+
+TEST(Forwarding, ForwardedMessageKeepsThePayloadAndGrowsTheHeader) {
+  // Prefill and decode of docs/multinode.md: bf16 and blockwise FP8, hidden 7168, top-8.
+  const detail::MessageLayout bf16{7168, 8, TokenFormat::kBF16};
+  const detail::MessageLayout fp8{7168, 8, TokenFormat::kFp8Blockwise};
+  EXPECT_EQ(bf16.bytes(), 14464);
+  EXPECT_EQ(fp8.bytes(), 7552);
+  // 8 + 8 per destination + 12 per entry: 8 + 16 + 96 = 120 fits one line at 2 ranks per node,
+  // 8 + 64 + 96 = 168 needs two at 8.
+  EXPECT_EQ(detail::forward_header_bytes(8, 2), 128);
+  EXPECT_EQ(detail::forward_header_bytes(8, 8), 256);
+  EXPECT_EQ(detail::forward_header_bytes(8, 64), 256);  // at most top_k destinations
+  EXPECT_EQ(detail::forward_header_bytes(1, 8), 128);
+  EXPECT_EQ(detail::forward_message_bytes(bf16, 2), bf16.bytes());
+  EXPECT_EQ(detail::forward_message_bytes(bf16, 8), bf16.bytes() + 128);
+  EXPECT_EQ(detail::forward_message_bytes(fp8, 8), fp8.bytes() + 128);
+  for (TokenFormat f : {TokenFormat::kBF16, TokenFormat::kFp8Blockwise, TokenFormat::kNvfp4,
+                        TokenFormat::kMxfp8, TokenFormat::kMxfp4}) {
+    for (int32_t k : {1, 4, 8, 16}) {
+      for (int32_t rpn : {1, 2, 4, 8}) {
+        const detail::MessageLayout m{1024, k, f};
+        const int64_t fh = detail::forward_header_bytes(k, rpn);
+        EXPECT_EQ(fh % detail::MessageLayout::kAlign, 0);
+        EXPECT_GE(fh, 8 + 8 * std::min(k, rpn) + 12 * k);
+        EXPECT_GE(fh, m.header_bytes());  // a forwarded header holds a direct one's entries
+        EXPECT_EQ(detail::forward_message_bytes(m, rpn) - fh, m.bytes() - m.header_bytes())
+            << "the payload is the direct message's, byte for byte";
+      }
+    }
+  }
+}
+
+TEST(Forwarding, ReachProbabilityMatchesTheDocsTable) {
+  // docs/multinode.md "Where a token goes": top-8 of 256.
+  EXPECT_NEAR(reach_probability(256, 8, 8), 0.662, 5e-4);
+  EXPECT_NEAR(reach_probability(256, 8, 16), 0.408, 5e-4);
+  EXPECT_NEAR(reach_probability(256, 8, 32), 0.227, 5e-4);
+  EXPECT_NEAR(reach_probability(256, 8, 64), 0.120, 5e-4);
+  EXPECT_DOUBLE_EQ(reach_probability(8, 2, 4), 1.0 - 15.0 / 28.0);  // 1 - C(6,2)/C(8,2)
+  EXPECT_DOUBLE_EQ(reach_probability(256, 8, 1), 1.0);
+  EXPECT_DOUBLE_EQ(reach_probability(256, 1, 16), 1.0 / 16);
+}
+
+TEST(Forwarding, DecisionForwardsOnlyWhereATokenMeetsSeveralRanksOfANode) {
+  auto decide = [](int32_t nodes, int32_t rpn, int32_t experts, int32_t k, bool skip = false) {
+    return decide_forwarding(ForwardShape{nodes * rpn, rpn, experts, k, skip});
+  };
+  // docs/multinode.md's per-node saving: 3.3x at EP16, 2.0x at EP32, 1.45x at EP64.
+  const ForwardDecision ep16 = decide(2, 8, 256, 8), ep32 = decide(4, 8, 256, 8),
+                        ep64 = decide(8, 8, 256, 8);
+  EXPECT_EQ(ep16.route, CrossNodeRoute::kForward);
+  EXPECT_EQ(ep32.route, CrossNodeRoute::kForward);
+  EXPECT_EQ(ep64.route, CrossNodeRoute::kForward);
+  EXPECT_NEAR(ep16.expected_saving, 3.26 / 1.00, 0.02);
+  EXPECT_NEAR(ep32.expected_saving, 5.45 / 2.71, 0.02);
+  EXPECT_NEAR(ep64.expected_saving, 6.72 / 4.63, 0.02);
+  EXPECT_NE(ep16.reason.find("forward"), std::string::npos) << ep16.reason;
+  // The line docs/multinode.md quotes.
+  EXPECT_EQ(ep16.reason,
+            "forward: 2 nodes x 8 ranks, top-8 of 256 experts: a token meets 3.27 ranks of each "
+            "other node it reaches (uniform routing), so one copy per node cuts network copies "
+            "3.27x");
+  // The declared splits with top-8 of 64 experts: forwarding wherever a node has two ranks or
+  // more and there are two nodes or more.
+  for (const auto& [nodes, rpn] : kSplits) {
+    const ForwardDecision d = decide(nodes, rpn, 64, 8);
+    SCOPED_TRACE(std::to_string(nodes) + "x" + std::to_string(rpn) + ": " + d.reason);
+    const bool pays = nodes > 1 && rpn > 1;
+    EXPECT_EQ(d.route, pays ? CrossNodeRoute::kForward : CrossNodeRoute::kDirect);
+    EXPECT_EQ(d.reason.rfind(pays ? "forward" : "direct", 0), 0u);
+    if (nodes > 1) {
+      EXPECT_GE(d.expected_saving, 1.0);
+    }
+  }
+  // Where forwarding cannot pay: one node, one rank per node, top-1, skip_a2a.
+  EXPECT_EQ(decide(1, 8, 256, 8).reason, "direct: the group is one node");
+  EXPECT_DOUBLE_EQ(decide(8, 1, 256, 8).expected_saving, 1.0);
+  EXPECT_EQ(decide(8, 1, 256, 8).route, CrossNodeRoute::kDirect);
+  EXPECT_NEAR(decide(2, 8, 256, 1).expected_saving, 1.0, 1e-12);
+  EXPECT_EQ(decide(2, 8, 256, 1).route, CrossNodeRoute::kDirect);
+  EXPECT_EQ(decide(2, 8, 256, 8, true).route, CrossNodeRoute::kDirect);
+  EXPECT_NE(decide(2, 8, 256, 1).reason.find("below"), std::string::npos);
+  EXPECT_STREQ(cross_node_route_name(CrossNodeRoute::kForward), "forward");
+  EXPECT_STREQ(cross_node_route_name(CrossNodeRoute::kDirect), "direct");
+  // Shapes no group has.
+  EXPECT_THROW(decide_forwarding(ForwardShape{8, 3, 64, 8, false}), Error);
+  EXPECT_THROW(decide_forwarding(ForwardShape{8, 4, 60, 8, false}), Error);
+  EXPECT_THROW(decide_forwarding(ForwardShape{8, 4, 64, 0, false}), Error);
+  EXPECT_THROW(decide_forwarding(ForwardShape{8, 4, 64, 65, false}), Error);
+}
+
+TEST(Forwarding, ByteModelMatchesABruteForceCountOnRandomRoutings) {
+  for (const auto& [nodes, rpn] : kSplits) {
+    const int32_t R = nodes * rpn;
+    std::vector<int32_t> tokens;
+    for (int32_t r = 0; r < R; ++r)
+      tokens.push_back(37 + 11 * r);
+    EXPECT_NO_FATAL_FAILURE(
+        expect_model_matches(make_problem(R, 8, 8, 64, tokens, 3), rpn, "uniform"));
+    EXPECT_NO_FATAL_FAILURE(
+        expect_model_matches(make_problem(R, 8, 4, 16, tokens, 4, 0.0, 0.3), rpn, "masked"));
+    EXPECT_NO_FATAL_FAILURE(
+        expect_model_matches(make_problem(R, 8, 6, 32, tokens, 5, 1.5), rpn, "zipf 1.5"));
+    Problem shared = make_problem(R, 8, 3, 8 * R, tokens, 6);
+    shared.shared_expert = true;  // its row stays home: not counted
+    EXPECT_NO_FATAL_FAILURE(expect_model_matches(shared, rpn, "shared expert"));
+  }
+}
+
+TEST(Forwarding, ByteModelOnAHotNode) {
+  // 2 nodes x 4 ranks, 32 experts (4 per rank): every token of every rank picks 8 of node 1's
+  // 16 experts, spread over its 4 ranks. Direct: node 0's tokens cross 4 times each (one per
+  // rank of node 1); forwarded: once, to the relay with the sender's local index, which forwards
+  // 3 copies over NVLink. Node 1's tokens cross nothing.
+  Problem p = make_problem(8, 8, 8, 32, {5, 5, 5, 5, 5, 5, 5, 5}, 9);
+  for (RankInput& in : p.ranks)
+    for (int32_t t = 0; t < in.num_tokens; ++t)
+      for (int32_t k = 0; k < 8; ++k)
+        in.topk_ids[size_t(t * 8 + k)] = 16 + (k % 4) * 4 + (k / 4 + t) % 4;  // rank 4 + k % 4
+  const std::vector<CrossNodeTraffic> m = cross_node_traffic(p, 4, CrossNodeSizes{10, 20, 3, 0});
+  for (int32_t r = 0; r < 8; ++r) {
+    SCOPED_TRACE(r);
+    const bool node0 = r < 4;
+    EXPECT_EQ(m[size_t(r)].direct.dispatch_messages, node0 ? 5 * 4 : 0);
+    EXPECT_EQ(m[size_t(r)].forwarded.dispatch_messages, node0 ? 5 : 0);
+    EXPECT_EQ(m[size_t(r)].forwarded.dispatch_bytes, node0 ? 5 * 20 : 0);
+    // Node 1's rank r: direct, a row back for every token of node 0 (4 senders x 5);
+    // forwarded, the relay of sender r - 4 only, one row per token, after 3 NVLink copies each.
+    EXPECT_EQ(m[size_t(r)].direct.combine_rows_expert_side, node0 ? 0 : 20);
+    EXPECT_EQ(m[size_t(r)].forwarded.combine_rows_expert_side, node0 ? 0 : 5);
+    EXPECT_EQ(m[size_t(r)].relay_copies, node0 ? 0 : 5 * 3);
+    EXPECT_EQ(m[size_t(r)].direct.combine_rows_token_side, node0 ? 0 : 4 * 5 * 2);
+  }
+  EXPECT_NO_FATAL_FAILURE(expect_model_matches(p, 4, "hot node"));
+  // A rank whose ids the device refuses sends nothing, but its meta records still go out.
+  p.ranks[0].topk_ids[1] = p.ranks[0].topk_ids[0];
+  const std::vector<CrossNodeTraffic> refused = cross_node_traffic(p, 4, CrossNodeSizes{});
+  EXPECT_EQ(refused[0].direct.dispatch_messages, 0);
+  EXPECT_EQ(refused[0].forwarded.dispatch_messages, 0);
+  EXPECT_EQ(refused[0].direct.meta_records, 4);
+  EXPECT_EQ(refused[4].forwarded.combine_rows_expert_side, 0);
+  // skip_a2a moves nothing; a split that does not divide the group is refused.
+  Problem skip = make_replicated_problem(8, 8, 8, 32, 5, 10);
+  skip.skip_a2a = true;
+  for (const CrossNodeTraffic& c : cross_node_traffic(skip, 4, CrossNodeSizes{1, 1, 1, 1})) {
+    EXPECT_EQ(c.direct.dispatch_bytes, 0);
+    EXPECT_EQ(c.forwarded.dispatch_bytes, 0);
+    EXPECT_EQ(c.direct.combine_rows_token_side, 0);
+  }
+  EXPECT_THROW(cross_node_traffic(p, 3, CrossNodeSizes{}), Error);
+}
+
+TEST(Forwarding, ByteModelMatchesTheClosedFormOnLargeUniformRoutings) {
+  // docs/multinode.md: top-8 of 256, nodes of 8. Per token, on average: remote destination
+  // ranks (R - 8) p(R), remote nodes (N - 1) p(N), remote top-k slots 8 (R - 8) / R. The mean
+  // over n tokens must lie within 5 standard errors (from the sample) of the closed form.
+  for (const int32_t R : {16, 32, 64}) {
+    SCOPED_TRACE("EP" + std::to_string(R));
+    const int32_t N = R / 8, per_rank = 8192 / R;
+    const Problem p =
+        make_problem(R, 8, 8, 256, std::vector<int32_t>(size_t(R), per_rank), uint64_t(100 + R));
+    const int64_t n = int64_t(R) * per_rank;
+    const double want_direct = (R - 8) * reach_probability(256, 8, R);
+    const double want_nodes = (N - 1) * reach_probability(256, 8, N);
+    const double want_slots = 8.0 * (R - 8) / R;
+    // Per-token samples for the standard errors, from the brute force's definitions.
+    double s_d = 0, s2_d = 0, s_n = 0, s2_n = 0;
+    for (int32_t s = 0; s < R; ++s) {
+      for (int32_t t = 0; t < per_rank; ++t) {
+        std::set<int32_t> ranks, nodes;
+        for (int32_t k = 0; k < 8; ++k) {
+          const int32_t d = p.ranks[size_t(s)].topk_ids[size_t(t * 8 + k)] / (256 / R);
+          if (d / 8 != s / 8) ranks.insert(d), nodes.insert(d / 8);
+        }
+        s_d += double(ranks.size()), s2_d += double(ranks.size() * ranks.size());
+        s_n += double(nodes.size()), s2_n += double(nodes.size() * nodes.size());
+      }
+    }
+    const double se_d = std::sqrt((s2_d / n - (s_d / n) * (s_d / n)) / n);
+    const double se_n = std::sqrt((s2_n / n - (s_n / n) * (s_n / n)) / n);
+    int64_t direct = 0, fwd = 0, rows_d = 0, rows_f = 0, slots = 0;
+    for (const CrossNodeTraffic& c : cross_node_traffic(p, 8, CrossNodeSizes{})) {
+      direct += c.direct.dispatch_messages;
+      fwd += c.forwarded.dispatch_messages;
+      rows_d += c.direct.combine_rows_expert_side;
+      rows_f += c.forwarded.combine_rows_expert_side;
+      slots += c.direct.combine_rows_token_side;
+    }
+    EXPECT_DOUBLE_EQ(double(direct), s_d);  // the model and the sample count alike
+    EXPECT_DOUBLE_EQ(double(fwd), s_n);
+    EXPECT_EQ(rows_d, direct);  // by symmetry, a row back per message
+    EXPECT_EQ(rows_f, fwd);
+    EXPECT_NEAR(double(direct) / n, want_direct, 5 * se_d);
+    EXPECT_NEAR(double(fwd) / n, want_nodes, 5 * se_n + 1e-12);
+    EXPECT_NEAR(double(slots) / n, want_slots, 0.05);  // remote slots: binomial-like, small SE
+    // The table's rounded figures: 3.26 -> 1.00, 5.45 -> 2.71, 6.72 -> 4.63.
+    const std::map<int32_t, std::pair<double, double>> table = {
+        {16, {3.26, 1.00}}, {32, {5.45, 2.71}}, {64, {6.72, 4.63}}};
+    EXPECT_NEAR(want_direct, table.at(R).first, 0.005);
+    EXPECT_NEAR(want_nodes, table.at(R).second, 0.005);
+  }
+}
+
+TEST(Forwarding, SizesAreTheWindowsOwn) {
+  const Problem p = make_problem(16, 7168, 8, 256, std::vector<int32_t>(16, 1), 1);
+  const CrossNodeSizes bf16 = cross_node_sizes(p, TokenFormat::kBF16, 4096, 8);
+  EXPECT_EQ(bf16.message, 14464);
+  EXPECT_EQ(bf16.forward_message, 14592);
+  EXPECT_EQ(bf16.combine_row, 14336);
+  EXPECT_EQ(bf16.meta_record, (detail::MetaLayout{16, detail::num_chunks(4096), 16}.bytes()));
+  const CrossNodeSizes fp8 = cross_node_sizes(p, TokenFormat::kFp8Blockwise, 128, 8);
+  EXPECT_EQ(fp8.message, 7552);
+  EXPECT_EQ(fp8.forward_message, 7680);
+}
+
+// The forwarded combine order, by hand: 4 ranks as 2 nodes of 2, one expert per rank; rank 0's
+// one token goes to experts 0, 2, 3 with weight 1, whose rows are 2^-8, 1 and 2^-9. Direct:
+// ((0 + 2^-8) + 1) + 2^-9 = 1 + 3 * 2^-9 in fp32, bf16 1 + 2^-7. Forwarded: node 1's relay sums
+// 1 + 2^-9 and rounds it to bf16, 1 (2^-9 is under half a bf16 ulp); then 2^-8 + 1, a tie in
+// bf16 that rounds to even, 1. The node's partial sum changes the output.
+TEST(Forwarding, ForwardedCombineOrderDiffersFromTheDirectOneByHand) {
+  Problem p = make_problem(4, 8, 3, 4, {1, 0, 0, 0}, 2);
+  p.ranks[0].topk_ids = {0, 2, 3};
+  p.ranks[0].weights = {1.0f, 1.0f, 1.0f};
+  const std::vector<DispatchResult> l = dispatch_all(p);
+  const float value[4] = {std::ldexp(1.0f, -8), 0.0f, 1.0f, std::ldexp(1.0f, -9)};
+  std::vector<std::vector<uint16_t>> y(4);
+  for (int32_t d = 0; d < 4; ++d)
+    y[size_t(d)].assign(size_t(l[size_t(d)].rows() * 8), float_to_bf16(value[d]));
+  const std::vector<float> direct = combine_expert_side(p, l, y, 0);
+  const std::vector<float> fwd = combine_expert_side(p, l, y, 0, 2);
+  ASSERT_EQ(direct.size(), 8u);
+  ASSERT_EQ(fwd.size(), 8u);
+  for (int h = 0; h < 8; ++h) {
+    EXPECT_EQ(direct[size_t(h)], 1.0f + 3 * std::ldexp(1.0f, -9));
+    EXPECT_EQ(fwd[size_t(h)], 1.0f + std::ldexp(1.0f, -8));
+    EXPECT_EQ(bf16_to_float(float_to_bf16(direct[size_t(h)])), 1.0f + std::ldexp(1.0f, -7));
+    EXPECT_EQ(bf16_to_float(float_to_bf16(fwd[size_t(h)])), 1.0f);
+  }
+  // Seen from rank 2 (node 1), rank 0's token is not its own: nothing to combine there.
+  EXPECT_TRUE(combine_expert_side(p, l, y, 2, 2).empty());
+  EXPECT_THROW(combine_expert_side(p, l, y, 0, 3), Error);
+  EXPECT_THROW(combine_expert_side(p, l, y, 0, -1), Error);
+}
+
+TEST(Forwarding, ForwardedCombineOrderIsTheDirectOneWhereNothingIsForwarded) {
+  // One node, one rank per node, or every token meeting at most one rank of each other node:
+  // the forwarded order is the direct one, bit for bit.
+  Problem p = make_problem(8, 64, 4, 32, {9, 7, 8, 5, 6, 9, 3, 8}, 21, 0.0, 0.2);
+  p.shared_expert = true;
+  const std::vector<DispatchResult> l = dispatch_all(p);
+  const auto y = identity_outputs(l);
+  for (int32_t r = 0; r < 8; ++r) {
+    const std::vector<float> direct = combine_expert_side(p, l, y, r);
+    EXPECT_TRUE(same_bits(combine_expert_side(p, l, y, r, 8), direct)) << r;
+    EXPECT_TRUE(same_bits(combine_expert_side(p, l, y, r, 1), direct)) << r;
+  }
+  // 4 nodes of 2 ranks, 8 experts per rank; every token picks at most one expert of each other
+  // node's ranks, by construction.
+  Problem q = make_problem(8, 64, 4, 64, {6, 6, 6, 6, 6, 6, 6, 6}, 22);
+  for (int32_t s = 0; s < 8; ++s)
+    for (int32_t t = 0; t < 6; ++t)
+      for (int32_t k = 0; k < 4; ++k)  // node k, rank (t + s) % 2 of it, expert t
+        q.ranks[size_t(s)].topk_ids[size_t(t * 4 + k)] = (2 * k + (t + s) % 2) * 8 + t;
+  const std::vector<DispatchResult> lq = dispatch_all(q);
+  const auto yq = identity_outputs(lq);
+  for (int32_t r = 0; r < 8; ++r)
+    EXPECT_TRUE(same_bits(combine_expert_side(q, lq, yq, r, 2), combine_expert_side(q, lq, yq, r)))
+        << r;
+}
+
+// The node's extra bf16 rounding costs accuracy like the direct path's per-rank rounding does:
+// both within the bf16 norm bound of the float64 reference (2^-8 of ||ref||; element by element
+// the extra rounding can exceed compare_combine_bf16's per-element bound under cancellation,
+// and so can the direct order's).
+TEST(Forwarding, ForwardedCombineOrderStaysWithinTheReferenceTolerance) {
+  for (const auto& [nodes, rpn] : kSplits) {
+    SCOPED_TRACE(std::to_string(nodes) + "x" + std::to_string(rpn));
+    const int32_t R = nodes * rpn;
+    Problem p =
+        make_problem(R, 128, 8, 64, std::vector<int32_t>(size_t(R), 24), uint64_t(30 + R + nodes));
+    const std::vector<DispatchResult> l = dispatch_all(p);
+    const auto y = identity_outputs(l);
+    for (int32_t r = 0; r < R; ++r) {
+      const std::vector<double> ref = combine(p, l, y, r, true);
+      for (int32_t order : {0, rpn}) {
+        const std::vector<float> got = combine_expert_side(p, l, y, r, order);
+        std::vector<float> out(got.size());
+        for (size_t i = 0; i < got.size(); ++i)
+          out[i] = bf16_to_float(float_to_bf16(got[i]));
+        EXPECT_EQ(compare_combine_f32(ref, out.data(), int64_t(out.size()), std::ldexp(1.0, -8)),
+                  "")
+            << "rank " << r << (order ? ", forwarded order" : ", direct order");
+      }
+    }
+  }
+}
