@@ -38,7 +38,9 @@ void combine(Group& group, const CombineInput& in, const float* weights, const E
   detail::EpilogueAccess::after_launch("combine");
 }
 
-// The receive half with an epilogue, after group.combine_async(in, stream).
+// The receive half with an epilogue, after group.combine_async(in, stream). Its kernel is this
+// epilogue's split combine kernel, so a profiler sees it under another name than the library's
+// combine_async kernel (with the library's own store, both halves are one kernel).
 template <class Epilogue>
 void combine_wait(Group& group, const float* weights, const Epilogue& epi, cudaStream_t stream) {
   EPCOMM_NVTX_RANGE("epcomm::combine_wait");

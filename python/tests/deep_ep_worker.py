@@ -17,6 +17,9 @@ and checks each result against a reference computed here in plain torch:
                 (calc_diff < 1e-5 for bf16, 7e-4 for FP8); two dispatches in flight; CUDA-graph
                 capture of the dispatch + expert + combine, replayed on new inputs.
   compile       the same under torch.compile(fullgraph=True), run on new inputs exactly.
+  profile       the kernels as DeepEP's profiling helper finds them: one kernel name per
+                operation in the torch profiler's table, launched once per plain call and
+                twice per hook-mode call (send, then the hook's receive).
 
 Every output the caller can give (out=) is poisoned with NaN first; padded slots past the
 counts are NaN in the expert outputs, so combine reading one would show. Prints one line per
@@ -530,6 +533,42 @@ def case_graph(buf, me, n, dev):
     return 3
 
 
+def case_profile(buf, me, n, dev):
+    """Kernels as DeepEP's profiling helper (bench_kineto) finds them: by name in the profiler's
+    table, where each operation must have one name; a hook-mode call launches it twice (the
+    send, then the receive in the hook), a plain call once."""
+    from torch.profiler import ProfilerActivity, profile
+    max_t, calls = 48, 2
+    p = Problem(n, [min(40, max_t)] * n, 600, dev, masked=2)
+    cases = 0
+    for hook in (False, True):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                recv, count, handle, _, h = buf.low_latency_dispatch(
+                    p.x[me], p.idx[me], max_t, E, use_fp8=False, return_recv_hook=hook)
+                if hook:
+                    h()
+                res, _, h2 = buf.low_latency_combine(
+                    ll_expert_out(p, me, recv, count, False), p.idx[me], p.w[me], handle,
+                    return_recv_hook=hook)
+                if hook:
+                    h2()
+            torch.cuda.synchronize()
+        same(res, ll_combine_ref(p, me, False), f"profiled call (hook={hook})")
+        launches = {}
+        for ev in prof.key_averages():
+            launches[ev.key] = launches.get(ev.key, 0) + ev.count
+        for op in ("dispatch", "combine"):
+            named = {k: c for k, c in launches.items() if op in k}
+            expect(len(named) == 1, f"hook={hook}: {op} kernels under {len(named)} names "
+                                    f"({sorted(named)}), want one")
+            want = calls * (2 if hook else 1)
+            expect(sum(named.values()) == want,
+                   f"hook={hook}: {sum(named.values())} {op} launches, want {want}")
+        cases += 1
+    return cases
+
+
 def case_compile(buf, me, n, dev):
     """low_latency_dispatch + expert + low_latency_combine under torch.compile(fullgraph=True)
     (the layer's calls become the epcomm_deep_ep operators), after two eager calls that set the
@@ -552,7 +591,7 @@ def case_compile(buf, me, n, dev):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--cases", default="normal,low_latency,graph,compile")
+    ap.add_argument("--cases", default="normal,low_latency,graph,compile,profile")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     me, n = dist.get_rank(), dist.get_world_size()
@@ -566,7 +605,7 @@ def main():
     try:
         for name in args.cases.split(","):
             fn = {"normal": case_normal, "low_latency": case_low_latency,
-                  "graph": case_graph, "compile": case_compile}[name]
+                  "graph": case_graph, "compile": case_compile, "profile": case_profile}[name]
             c = fn(buf, me, n, dev)
             torch.cuda.synchronize()
             print(f"[rank {me}] {name}: {c} cases ok", flush=True)

@@ -76,8 +76,9 @@ static_assert(fused_senders(24, TokenFormat::kFp8Blockwise, 4096) == 20, "quanti
 static_assert(fused_senders(24, TokenFormat::kFp8Blockwise, 128) == 8, "no more than chunks");
 static_assert(fused_senders(24, TokenFormat::kBF16, 0) == 1, "no tokens: one sender");
 
+// One form of dispatch: the send half, the receive half, or both (the fused form).
 template <bool kSend, bool kRecv, TokenFormat F>
-__global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_constant__ DispatchParams p) {
+__device__ __forceinline__ void dispatch_form(const DispatchParams& p) {
   extern __shared__ __align__(16) char smem[];
   const unsigned long long seq = p.g.state->dispatch_seq + 1;  // in flight with the abort flag
   if (block_aborted(p.g)) return;
@@ -115,12 +116,26 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_cons
   dispatch_recv<F>(p, seq, smem, b - first, blocks - first);
 }
 
-// The three forms (fused, send, receive) of format F.
+// Two kernels per format: the fused form, and one kernel for both halves of a split call
+// (dispatch_async's send, dispatch_wait's receive: `recv_half` picks). A profiler then sees one
+// kernel name per operation and form; DeepEP's test programs and profiling helpers find an
+// operation's kernels by name and expect one name (a hook-mode call counts two launches of it).
+template <bool kFused, TokenFormat F>
+__global__ void __launch_bounds__(kThreads, 1)
+    dispatch_kernel(const __grid_constant__ DispatchParams p, int32_t recv_half) {
+  if constexpr (kFused)
+    dispatch_form<true, true, F>(p);
+  else if (recv_half)
+    dispatch_form<false, true, F>(p);
+  else
+    dispatch_form<true, false, F>(p);
+}
+
+// The two kernels of format F.
 template <TokenFormat F>
 struct DispatchKernels {
-  static constexpr void (*fused)(DispatchParams) = dispatch_kernel<true, true, F>;
-  static constexpr void (*send)(DispatchParams) = dispatch_kernel<true, false, F>;
-  static constexpr void (*recv)(DispatchParams) = dispatch_kernel<false, true, F>;
+  static constexpr void (*fused)(DispatchParams, int32_t) = dispatch_kernel<true, F>;
+  static constexpr void (*split)(DispatchParams, int32_t) = dispatch_kernel<false, F>;
 };
 
 // Calls f(DispatchKernels<F>{}) for the group's format.
@@ -153,8 +168,8 @@ void launch_dispatch(const DispatchParams& p, bool send, bool recv, cudaStream_t
   const size_t smem = dispatch_smem_bytes(p.g);
   with_format(p.g.format, [&](auto k) {
     using K = decltype(k);
-    auto kernel = send && recv ? K::fused : (send ? K::send : K::recv);
-    launch_cooperative(kernel, p.g.num_blocks, kThreads, smem, stream, p);
+    launch_cooperative(send && recv ? K::fused : K::split, p.g.num_blocks, kThreads, smem, stream,
+                       p, int32_t(!send));
   });
 }
 
@@ -168,7 +183,7 @@ int prepare_dispatch_kernels(const GroupView& g) {
   std::lock_guard<std::mutex> hold(attribute_lock);
   with_format(g.format, [&](auto k) {
     using K = decltype(k);
-    for (auto kernel : {K::fused, K::send, K::recv}) {
+    for (auto kernel : {K::fused, K::split}) {
       cudaFuncAttributes attr{};
       check_cuda(cudaFuncGetAttributes(&attr, kernel),
                  "cudaFuncGetAttributes(dispatch)");  // also loads the kernel (lazy loading)

@@ -378,12 +378,9 @@ __device__ void combine_recv(const CombineParams& p, unsigned long long seq, Epi
   trace_mark(g, kTraceCombine, kTraceDone);
 }
 
-// kExpertSide (the last dispatch carried the weights) and kWholeRows (sum_rows) are template
-// parameters so that each kernel holds one reduction's code and one shape of its loads:
-// together they would not fit the registers.
+// One form of combine: the send half, the receive half, or both (the fused form).
 template <class Epilogue, bool kSend, bool kRecv, bool kExpertSide, bool kWholeRows>
-__global__ void __launch_bounds__(kCombineThreads, 1)
-    combine_kernel(const __grid_constant__ CombineParams p, Epilogue epi) {
+__device__ __forceinline__ void combine_form(const CombineParams& p, Epilogue& epi) {
   if (block_aborted(p.g)) return;
   trace_begin(p.g, kTraceCombine, kSend ? kTraceStart : kTraceRecvStart,
               kRecv ? kTraceMarks : kTraceRecvStart);
@@ -398,12 +395,34 @@ __global__ void __launch_bounds__(kCombineThreads, 1)
   }
 }
 
-// The kernel of one form (fused, send, receive), reduction and load shape.
+// kExpertSide (the last dispatch carried the weights) and kWholeRows (sum_rows) are template
+// parameters so that each kernel holds one reduction's code and one shape of its loads:
+// together they would not fit the registers. Per reduction and shape, two kernels: the fused
+// form, and one kernel for both halves of a split call (combine_async's send, combine_wait's
+// receive: `recv_half` picks), so that a profiler sees one kernel name per operation and form
+// (DeepEP's test programs and profiling helpers find an operation's kernels by name).
+// A half of the split kernel, out of line: each half keeps the registers it had as a kernel of
+// its own (inlined side by side, the token-side whole-row half spilled).
+template <class Epilogue, bool kSend, bool kExpertSide, bool kWholeRows>
+__device__ __noinline__ void combine_half(const CombineParams& p, Epilogue& epi) {
+  combine_form<Epilogue, kSend, !kSend, kExpertSide, kWholeRows>(p, epi);
+}
+template <class Epilogue, bool kFused, bool kExpertSide, bool kWholeRows>
+__global__ void __launch_bounds__(kCombineThreads, 1)
+    combine_kernel(const __grid_constant__ CombineParams p, Epilogue epi, int32_t recv_half) {
+  if constexpr (kFused)
+    combine_form<Epilogue, true, true, kExpertSide, kWholeRows>(p, epi);
+  else if (recv_half)
+    combine_half<Epilogue, false, kExpertSide, kWholeRows>(p, epi);
+  else
+    combine_half<Epilogue, true, kExpertSide, kWholeRows>(p, epi);
+}
+
+// The kernel of one form (fused, or either half of a split call), reduction and load shape.
 template <class Epilogue, bool kExpertSide, bool kWholeRows>
 auto combine_kernel_of(bool send, bool recv) {
-  return send && recv ? combine_kernel<Epilogue, true, true, kExpertSide, kWholeRows>
-                      : (send ? combine_kernel<Epilogue, true, false, kExpertSide, kWholeRows>
-                              : combine_kernel<Epilogue, false, true, kExpertSide, kWholeRows>);
+  return send && recv ? combine_kernel<Epilogue, true, kExpertSide, kWholeRows>
+                      : combine_kernel<Epilogue, false, kExpertSide, kWholeRows>;
 }
 template <class Epilogue>
 auto combine_kernel_of(bool expert_side, bool whole_rows, bool send, bool recv) {
@@ -420,7 +439,7 @@ auto combine_kernel_of(bool expert_side, bool whole_rows, bool send, bool recv) 
 template <class Epilogue>
 void load_combine_kernels() {
   cudaFuncAttributes a;
-  for (auto [send, recv] : {std::pair<bool, bool>{true, true}, {true, false}, {false, true}})
+  for (auto [send, recv] : {std::pair<bool, bool>{true, true}, {true, false}})  // fused, split
     for (bool expert_side : {false, true})
       for (bool whole_rows : {false, true})
         check_cuda(cudaFuncGetAttributes(
@@ -432,7 +451,7 @@ template <class Epilogue>
 void launch_combine(const CombineParams& p, const Epilogue& epi, bool send, bool recv,
                     cudaStream_t stream) {
   auto kernel = combine_kernel_of<Epilogue>(p.expert_side != 0, p.whole_rows != 0, send, recv);
-  launch_cooperative(kernel, p.g.num_blocks, kCombineThreads, 0, stream, p, epi);
+  launch_cooperative(kernel, p.g.num_blocks, kCombineThreads, 0, stream, p, epi, int32_t(!send));
 }
 
 }  // namespace detail
