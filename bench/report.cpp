@@ -122,6 +122,12 @@ void write_workload(JsonWriter& j, const WorkloadResult& r) {
     j.value("ranks_per_node", r.ranks_per_node);
     j.numbers("cross_node_messages_direct", r.cross_node_direct);
     j.numbers("cross_node_messages_per_node", r.cross_node_per_node);
+    if (r.network_dispatch_bytes >= 0) {
+      j.value("nvshmem_dispatch_bytes", r.network_dispatch_bytes);
+      j.value("nvshmem_combine_bytes", r.network_combine_bytes);
+      j.value("model_dispatch_bytes", r.model_dispatch_bytes);
+      j.value("model_combine_bytes", r.model_combine_bytes);
+    }
   }
   std::vector<double> dispatch_bytes;
   for (double m : r.messages)
@@ -358,6 +364,11 @@ void print_workload(const WorkloadResult& r) {
                 "(token, remote node) forwarded inside it: %.2fx fewer\n",
                 "", r.ranks_per_node, direct * r.dispatch_message_bytes / 1e6,
                 per_node * r.dispatch_message_bytes / 1e6, per_node > 0 ? direct / per_node : 1.0);
+    if (r.network_dispatch_bytes >= 0)
+      std::printf("%-12s through NVSHMEM per call (measured / model, mean over this process's "
+                  "ranks): dispatch %.6f / %.6f MB, combine %.6f / %.6f MB\n",
+                  "", r.network_dispatch_bytes / 1e6, r.model_dispatch_bytes / 1e6,
+                  r.network_combine_bytes / 1e6, r.model_combine_bytes / 1e6);
   }
   print_stages(r);
   std::fflush(stdout);

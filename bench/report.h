@@ -57,6 +57,12 @@ struct WorkloadResult {
   // as with forwarding inside the node (reference::cross_node_messages; mean over input sets).
   int ranks_per_node = 0;
   std::vector<double> cross_node_direct, cross_node_per_node;
+  // Declared nodes, after the timed runs: bytes each rank put through NVSHMEM in one fused
+  // dispatch and the combine after it (Group::network_bytes_put), and the byte model's count for
+  // the same calls (reference::cross_node_traffic, direct path); means over this process's
+  // ranks and the input sets. Negative: not measured.
+  double network_dispatch_bytes = -1, network_combine_bytes = -1;
+  double model_dispatch_bytes = 0, model_combine_bytes = 0;
   std::vector<OpResult> ops;
   std::vector<CheckResult> checks;
   StageSummary stages;  // --trace

@@ -150,6 +150,7 @@ class WorkloadRun {
       }
       if (opt_.check) result_.checks.push_back(check_epcomm(form));
     }
+    if (result_.ranks_per_node > 0) measure_network_bytes();
     if (opt_.trace > 0) trace_epcomm();
     if (opt_.floor) run_floor();
     destroy_graphs();
@@ -426,6 +427,58 @@ class WorkloadRun {
       for (int h = 0; h < 4; ++h) halves_us[h].assign(team_.n_local(), {});
     run_epcomm_batches(form, 0, opt_.warmup, false, nullptr, nullptr);
     run_epcomm_batches(form, opt_.warmup, opt_.iters, true, dispatch_us, combine_us, halves_us);
+  }
+
+  // Declared nodes: what each local rank puts through NVSHMEM in one fused dispatch and the
+  // combine after it, for every input set, against the byte model's count for the same calls;
+  // a check, since the two must agree exactly.
+  void measure_network_bytes() {
+    env_.progress.phase(label("bytes through NVSHMEM"));
+    const size_t n_local = team_.n_local();
+    auto counters = [&] {
+      std::vector<uint64_t> c(n_local);
+      for_each_rank(team_, [&](size_t i, const LocalRank&) {
+        groups_[i]->synchronize(stream(i));
+        c[i] = groups_[i]->network_bytes_put();
+      });
+      return c;
+    };
+    double measured[2] = {0, 0}, model[2] = {0, 0};
+    std::string mismatches;
+    for (int set = 0; set < kInputSets; ++set) {
+      const ref::Problem& p = problems_[size_t(set)];
+      const std::vector<ref::CrossNodeTraffic> model_of = ref::cross_node_traffic(
+          p, cfg_.ranks_per_node,
+          ref::cross_node_sizes(p, cfg_.format, cfg_.max_tokens_per_rank, cfg_.ranks_per_node));
+      const std::vector<uint64_t> c0 = counters();
+      for_each_rank(team_, [&](size_t i, const LocalRank&) { issue_dispatch(i, set, Form::kFused); });
+      const std::vector<uint64_t> c1 = counters();
+      for_each_rank(team_, [&](size_t i, const LocalRank&) { issue_combine(i, set, Form::kFused); });
+      const std::vector<uint64_t> c2 = counters();
+      for (size_t i = 0; i < n_local; ++i) {
+        const int rank = team_.local()[i].rank;
+        const ref::CrossNodePuts& m = model_of[size_t(rank)].direct;
+        const double want[2] = {double(m.dispatch_bytes),
+                                double(opt_.expert_side ? m.combine_bytes_expert_side
+                                                        : m.combine_bytes_token_side)};
+        const double got[2] = {double(c1[i] - c0[i]), double(c2[i] - c1[i])};
+        for (int op = 0; op < 2; ++op) {
+          measured[op] += got[op];
+          model[op] += want[op];
+          if (got[op] != want[op])
+            mismatches += " rank " + std::to_string(rank) + (op == 0 ? " dispatch " : " combine ") +
+                          std::to_string(int64_t(got[op])) + " B, model " +
+                          std::to_string(int64_t(want[op])) + " B (set " + std::to_string(set) + ");";
+        }
+      }
+    }
+    const double n = double(n_local) * kInputSets;
+    result_.network_dispatch_bytes = measured[0] / n;
+    result_.network_combine_bytes = measured[1] / n;
+    result_.model_dispatch_bytes = model[0] / n;
+    result_.model_combine_bytes = model[1] / n;
+    result_.checks.push_back(CheckResult{"bytes through NVSHMEM = model", mismatches.empty(),
+                                         mismatches});
   }
 
   // --trace: opt_.trace fused dispatch + combine calls issued like the timed ones (gated, L2

@@ -154,6 +154,11 @@ class Group {
   // throws kInvalidArgument otherwise). Synchronises the device.
   StageTrace stage_trace() const;
 
+  // Bytes this rank has put through NVSHMEM to ranks of other nodes since set-up: dispatch
+  // messages, meta records and combine rows, not the 8-byte signal words. 0 in a group within
+  // one node (and in a build without NVSHMEM). Synchronises the device.
+  uint64_t network_bytes_put() const;
+
  private:
   // The header-only combine with a custom epilogue (epcomm/combine_epilogue.cuh).
   friend struct detail::EpilogueAccess;

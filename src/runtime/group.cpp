@@ -532,6 +532,16 @@ StageTrace Group::stage_trace() const {
   return t;
 }
 
+uint64_t Group::network_bytes_put() const {
+  detail::check_cuda(cudaSetDevice(s_->device), "cudaSetDevice");
+  detail::check_cuda(cudaDeviceSynchronize(), "network_bytes_put: cudaDeviceSynchronize");
+  unsigned long long bytes = 0;
+  detail::check_cuda(cudaMemcpy(&bytes, &s_->state->network_bytes, sizeof(bytes),
+                                cudaMemcpyDeviceToHost),
+                     "network_bytes_put: cudaMemcpy");
+  return uint64_t(bytes);
+}
+
 // ---- errors -----------------------------------------------------------------------------------
 
 namespace {

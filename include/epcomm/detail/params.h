@@ -74,6 +74,8 @@ struct LocalState {
   unsigned long long combine_done;   // blocks that finished a combine receive (cumulative)
   unsigned long long bad_input;      // seq of the last dispatch whose topk_ids were rejected
   unsigned long long recv_item[2];   // dispatch receive work items taken, by seq parity
+  unsigned long long network_bytes;  // bytes put through NVSHMEM to ranks of other nodes
+                                     // (cumulative; data puts, not signal words)
   unsigned int errors_claimed;       // errors recorded: one may be while it equals the record's
                                      // epoch (the host cleared every earlier one)
   int32_t num_tokens;                // T of the last dispatch (0 when its input was rejected)

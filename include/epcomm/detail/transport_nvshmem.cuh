@@ -31,6 +31,10 @@ __device__ inline void warp_put(const GroupView& g, int32_t peer, int64_t offset
                                 int64_t bytes, int64_t sig_offset = -1,
                                 unsigned long long value = 0) {
   void* dst = g.window_of(g.rank) + offset;
+  // Counted for Group::network_bytes_put (the benchmark sets it beside the byte model): one
+  // atomic per put, against a put of a whole message or more.
+  if (bytes > 0 && threadIdx.x % kWarpSize == 0)
+    atomicAdd(&g.state->network_bytes, static_cast<unsigned long long>(bytes));
   if (sig_offset >= 0 && bytes > 0) {
     nvshmemx_putmem_signal_nbi_warp(dst, src, size_t(bytes), symmetric_word(g, sig_offset),
                                     uint64_t(value), NVSHMEM_SIGNAL_SET, peer);
