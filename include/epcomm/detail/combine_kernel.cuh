@@ -404,7 +404,7 @@ __device__ __forceinline__ void combine_form(const CombineParams& p, Epilogue& e
 // A half of the split kernel, out of line: each half keeps the registers it had as a kernel of
 // its own (inlined side by side, the token-side whole-row half spilled).
 template <class Epilogue, bool kSend, bool kExpertSide, bool kWholeRows>
-__device__ __noinline__ void combine_half(const CombineParams& p, Epilogue& epi) {
+static __device__ __noinline__ void combine_half(const CombineParams& p, Epilogue& epi) {
   combine_form<Epilogue, kSend, !kSend, kExpertSide, kWholeRows>(p, epi);
 }
 template <class Epilogue, bool kFused, bool kExpertSide, bool kWholeRows>
