@@ -47,12 +47,20 @@ struct PadExpertRows {
   void* padded_codes = nullptr;     // [G, capacity, row_bytes]
   float* padded_scales = nullptr;   // [G, scale_cols, capacity] (with scales): slot j of group
                                     // g's scale k at (g * scale_cols + k) * capacity + j
+  // UE8M0 words (optional, with scales, scale_cols a multiple of 4): [G, scale_cols / 4,
+  // capacity], word (g, q, j) = Fp8BlockQuant::ue8m0_word of slot j's scales 4q .. 4q + 3 (the
+  // biased exponent of each, scale 4q in the lowest byte): DeepEP's use_ue8m0 scales. Exact for
+  // power-of-two scales (Config::fp8_pow2_scales); of another scale it keeps the exponent only.
+  // With scales, at least one of padded_scales and padded_ue8m0 is given.
+  uint32_t* padded_ue8m0 = nullptr;
   int32_t* counts = nullptr;        // [G]: real (non-padding) rows of each group
   int32_t* src_token = nullptr;     // [G, capacity] (optional): each slot's source token
   int64_t* layout_range = nullptr;  // [G, n_ranks] (optional): (first slot << 32) | slots of the
                                     // rows from each source rank; 0 where it sent none
 };
 void pad_expert_rows(const PadExpertRows& a, cudaStream_t stream);
+// Its checks (what pad_expert_rows throws before launching); the CPU reference shares them.
+void check_pad_expert_rows(const PadExpertRows& a);
 
 struct UnpadExpertRows {
   DispatchRows rows;
@@ -62,5 +70,6 @@ struct UnpadExpertRows {
   void* out = nullptr;  // [max_rows, row_bytes]: row i of group g is padded slot (g, i - row_offsets[g])
 };
 void unpad_expert_rows(const UnpadExpertRows& a, cudaStream_t stream);
+void check_unpad_expert_rows(const UnpadExpertRows& a);
 
 }  // namespace epcomm

@@ -9,6 +9,7 @@
 
 #include "epcomm/error.h"
 #include "epcomm/layout.h"
+#include "epcomm/padded_layout.h"
 #include "epcomm/token_format.h"
 
 namespace epcomm {
@@ -201,6 +202,12 @@ std::string compare_combine_expert_side(const std::vector<float>& ref, const uin
 // Un-reduced combine: bit-exact.
 std::string compare_exact_bf16(const std::vector<double>& ref, const uint16_t* out,
                                int64_t count);
+
+// pad_expert_rows and unpad_expert_rows (epcomm/padded_layout.h) on host memory: the same
+// arguments with host pointers, the same checks (Error(kInvalidArgument) before writing
+// anything), and every byte the kernels write written alike; what they leave, left.
+void pad_expert_rows(const PadExpertRows& a);
+void unpad_expert_rows(const UnpadExpertRows& a);
 
 }  // namespace reference
 }  // namespace epcomm

@@ -793,7 +793,6 @@ class Buffer:
         g = self._group(key, hidden=H, top_k=K, n_experts=num_experts,
                         max_tokens_per_rank=max_t, format=fmt, num_sms=Buffer.num_sms,
                         **({"fp8_pow2_scales": True} if round_scale else {}))
-        S = R * max_t
         ids = topk_idx.to(torch.int32)
         dev = x.device
         compute, comm = self._ll_streams(call, async_finish, return_recv_hook)
@@ -806,14 +805,11 @@ class Buffer:
 
         def receive(stream):
             d = g._dispatch_result("torch", None, stream)
+            # With use_ue8m0 the kernel packs each power-of-two scale's exponent byte, four
+            # to a word, and writes no fp32 scales.
             _C.pad_expert_rows(d.tokens.view(torch.uint8), d.scales if use_fp8 else None,
                                d.row_offsets, d.src_info, R, codes.view(torch.uint8),
-                               scales, count, src_info, layout_range, stream)
-            if use_ue8m0:  # each power-of-two scale's exponent byte, four to a word
-                e = (scales.view(torch.int32) >> 23) & 0xff
-                e = e.view(E_l, H // 512, 4, S)
-                ue8m0.copy_(e[:, :, 0] | (e[:, :, 1] << 8) | (e[:, :, 2] << 16) |
-                            (e[:, :, 3] << 24))
+                               scales, ue8m0, count, src_info, layout_range, stream)
             if cumulative_local_expert_recv_stats is not None:
                 cumulative_local_expert_recv_stats.add_(count)
 
@@ -994,15 +990,15 @@ def _op_buffer(buffer_id: int) -> "Buffer":
 def _ll_outputs(R: int, num_experts: int, max_t: int, H: int, dev, use_fp8: bool,
                 use_ue8m0: bool):
     """A low-latency dispatch's outputs, allocated (S = R * max_t, E_l = num_experts / R):
-    codes [E_l, S, H] (e4m3 or bf16), scales [E_l, H / 128, S] float32 (FP8, else None),
-    ue8m0 [E_l, H / 512, S] int32 (use_ue8m0, else None), count [E_l] int32, src_info [E_l, S]
+    codes [E_l, S, H] (e4m3 or bf16), scales [E_l, H / 128, S] float32 (FP8 without
+    use_ue8m0, else None), ue8m0 [E_l, H / 512, S] int32 (use_ue8m0, else None), count [E_l] int32, src_info [E_l, S]
     int32, layout_range [E_l, R] int64. The eager call and the operator's fake both take them
     from here."""
     E_l, S = num_experts // R, R * max_t
     codes = torch.empty((E_l, S, H), dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16,
                         device=dev)
-    scales = torch.empty((E_l, H // 128, S), dtype=torch.float32, device=dev) if use_fp8 \
-        else None
+    scales = torch.empty((E_l, H // 128, S), dtype=torch.float32, device=dev) \
+        if use_fp8 and not use_ue8m0 else None
     ue8m0 = torch.empty((E_l, H // 512, S), dtype=torch.int32, device=dev) if use_ue8m0 \
         else None
     return (codes, scales, ue8m0, torch.empty(E_l, dtype=torch.int32, device=dev),

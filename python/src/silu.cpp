@@ -92,9 +92,9 @@ void bind_silu(nb::module_& m) {
       "pad_expert_rows",
       [](const Array& codes, const std::optional<Array>& scales, const Array& row_offsets,
          const Array& src_info, int32_t n_ranks, const Array& padded_codes,
-         const std::optional<Array>& padded_scales, const Array& counts,
-         const std::optional<Array>& src_token, const std::optional<Array>& layout_range,
-         uintptr_t stream) {
+         const std::optional<Array>& padded_scales, const std::optional<Array>& padded_ue8m0,
+         const Array& counts, const std::optional<Array>& src_token,
+         const std::optional<Array>& layout_range, uintptr_t stream) {
         const Ctx c{"epcomm pad_expert_rows", codes.device_id()};
         epcomm::PadExpertRows a;
         a.rows = dispatch_rows(c, row_offsets, src_info);
@@ -106,16 +106,28 @@ void bind_silu(nb::module_& m) {
                   " against " + shape_str(codes));
         a.codes = codes.data();
         a.padded_codes = padded_codes.data();
-        if (bool(scales) != bool(padded_scales))
-          invalid(c.op + ": give both scales and padded_scales, or neither");
+        if (bool(scales) != (padded_scales || padded_ue8m0))
+          invalid(c.op +
+                  ": give scales with padded_scales or padded_ue8m0 (or both), or none "
+                  "of them");
         if (scales) {
           check_array(c, "scales", *scales, Elem::kF32, {-1, a.rows.max_rows},
                       "[H / 128, max_rows] (the dispatch output's)");
           a.scale_cols = int32_t(scales->shape(0));
-          check_array(c, "padded_scales", *padded_scales, Elem::kF32,
-                      {G, a.scale_cols, a.capacity}, "[G, H / 128, capacity]");
           a.scales = static_cast<const float*>(scales->data());
-          a.padded_scales = static_cast<float*>(padded_scales->data());
+          if (padded_scales) {
+            check_array(c, "padded_scales", *padded_scales, Elem::kF32,
+                        {G, a.scale_cols, a.capacity}, "[G, H / 128, capacity]");
+            a.padded_scales = static_cast<float*>(padded_scales->data());
+          }
+          if (padded_ue8m0) {
+            if (a.scale_cols % 4 != 0)
+              invalid(c.op + ": padded_ue8m0 needs a multiple of 4 scales a row; got " +
+                      std::to_string(a.scale_cols));
+            check_array(c, "padded_ue8m0", *padded_ue8m0, Elem::kI32,
+                        {G, a.scale_cols / 4, a.capacity}, "[G, H / 512, capacity]");
+            a.padded_ue8m0 = static_cast<uint32_t*>(padded_ue8m0->data());
+          }
         }
         check_array(c, "counts", counts, Elem::kI32, {G}, "[G]");
         a.counts = static_cast<int32_t*>(counts.data());
@@ -133,8 +145,8 @@ void bind_silu(nb::module_& m) {
         cuda_check(cudaSetDevice(c.device), "cudaSetDevice");
         epcomm::pad_expert_rows(a, as_stream(stream));
       },
-      "codes"_a, "scales"_a.none(), "row_offsets"_a, "src_info"_a, "n_ranks"_a,
-      "padded_codes"_a, "padded_scales"_a.none(), "counts"_a, "src_token"_a.none(),
+      "codes"_a, "scales"_a.none(), "row_offsets"_a, "src_info"_a, "n_ranks"_a, "padded_codes"_a,
+      "padded_scales"_a.none(), "padded_ue8m0"_a.none(), "counts"_a, "src_token"_a.none(),
       "layout_range"_a.none(), "stream"_a,
       "Copies a dispatch output into the padded per-expert layout (epcomm/padded_layout.h).");
   m.def(

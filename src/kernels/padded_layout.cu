@@ -4,7 +4,8 @@
 // device, in a grid-stride loop over at most one resident wave of blocks. A row finds its group
 // by a binary search of row_offsets, and its slot j = row - row_offsets[g]; lanes move its bytes
 // 16 at a time (and, for blockwise FP8, one scale each). The per-group counts go to the first
-// G threads of the grid (a group's padding rows, rank -1, are at its end); layout_range is
+// G threads of the grid (a group's padding rows, rank -1, are at its end); UE8M0 words one a lane
+// (four scales each); layout_range is
 // zeroed before the launch and each row adds 1 to its source's entry, the first row of a source's
 // run also its slot << 32 (rows of a group are sorted by source rank, so each source has one run).
 #include <algorithm>
@@ -12,6 +13,7 @@
 
 #include "epcomm/detail/device.cuh"
 #include "epcomm/detail/launch.h"
+#include "epcomm/formats/codecs.h"
 #include "epcomm/padded_layout.h"
 
 namespace epcomm {
@@ -47,10 +49,10 @@ __global__ void __launch_bounds__(kThreads) pad_kernel(PadExpertRows a) {
   const DispatchRows& r = a.rows;
   const int64_t thread = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   for (int64_t g = thread; g < r.groups; g += int64_t(gridDim.x) * kThreads) {
-    int64_t n = int64_t(r.row_offsets[g + 1]) - r.row_offsets[g];
+    int64_t n = min(int64_t(r.row_offsets[g + 1]), r.max_rows) - r.row_offsets[g];
     while (n > 0 && r.src_info[r.row_offsets[g] + n - 1].rank < 0)
       --n;
-    a.counts[g] = int32_t(min(n, a.capacity));
+    a.counts[g] = int32_t(max(int64_t(0), min(n, a.capacity)));
   }
   const int lane = int(threadIdx.x) % kWarpSize;
   const int64_t n = used_rows(r);
@@ -65,10 +67,17 @@ __global__ void __launch_bounds__(kThreads) pad_kernel(PadExpertRows a) {
     const int64_t slot = int64_t(g) * a.capacity + j;
     copy_row(static_cast<uint4*>(a.padded_codes) + slot * units,
              static_cast<const uint4*>(a.codes) + i * units, units, lane);
-    if (a.scales != nullptr)
+    if (a.padded_scales != nullptr)
       for (int32_t k = lane; k < a.scale_cols; k += kWarpSize)
         a.padded_scales[(int64_t(g) * a.scale_cols + k) * a.capacity + j] =
             a.scales[int64_t(k) * r.max_rows + i];
+    if (a.padded_ue8m0 != nullptr)
+      for (int32_t q = lane; q < a.scale_cols / 4; q += kWarpSize) {
+        const float* s4 = a.scales + int64_t(4 * q) * r.max_rows + i;
+        a.padded_ue8m0[(int64_t(g) * (a.scale_cols / 4) + q) * a.capacity + j] =
+            Fp8BlockQuant::ue8m0_word(s4[0], s4[r.max_rows], s4[2 * r.max_rows],
+                                      s4[3 * r.max_rows]);
+      }
     if (lane == 0) {
       if (a.src_token != nullptr) a.src_token[slot] = s.token;
       if (a.layout_range != nullptr && s.rank < a.n_ranks) {
@@ -127,7 +136,7 @@ void launch_rows(const char* op, int64_t rows, int64_t min_threads, Args args,
 }  // namespace
 }  // namespace detail
 
-void pad_expert_rows(const PadExpertRows& a, cudaStream_t stream) {
+void check_pad_expert_rows(const PadExpertRows& a) {
   using namespace detail;
   const char* op = "pad_expert_rows";
   check_rows(op, a.rows, a.row_bytes, a.capacity);
@@ -135,14 +144,33 @@ void pad_expert_rows(const PadExpertRows& a, cudaStream_t stream) {
   check_pointer(op, "padded_codes", a.padded_codes, 16);
   check_pointer(op, "counts", a.counts, 4);
   if (a.scales != nullptr) {
-    check_pointer(op, "padded_scales", a.padded_scales, 4);
+    check_pointer(op, "scales", a.scales, 4);
+    if (a.padded_scales == nullptr && a.padded_ue8m0 == nullptr)
+      invalid(op, "scales without padded_scales or padded_ue8m0");
+    if (a.padded_scales != nullptr) check_pointer(op, "padded_scales", a.padded_scales, 4);
     if (a.scale_cols < 1)
       invalid(op, "scale_cols = " + std::to_string(a.scale_cols) + " with scales");
+    if (a.padded_ue8m0 != nullptr) {
+      check_pointer(op, "padded_ue8m0", a.padded_ue8m0, 4);
+      if (a.scale_cols % 4 != 0)
+        invalid(op, "scale_cols = " + std::to_string(a.scale_cols) +
+                        " is not a multiple of 4 (four UE8M0 scales a word)");
+    }
+  } else if (a.padded_scales != nullptr || a.padded_ue8m0 != nullptr) {
+    invalid(op, "padded_scales or padded_ue8m0 without scales");
   }
   if (a.src_token != nullptr) check_pointer(op, "src_token", a.src_token, 4);
   if (a.layout_range != nullptr) {
     check_pointer(op, "layout_range", a.layout_range, 8);
     if (a.n_ranks < 1) invalid(op, "n_ranks = " + std::to_string(a.n_ranks) + " with layout_range");
+  }
+}
+
+void pad_expert_rows(const PadExpertRows& a, cudaStream_t stream) {
+  using namespace detail;
+  const char* op = "pad_expert_rows";
+  check_pad_expert_rows(a);
+  if (a.layout_range != nullptr) {
     check_cuda(
         cudaMemsetAsync(a.layout_range, 0, size_t(a.rows.groups) * size_t(a.n_ranks) * 8, stream),
         "cudaMemsetAsync");
@@ -150,13 +178,17 @@ void pad_expert_rows(const PadExpertRows& a, cudaStream_t stream) {
   launch_rows<pad_kernel>(op, a.rows.max_rows, a.rows.groups, a, stream);
 }
 
-void unpad_expert_rows(const UnpadExpertRows& a, cudaStream_t stream) {
+void check_unpad_expert_rows(const UnpadExpertRows& a) {
   using namespace detail;
   const char* op = "unpad_expert_rows";
   check_rows(op, a.rows, a.row_bytes, a.capacity);
   check_pointer(op, "padded", a.padded, 16);
   check_pointer(op, "out", a.out, 16);
-  launch_rows<unpad_kernel>(op, a.rows.max_rows, 0, a, stream);
+}
+
+void unpad_expert_rows(const UnpadExpertRows& a, cudaStream_t stream) {
+  check_unpad_expert_rows(a);
+  detail::launch_rows<detail::unpad_kernel>("unpad_expert_rows", a.rows.max_rows, 0, a, stream);
 }
 
 }  // namespace epcomm

@@ -346,6 +346,11 @@ struct Fp8BlockQuant {
   EPCOMM_HD static uint8_t ue8m0_of(float pow2_scale) {
     return uint8_t((float_as_bits(pow2_scale) >> 23) & 0xffu);
   }
+  // Four such bytes in one word, scale s0's in the lowest byte (DeepEP's use_ue8m0 layout).
+  EPCOMM_HD static uint32_t ue8m0_word(float s0, float s1, float s2, float s3) {
+    return uint32_t(ue8m0_of(s0)) | uint32_t(ue8m0_of(s1)) << 8 | uint32_t(ue8m0_of(s2)) << 16 |
+           uint32_t(ue8m0_of(s3)) << 24;
+  }
   // Decode side (inv is 1 / s there, for completeness: nothing encodes from a stored scale).
   EPCOMM_HD static Fp8BlockQuant from_scale(float s) {
     return Fp8BlockQuant{s, s == 0.0f ? 0.0f : detail::div_rn(1.0f, s)};
