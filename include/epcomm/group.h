@@ -87,13 +87,19 @@ struct DispatchOutput {
   uint32_t* scales_offsets = nullptr;  // NVFP4, MXFP8
 };
 
-// Inputs of combine on the expert side: the expert outputs in dispatch row order and the
-// dispatch outputs that describe those rows.
+// Inputs of combine on the expert side: the expert outputs, in dispatch row order or in the
+// padded per-expert layout, and the dispatch outputs that describe those rows.
 struct CombineInput {
   const void* expert_out = nullptr;        // expert_out_desc(); rows past row_offsets[G] unread
   const uint32_t* row_offsets = nullptr;   // from dispatch
   const SrcInfo* src_info = nullptr;       // from dispatch
   int32_t hidden = 0;                      // must equal Config::hidden
+  // 0: expert_out is [max_recv_rows, H] in dispatch row order. > 0: expert_out is the padded
+  // per-expert layout [G, capacity, H] (epcomm/padded_layout.h; what a masked grouped GEMM
+  // writes): row i of group g is read at slot (g, i - row_offsets[g]), and no unpad copy is
+  // needed. At least n_ranks * max_tokens_per_rank, the most rows a group can receive; slots a
+  // group's rows do not reach are not read.
+  int64_t expert_out_capacity = 0;
 };
 
 // Outputs of combine on the token side, for the T tokens of the last dispatch.

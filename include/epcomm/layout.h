@@ -133,4 +133,37 @@ struct ExpertMap {
   EPCOMM_HD int32_t num_keys() const { return n_experts + n_ranks; }
 };
 
+// Where the rows of a dispatch output, grouped by row_offsets ([groups + 1], groups sorted), sit
+// in an array of `capacity` slots a group: row i of group g in slot (g, i - row_offsets[g]), at
+// g * capacity + i - row_offsets[g] (the padded per-expert layout, epcomm/padded_layout.h). With
+// capacity 0 the rows are where they are (dispatch row order): slot_row(i) = i.
+struct GroupSlots {
+  const uint32_t* row_offsets;
+  int32_t groups;
+  int64_t capacity;
+
+  // The group g with row_offsets[g] <= i < row_offsets[g + 1] (the last such g where groups
+  // are empty), by binary search.
+  EPCOMM_HD int32_t group_of(int64_t i) const {
+    int32_t lo = 0, hi = groups - 1;
+    while (lo < hi) {
+      const int32_t mid = (lo + hi + 1) / 2;
+      if (int64_t(row_offsets[mid]) <= i)
+        lo = mid;
+      else
+        hi = mid - 1;
+    }
+    return lo;
+  }
+  // Row i's slot within its group g.
+  EPCOMM_HD int64_t slot_in(int32_t g, int64_t i) const { return i - int64_t(row_offsets[g]); }
+  // Row i of group g, where the padded array holds it.
+  EPCOMM_HD int64_t slot_row(int32_t g, int64_t i) const {
+    return capacity == 0 ? i : int64_t(g) * capacity + slot_in(g, i);
+  }
+  EPCOMM_HD int64_t slot_row(int64_t i) const {
+    return capacity == 0 ? i : slot_row(group_of(i), i);
+  }
+};
+
 }  // namespace epcomm

@@ -10,6 +10,9 @@
 // array past a group's count, which keep whatever they held. Blockwise-FP8 padding rows (src_info
 // rank -1) are not copied by pad_expert_rows and are written as zero by unpad_expert_rows.
 //
+// row_offsets should start at 0 and not decrease (a dispatch's do); a row whose slot would fall
+// outside its group's [0, capacity) is neither read nor written.
+//
 // Arguments are device pointers: codes and rows 16-byte aligned with row_bytes a multiple of 16,
 // scales and the int outputs 4-byte aligned, layout_range 8-byte aligned. capacity must hold every
 // group's rows (n_ranks * max_tokens_per_rank always does: a source sends a token to an expert at

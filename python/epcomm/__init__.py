@@ -371,7 +371,9 @@ class Group:
     def combine(self, expert_out, weights=None, *, out=None, layout: Optional[DispatchOutput] = None,
                 stream=None):
         """Brings the expert outputs back to the tokens' ranks and reduces them. expert_out
-        [max_recv_rows, H] bf16 in the dispatch's row order. Returns [T, H] bf16 (router weights
+        [max_recv_rows, H] bf16 in the dispatch's row order, or [G, capacity, H] in the padded
+        per-expert layout (group g's rows at [g, 0 .. count), capacity at least n_ranks *
+        max_tokens_per_rank), as a masked grouped GEMM writes it. Returns [T, H] bf16 (router weights
         given to dispatch, or here as weights [T, K] float32) or the un-reduced [T, K, H].
         layout: the DispatchOutput the rows came from when it was dispatched into out=."""
         fw = _fw.framework_of(expert_out)

@@ -885,8 +885,6 @@ class Buffer:
             sc = {
                 "padded": torch.empty((E // R, R * max_t, H), dtype=torch.bfloat16,
                                       device=self.device),
-                "rows": torch.empty((handle.group.sizes.max_recv_rows, H), dtype=torch.bfloat16,
-                                    device=self.device),
             }
             self._scratch[handle.key] = sc
         return sc
@@ -943,12 +941,12 @@ class Buffer:
                                                                device=x.device)
         with torch.cuda.stream(comm):
             stream = comm.cuda_stream
-            d = g._dispatch_result("torch", None, stream)
-            _C.unpad_expert_rows(src, d.row_offsets, d.src_info, sc["rows"], stream)
+            # Combine reads the expert outputs in DeepEP's padded layout where they are
+            # ([E_l, R * max, H]: CombineInput::expert_out_capacity), no unpad copy.
             if return_recv_hook:
-                g._impl.combine_async(sc["rows"], stream)
+                g._impl.combine_async(src, stream)
             else:
-                g._impl.combine(sc["rows"], topk_weights, stream, combined)
+                g._impl.combine(src, topk_weights, stream, combined)
         hook = None
         if return_recv_hook:
             def receive_hook():
@@ -991,9 +989,9 @@ def _ll_outputs(R: int, num_experts: int, max_t: int, H: int, dev, use_fp8: bool
                 use_ue8m0: bool):
     """A low-latency dispatch's outputs, allocated (S = R * max_t, E_l = num_experts / R):
     codes [E_l, S, H] (e4m3 or bf16), scales [E_l, H / 128, S] float32 (FP8 without
-    use_ue8m0, else None), ue8m0 [E_l, H / 512, S] int32 (use_ue8m0, else None), count [E_l] int32, src_info [E_l, S]
-    int32, layout_range [E_l, R] int64. The eager call and the operator's fake both take them
-    from here."""
+    use_ue8m0, else None), ue8m0 [E_l, H / 512, S] int32 (use_ue8m0, else None), count [E_l]
+    int32, src_info [E_l, S] int32, layout_range [E_l, R] int64. The eager call and the
+    operator's fake both take them from here."""
     E_l, S = num_experts // R, R * max_t
     codes = torch.empty((E_l, S, H), dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16,
                         device=dev)

@@ -196,10 +196,20 @@ class PyGroup {
                                      int64_t used_rows) const {
     const epcomm::Config& cfg = live()->config();
     const epcomm::Sizes& s = live()->sizes();
-    check_array(c, "expert_out", expert_out, Elem::kBf16, {-1, cfg.hidden},
-                "[rows, hidden], rows >= the dispatch output's rows (sizes.max_recv_rows)");
+    epcomm::CombineInput in;
+    if (expert_out.ndim() == 3) {
+      // The padded per-expert layout [G, capacity, hidden] (CombineInput::expert_out_capacity;
+      // set-up checks the capacity).
+      check_array(c, "expert_out", expert_out, Elem::kBf16, {s.num_groups, -1, cfg.hidden},
+                  "[G, capacity, hidden]: the padded per-expert layout");
+      in.expert_out_capacity = int64_t(expert_out.shape(1));
+    } else {
+      check_array(c, "expert_out", expert_out, Elem::kBf16, {-1, cfg.hidden},
+                  "[rows, hidden], rows >= the dispatch output's rows (sizes.max_recv_rows); "
+                  "or [G, capacity, hidden], the padded per-expert layout");
+    }
     const int64_t need = used_rows >= 0 ? std::min(used_rows, s.max_recv_rows) : s.max_recv_rows;
-    if (int64_t(expert_out.shape(0)) < need)
+    if (in.expert_out_capacity == 0 && int64_t(expert_out.shape(0)) < need)
       invalid(c.op + ": expert_out has " + std::to_string(expert_out.shape(0)) +
               " rows; it needs " +
               (used_rows >= 0 ? "the " + std::to_string(need) + " rows the dispatch produced"
@@ -210,7 +220,6 @@ class PyGroup {
       invalid(c.op +
               ": give both row_offsets and src_info (the dispatch output's), or neither "
               "(the group's own dispatch output)");
-    epcomm::CombineInput in;
     in.expert_out = present(expert_out);
     in.hidden = cfg.hidden;
     if (row_offsets) {

@@ -3,11 +3,12 @@
 // One warp a row: warps walk the rows [0, n), n = min(row_offsets[G], max_rows) read on the
 // device, in a grid-stride loop over at most one resident wave of blocks. A row finds its group
 // by a binary search of row_offsets, and its slot j = row - row_offsets[g]; lanes move its bytes
-// 16 at a time (and, for blockwise FP8, one scale each). The per-group counts go to the first
-// G threads of the grid (a group's padding rows, rank -1, are at its end); UE8M0 words one a lane
-// (four scales each); layout_range is
-// zeroed before the launch and each row adds 1 to its source's entry, the first row of a source's
-// run also its slot << 32 (rows of a group are sorted by source rank, so each source has one run).
+// 16 at a time (and, for blockwise FP8, one scale each, or one UE8M0 word of four scales each).
+// The per-group counts go to the first G threads of the grid (a group's padding rows, rank -1,
+// are at its end); layout_range is zeroed before the launch and each row adds 1 to its source's
+// entry, the first row of a source's run also its slot << 32 (rows of a group are sorted by
+// source rank, so each source has one run). A row outside its group's slots (j < 0, row_offsets
+// not starting at 0; or j >= capacity) is not copied (unpad: zeroed).
 #include <algorithm>
 #include <string>
 
@@ -27,17 +28,8 @@ __device__ __forceinline__ int64_t used_rows(const DispatchRows& r) {
   return min(int64_t(r.row_offsets[r.groups]), r.max_rows);
 }
 
-// The group g with row_offsets[g] <= i < row_offsets[g + 1].
-__device__ __forceinline__ int32_t group_of(const DispatchRows& r, int64_t i) {
-  int32_t lo = 0, hi = r.groups - 1;
-  while (lo < hi) {
-    const int32_t mid = (lo + hi + 1) / 2;
-    if (int64_t(r.row_offsets[mid]) <= i)
-      lo = mid;
-    else
-      hi = mid - 1;
-  }
-  return lo;
+__device__ __forceinline__ GroupSlots slots_of(const DispatchRows& r, int64_t capacity) {
+  return GroupSlots{r.row_offsets, r.groups, capacity};
 }
 
 __device__ __forceinline__ void copy_row(uint4* dst, const uint4* src, int64_t units, int lane) {
@@ -61,10 +53,11 @@ __global__ void __launch_bounds__(kThreads) pad_kernel(PadExpertRows a) {
        i += int64_t(gridDim.x) * kWarps) {
     const SrcInfo s = r.src_info[i];
     if (s.rank < 0) continue;  // FP8 padding
-    const int32_t g = group_of(r, i);
-    const int64_t j = i - int64_t(r.row_offsets[g]);
-    if (j >= a.capacity) continue;
-    const int64_t slot = int64_t(g) * a.capacity + j;
+    const GroupSlots gs = slots_of(r, a.capacity);
+    const int32_t g = gs.group_of(i);
+    const int64_t j = gs.slot_in(g, i);
+    if (j < 0 || j >= a.capacity) continue;
+    const int64_t slot = gs.slot_row(g, i);
     copy_row(static_cast<uint4*>(a.padded_codes) + slot * units,
              static_cast<const uint4*>(a.codes) + i * units, units, lane);
     if (a.padded_scales != nullptr)
@@ -98,15 +91,15 @@ __global__ void __launch_bounds__(kThreads) unpad_kernel(UnpadExpertRows a) {
   for (int64_t i = int64_t(blockIdx.x) * kWarps + threadIdx.x / kWarpSize; i < n;
        i += int64_t(gridDim.x) * kWarps) {
     uint4* dst = static_cast<uint4*>(a.out) + i * units;
-    const int32_t g = group_of(r, i);
-    const int64_t j = i - int64_t(r.row_offsets[g]);
-    if (r.src_info[i].rank < 0 || j >= a.capacity) {
+    const GroupSlots gs = slots_of(r, a.capacity);
+    const int32_t g = gs.group_of(i);
+    const int64_t j = gs.slot_in(g, i);
+    if (r.src_info[i].rank < 0 || j < 0 || j >= a.capacity) {
       for (int64_t u = lane; u < units; u += kWarpSize)
         dst[u] = make_uint4(0u, 0u, 0u, 0u);
       continue;
     }
-    copy_row(dst, static_cast<const uint4*>(a.padded) + (int64_t(g) * a.capacity + j) * units,
-             units, lane);
+    copy_row(dst, static_cast<const uint4*>(a.padded) + gs.slot_row(g, i) * units, units, lane);
   }
 }
 

@@ -14,13 +14,8 @@ int64_t used_rows(const DispatchRows& r) {
   return std::min(int64_t(r.row_offsets[r.groups]), r.max_rows);
 }
 
-// The group g with row_offsets[g] <= i < row_offsets[g + 1] (the last such g, as the kernels'
-// binary search finds it when groups are empty).
-int32_t group_of(const DispatchRows& r, int64_t i) {
-  int32_t g = 0;
-  for (int32_t k = 1; k < r.groups; ++k)
-    if (int64_t(r.row_offsets[k]) <= i) g = k;
-  return g;
+GroupSlots slots_of(const DispatchRows& r, int64_t capacity) {
+  return GroupSlots{r.row_offsets, r.groups, capacity};
 }
 
 }  // namespace
@@ -42,10 +37,11 @@ void pad_expert_rows(const PadExpertRows& a) {
   for (int64_t i = 0; i < n; ++i) {
     const SrcInfo s = r.src_info[i];
     if (s.rank < 0) continue;  // FP8 padding
-    const int32_t g = group_of(r, i);
-    const int64_t j = i - int64_t(r.row_offsets[g]);
-    if (j >= a.capacity) continue;
-    const int64_t slot = int64_t(g) * a.capacity + j;
+    const GroupSlots gs = slots_of(r, a.capacity);
+    const int32_t g = gs.group_of(i);
+    const int64_t j = gs.slot_in(g, i);
+    if (j < 0 || j >= a.capacity) continue;
+    const int64_t slot = gs.slot_row(g, i);
     std::memcpy(static_cast<char*>(a.padded_codes) + slot * a.row_bytes,
                 static_cast<const char*>(a.codes) + i * a.row_bytes, size_t(a.row_bytes));
     const auto scale = [&](int32_t k) { return a.scales[int64_t(k) * r.max_rows + i]; };
@@ -71,13 +67,13 @@ void unpad_expert_rows(const UnpadExpertRows& a) {
   const int64_t n = used_rows(r);
   for (int64_t i = 0; i < n; ++i) {
     char* dst = static_cast<char*>(a.out) + i * a.row_bytes;
-    const int32_t g = group_of(r, i);
-    const int64_t j = i - int64_t(r.row_offsets[g]);
-    if (r.src_info[i].rank < 0 || j >= a.capacity)
+    const GroupSlots gs = slots_of(r, a.capacity);
+    const int32_t g = gs.group_of(i);
+    const int64_t j = gs.slot_in(g, i);
+    if (r.src_info[i].rank < 0 || j < 0 || j >= a.capacity)
       std::memset(dst, 0, size_t(a.row_bytes));
     else
-      std::memcpy(dst,
-                  static_cast<const char*>(a.padded) + (int64_t(g) * a.capacity + j) * a.row_bytes,
+      std::memcpy(dst, static_cast<const char*>(a.padded) + gs.slot_row(g, i) * a.row_bytes,
                   size_t(a.row_bytes));
   }
 }

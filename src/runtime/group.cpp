@@ -822,9 +822,17 @@ static detail::CombineParams prepare_combine(detail::GroupState& s, const Combin
     require_ptr(in->expert_out, s.rank, op, "expert_out", true);
     require_ptr(in->row_offsets, s.rank, op, "row_offsets", false);
     require_ptr(in->src_info, s.rank, op, "src_info", false);
+    const int64_t most = int64_t(s.view.n_ranks) * s.cfg.max_tokens_per_rank;
+    const int64_t cap = in->expert_out_capacity;
+    require(cap == 0 || (cap >= most && cap * s.view.n_local() < (int64_t(1) << 31)), s.rank, op,
+            "expert_out_capacity = " + std::to_string(cap) +
+                ": 0 (dispatch row order), or a padded layout of at least n_ranks * "
+                "max_tokens_per_rank = " +
+                std::to_string(most) + " slots a group, fewer than 2^31 rows in all");
     p.expert_out = in->expert_out;
     p.row_offsets = in->row_offsets;
     p.src_info = in->src_info;
+    p.expert_capacity = in->expert_out_capacity;
   }
   if (out) {
     require(!(s.last.weights && out->weights != nullptr), s.rank, op,

@@ -349,3 +349,20 @@ TEST(Layout, CombineSplitAndLoadShape) {
   EXPECT_FALSE(detail::combine_whole_rows(128, 7168, 132));  // decode: one step per part
   EXPECT_FALSE(detail::combine_whole_rows(4096, 256, 8));    // one step is the whole row
 }
+
+// GroupSlots: the group of a row (empty groups skipped: the last group starting at or before
+// it), its slot, and its row in the padded layout; capacity 0 leaves rows where they are.
+TEST(GroupSlots, FindsGroupsAndSlots) {
+  const uint32_t offsets[] = {0, 0, 3, 3, 5};  // groups 0 and 2 empty
+  const GroupSlots padded{offsets, 4, 4};
+  const int32_t group[] = {1, 1, 1, 3, 3};
+  const int64_t row[] = {4, 5, 6, 12, 13};
+  for (int64_t i = 0; i < 5; ++i) {
+    EXPECT_EQ(padded.group_of(i), group[i]) << "row " << i;
+    EXPECT_EQ(padded.slot_row(i), row[i]) << "row " << i;
+  }
+  EXPECT_EQ(padded.slot_in(3, 4), 1);
+  const GroupSlots in_place{offsets, 4, 0};
+  for (int64_t i = 0; i < 5; ++i)
+    EXPECT_EQ(in_place.slot_row(i), i);
+}

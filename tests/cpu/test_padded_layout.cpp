@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "epcomm/error.h"
@@ -22,22 +23,22 @@ using testing::PaddedOut;
 
 // Two groups, two sources. Group 0: (rank 0, token 5), (rank 0, token 7), (rank 1, token 2), one
 // padding row; group 1: (rank 1, token 3); then one spare row. Row i's 16 code bytes are i + 1;
-// its scale k is 2^(i - k).
+// its scale k (of 8) is 2^(i - k).
 PaddedCase worked_example(int64_t capacity) {
   PaddedCase c;
   c.groups = 2;
   c.n_ranks = 2;
   c.capacity = capacity;
   c.row_bytes = 16;
-  c.scale_cols = 4;
+  c.scale_cols = 8;
   c.row_offsets = {0, 4, 5};
   c.src_info = {{5, 0, 0}, {7, 0, 1}, {2, 1, 0}, {-1, -1, -1}, {3, 1, 2}, {9, 0, 0}};
   c.max_rows = 6;
   c.codes.resize(6 * 16);
-  c.scales.resize(4 * 6);
+  c.scales.resize(8 * 6);
   for (int i = 0; i < 6; ++i) {
     std::memset(c.codes.data() + i * 16, i + 1, 16);
-    for (int k = 0; k < 4; ++k)
+    for (int k = 0; k < 8; ++k)
       c.scales[size_t(k * 6 + i)] = std::ldexp(1.0f, i - k);
   }
   return c;
@@ -47,32 +48,43 @@ int64_t range(int64_t first, int64_t n) {
   return (first << 32) | n;
 }
 
-TEST(PaddedLayoutReference, WorkedExample) {
-  const PaddedCase c = worked_example(3);
+// Every slot of the worked example at `capacity` (3: group 0 fills it; 4: its padding row's slot
+// stays unwritten), checked from the rows' values, not from the layout code.
+void check_worked_example(int64_t capacity) {
+  const PaddedCase c = worked_example(capacity);
   PaddedOut o(c);
   reference::pad_expert_rows(testing::pad_args(c, testing::host_pointers(c, o)));
   EXPECT_EQ(o.counts, (std::vector<int32_t>{3, 1}));
-  // Slots (g, j) <- rows: (0,0) <- 0, (0,1) <- 1, (0,2) <- 2, (1,0) <- 4; (1,1) and (1,2) kept.
-  const int row_of_slot[6] = {0, 1, 2, 4, -1, -1};
-  for (int slot = 0; slot < 6; ++slot) {
-    const int i = row_of_slot[slot];
-    for (int b = 0; b < 16; ++b)
-      ASSERT_EQ(o.codes[size_t(slot * 16 + b)], i < 0 ? kPaddedPoison : uint8_t(i + 1))
-          << "slot " << slot;
-    const int g = slot / 3, j = slot % 3;
-    const uint32_t word = o.ue8m0[size_t(g * 3 + j)];
-    if (i < 0) {
-      EXPECT_EQ(word, 0xa5a5a5a5u) << "slot " << slot;
-      continue;
+  // Slot (g, j) <- row: (0,0) <- 0, (0,1) <- 1, (0,2) <- 2, (1,0) <- 4; the others kept.
+  auto row_of = [](int g, int64_t j) { return g == 0 ? (j < 3 ? int(j) : -1) : (j == 0 ? 4 : -1); };
+  for (int g = 0; g < 2; ++g)
+    for (int64_t j = 0; j < capacity; ++j) {
+      const int i = row_of(g, j);
+      const size_t slot = size_t(g * capacity + j);
+      const std::string at = "slot (" + std::to_string(g) + ", " + std::to_string(j) + ")";
+      for (int b = 0; b < 16; ++b)
+        ASSERT_EQ(o.codes[slot * 16 + size_t(b)], i < 0 ? kPaddedPoison : uint8_t(i + 1)) << at;
+      if (i < 0) {
+        EXPECT_EQ(o.src_token[slot], int32_t(0xa5a5a5a5)) << at;
+        for (int q = 0; q < 2; ++q)
+          EXPECT_EQ(o.ue8m0[size_t((g * 2 + q) * capacity + j)], 0xa5a5a5a5u) << at;
+        continue;
+      }
+      EXPECT_EQ(o.src_token[slot], c.src_info[size_t(i)].token) << at;
+      for (int k = 0; k < 8; ++k) {
+        // [G, 8, capacity]: scale k of the slot.
+        EXPECT_EQ(o.scales[size_t((g * 8 + k) * capacity + j)], std::ldexp(1.0f, i - k)) << at;
+        // [G, 2, capacity]: word q = k / 4 of the slot, byte k % 4 the biased exponent.
+        const uint32_t word = o.ue8m0[size_t((g * 2 + k / 4) * capacity + j)];
+        EXPECT_EQ((word >> (8 * (k % 4))) & 0xffu, uint32_t(127 + i - k)) << at << " scale " << k;
+      }
     }
-    EXPECT_EQ(o.src_token[size_t(slot)], c.src_info[size_t(i)].token);
-    for (int k = 0; k < 4; ++k) {
-      EXPECT_EQ(o.scales[size_t((g * 4 + k) * 3 + j)], std::ldexp(1.0f, i - k));
-      // UE8M0 byte k: the biased exponent 127 + i - k.
-      EXPECT_EQ((word >> (8 * k)) & 0xffu, uint32_t(127 + i - k)) << "slot " << slot;
-    }
-  }
   EXPECT_EQ(o.layout_range, (std::vector<int64_t>{range(0, 2), range(2, 1), 0, range(0, 1)}));
+}
+
+TEST(PaddedLayoutReference, WorkedExample) {
+  check_worked_example(3);
+  check_worked_example(4);
 }
 
 TEST(PaddedLayoutReference, RowsPastCapacityAreLeftOut) {
@@ -83,6 +95,28 @@ TEST(PaddedLayoutReference, RowsPastCapacityAreLeftOut) {
   EXPECT_EQ(o.layout_range, (std::vector<int64_t>{range(0, 2), 0, 0, range(0, 1)}));
   for (int b = 0; b < 16; ++b)
     EXPECT_EQ(o.codes[size_t(2 * 16 + b)], 5);  // slot (1, 0) <- row 4
+}
+
+// A dispatch output cut short (max_rows = 4 < row_offsets[2] = 5): group 1's row is past it, so
+// group 1 counts 0 rows and none of its slots is written; nothing past row 3 is read (the case's
+// arrays end there).
+TEST(PaddedLayoutReference, RowsPastMaxRowsAreNotRead) {
+  const PaddedCase full = worked_example(3);
+  PaddedCase c = full;
+  c.max_rows = 4;
+  c.src_info.resize(4);
+  c.codes.resize(4 * 16);
+  c.scales.assign(8 * 4, 0.0f);
+  for (int k = 0; k < 8; ++k)
+    for (int i = 0; i < 4; ++i)
+      c.scales[size_t(k * 4 + i)] = full.scales[size_t(k * 6 + i)];
+  PaddedOut o(c);
+  reference::pad_expert_rows(testing::pad_args(c, testing::host_pointers(c, o)));
+  EXPECT_EQ(o.counts, (std::vector<int32_t>{3, 0}));
+  for (size_t b = 3 * 16; b < o.codes.size(); ++b)
+    ASSERT_EQ(o.codes[b], kPaddedPoison) << "group 1 written at byte " << b;
+  EXPECT_EQ(o.scales[size_t(7 * 3 + 2)], std::ldexp(1.0f, 2 - 7)) << "group 0, slot 2, scale 7";
+  EXPECT_EQ(o.layout_range, (std::vector<int64_t>{range(0, 2), range(2, 1), 0, 0}));
 }
 
 TEST(PaddedLayoutReference, Ue8m0WordPacksTheLowestScaleFirst) {
@@ -136,7 +170,10 @@ TEST(PaddedLayoutReference, BadArgumentsWriteNothing) {
   }
   PaddedOut untouched(c);
   EXPECT_EQ(o.codes, untouched.codes);
+  EXPECT_EQ(0, std::memcmp(o.scales.data(), untouched.scales.data(), o.scales.size() * 4));
+  EXPECT_EQ(o.ue8m0, untouched.ue8m0);
   EXPECT_EQ(o.counts, untouched.counts);
+  EXPECT_EQ(o.src_token, untouched.src_token);
   EXPECT_EQ(o.layout_range, untouched.layout_range);
   // Without padded_scales, UE8M0 words alone are a valid request.
   PadExpertRows words_only = good;

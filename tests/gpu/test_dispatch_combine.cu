@@ -133,6 +133,59 @@ TEST(Edge, EveryTokenToOneExpert) {
   }
 }
 
+// Combine reading the expert outputs in the padded per-expert layout (CombineInput::
+// expert_out_capacity), as a masked grouped GEMM leaves them: both paths and forms, both
+// reductions and the un-reduced combine, bf16 and blockwise FP8 (whose groups end in padding
+// rows), the least capacity allowed and more; slots no row reaches hold NaN, so a stray read
+// shows. Then the capacity's checks.
+TEST(Combine, ReadsThePaddedLayout) {
+  EPCOMM_REQUIRE_GPU();
+  const int n = suite_ranks();
+  uint64_t seed = 700;
+  for (TokenFormat format : {TokenFormat::kBF16, TokenFormat::kFp8Blockwise}) {
+    for (DispatchPath path : kBothPaths) {
+      Config cfg = with_path(make_cfg(2048, 8, 8 * n, 96), path);
+      cfg.format = format;
+      LocalGroup lg(cfg, n);
+      for (Form form : {Form::kFused, Form::kAsyncWait}) {
+        for (bool expert_side : {false, true}) {
+          const auto p = reference::make_problem(n, 2048, 8, 8 * n, random_counts(n, 96, seed),
+                                                 seed, 0.0, 0.1);
+          RoundOptions o;
+          o.form = form;
+          o.unreduced = true;
+          o.expert_side = expert_side;
+          o.padded_extra_slots = int64_t(seed % 2) * 5;
+          EXPECT_EQ(run_round(lg, p, o), "")
+              << token_format_name(format) << ", " << dispatch_path_name(path) << ", "
+              << (form == Form::kFused ? "fused" : "async+wait")
+              << (expert_side ? ", expert side" : ", token side") << ", capacity + "
+              << o.padded_extra_slots;
+          ++seed;
+        }
+      }
+    }
+  }
+  // A capacity below n_ranks * max_tokens_per_rank (a group could overflow it) is refused
+  // before anything is launched, and the group goes on.
+  LocalGroup lg(make_cfg(2048, 8, 8 * n, 96), n);
+  const auto p = reference::make_problem(n, 2048, 8, 8 * n, random_counts(n, 96, 1), 1);
+  ASSERT_EQ(run_round(lg, p, RoundOptions{}), "");
+  RankIO& io = *lg.io[0];
+  for (int64_t bad : {int64_t(n) * 96 - 1, int64_t(-1), int64_t(1) << 40}) {
+    CombineInput in = io.combine_input();
+    in.expert_out_capacity = bad;
+    try {
+      lg.groups[0]->combine(in, io.combine_output(true), io.stream);
+      ADD_FAILURE() << "expert_out_capacity = " << bad << " accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+      EXPECT_NE(std::string(e.what()).find("expert_out_capacity"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_EQ(run_round(lg, p, RoundOptions{}), "");
+}
+
 // Async and wait with other GPU work between them on the same stream.
 TEST(Forms, AsyncWaitWithWorkBetween) {
   EPCOMM_REQUIRE_GPU();

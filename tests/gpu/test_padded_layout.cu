@@ -84,9 +84,24 @@ void check_pad(const Shape& s, uint64_t seed) {
   EXPECT_EQ(download<int32_t>(counts, want.counts.size()), want.counts) << at;
   EXPECT_EQ(download<int32_t>(src_token, want.src_token.size()), want.src_token) << at;
   EXPECT_EQ(download<int64_t>(layout, want.layout_range.size()), want.layout_range) << at;
-  // fp32 scales by their bits (the poison is a NaN).
+  // fp32 scales by their bits.
   const std::vector<float> got = download<float>(out_scales, want.scales.size());
   EXPECT_EQ(0, std::memcmp(got.data(), want.scales.data(), got.size() * sizeof(float))) << at;
+  // The words against the fp32 scales beside them (layouts [G, K, capacity] and [G, K / 4,
+  // capacity]), independently of the code that packs them: byte t of word (g, q, j) is the
+  // biased exponent of scale 4q + t of slot (g, j), for every slot a row reached.
+  if (words && hp.padded_scales != nullptr) {
+    const int32_t K = c.scale_cols, Q = K / 4;
+    for (int32_t g = 0; g < c.groups; ++g)
+      for (int64_t j = 0; j < want.counts[size_t(g)]; ++j)
+        for (int32_t k = 0; k < K; ++k) {
+          uint32_t bits;
+          std::memcpy(&bits, &want.scales[size_t((int64_t(g) * K + k) * c.capacity + j)], 4);
+          const uint32_t word = want.ue8m0[size_t((int64_t(g) * Q + k / 4) * c.capacity + j)];
+          ASSERT_EQ((word >> (8 * (k % 4))) & 0xffu, (bits >> 23) & 0xffu)
+              << at << ": slot (" << g << ", " << j << "), scale " << k;
+        }
+  }
 
   // unpad_expert_rows from the padded codes just written, into a poisoned output.
   std::vector<uint8_t> back_want(c.codes.size(), kPaddedPoison);
@@ -110,7 +125,9 @@ TEST(PaddedLayout, MatchesTheReference) {
       {8, 4, 24, 14336, 0, 30, 3, false, false},
       {1, 2, 5, 64, 4, 9, 2, false, true},
       {64, 16, 3, 512, 4, 5, 7, true, false},
-      {5, 3, 40, 7168, 3, 40, 1, false, true},  // scale_cols not a multiple of 4: fp32 only
+      {5, 3, 40, 7168, 3, 40, 1, false, true},   // scale_cols not a multiple of 4: fp32 only
+      {128, 8, 512, 16, 4, 400, 0, true, true},  // more rows than one wave of warps
+      {6, 4, 32, 256, 8, 30, -17, true, true},   // max_rows below row_offsets[G]: cut short
   };
   for (const Shape& s : shapes)
     for (uint64_t seed = 1; seed <= 3; ++seed)
@@ -148,6 +165,9 @@ TEST(PaddedLayout, RefusesBadArgumentsBeforeLaunching) {
   }
   EPCOMM_CUDA_OK(cudaDeviceSynchronize());
   EXPECT_EQ(download<uint8_t>(out_codes, poisoned.codes.size()), poisoned.codes);
+  EXPECT_EQ(download<uint32_t>(out_words, poisoned.ue8m0.size()), poisoned.ue8m0);
+  const std::vector<float> scales_now = download<float>(out_scales, poisoned.scales.size());
+  EXPECT_EQ(0, std::memcmp(scales_now.data(), poisoned.scales.data(), scales_now.size() * 4));
   EXPECT_EQ(download<int32_t>(counts, poisoned.counts.size()), poisoned.counts);
   EXPECT_EQ(download<int64_t>(layout, poisoned.layout_range.size()), poisoned.layout_range);
 }

@@ -152,6 +152,9 @@ DispatchOutput RankIO::dispatch_output() const {
                         src_info.get<SrcInfo>(), scales.get(), scales_offsets.get<uint32_t>()};
 }
 CombineInput RankIO::combine_input() const {
+  if (expert_capacity > 0)
+    return CombineInput{padded_expert_out.get(), row_offsets.get<uint32_t>(),
+                        src_info.get<SrcInfo>(), hidden, expert_capacity};
   return CombineInput{expert_out.get(), row_offsets.get<uint32_t>(), src_info.get<SrcInfo>(),
                       hidden};
 }
@@ -235,6 +238,26 @@ std::vector<double> layer_output(const reference::RankInput& in, int32_t top_k, 
 
 void RankIO::make_expert_out(int64_t rows) {
   set_expert_out(expert_outputs(rank, expert_seed++, rows, hidden));
+}
+
+void RankIO::set_padded_expert_out(const reference::DispatchResult& ref, int64_t capacity) {
+  expert_capacity = capacity;
+  if (capacity == 0) return;
+  const int32_t groups = int32_t(ref.row_offsets.size()) - 1;
+  const size_t slots = size_t(groups) * size_t(capacity);
+  std::vector<uint16_t> padded(slots * size_t(hidden), 0xffff);  // bf16 NaN: a stray read shows
+  std::vector<int32_t> counts(static_cast<size_t>(groups));
+  PadExpertRows a;
+  a.rows = DispatchRows{ref.row_offsets.data(), ref.src_info.data(), groups, ref.rows()};
+  a.codes = expert_out_host.data();
+  a.row_bytes = int64_t(hidden) * 2;
+  a.capacity = capacity;
+  a.padded_codes = padded.data();
+  a.counts = counts.data();
+  reference::pad_expert_rows(a);
+  padded_expert_out = DeviceBuffer(device, padded.size() * 2);
+  padded_expert_out.upload(padded.data(), padded.size() * 2, stream);
+  EPCOMM_CUDA_OK(cudaStreamSynchronize(stream));
 }
 
 void RankIO::set_expert_out(std::vector<uint16_t> rows) {
@@ -487,6 +510,9 @@ std::string run_round(LocalGroup& lg, const reference::Problem& problem, const R
     else
       io.make_expert_out(refs[size_t(r)].rows());
     y[size_t(r)] = lg.io[size_t(r)]->expert_out_host;
+    io.set_padded_expert_out(
+        refs[size_t(r)],
+        o.padded_extra_slots < 0 ? 0 : int64_t(n) * io.max_tokens + o.padded_extra_slots);
   }
   // The combines this round runs: with the weights dispatched, only the expert-side one (its
   // output has the weighted [T, H] shape); else the token-side weighted and / or un-reduced.

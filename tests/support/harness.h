@@ -87,6 +87,10 @@ struct RankIO {
   DeviceBuffer out_tokens, row_offsets, expert_ids, src_info;   // dispatch outputs
   DeviceBuffer scales, scales_offsets;  // dispatch outputs of the quantised formats, else empty
   DeviceBuffer expert_out;                                      // combine input
+  // The same expert outputs in the padded per-expert layout, [G, expert_capacity, H], read by
+  // combine in its place while expert_capacity > 0 (set_padded_expert_out).
+  DeviceBuffer padded_expert_out;
+  int64_t expert_capacity = 0;
   DeviceBuffer combine_out;                                     // [T, K, H] bf16 (fits [T, H])
   int32_t num_tokens = 0;
   std::vector<uint16_t> expert_out_host;  // what expert_out holds (rows of the reference)
@@ -103,6 +107,11 @@ struct RankIO {
   void make_expert_out(int64_t rows);
   // These expert outputs ([rows, H] bf16 bits), uploaded to expert_out.
   void set_expert_out(std::vector<uint16_t> rows);
+  // Lays expert_out_host (rows of `ref`, the dispatch) out in the padded per-expert layout of
+  // `capacity` slots a group (reference::pad_expert_rows), slots no row reaches poisoned, and
+  // makes combine_input() read it there (CombineInput::expert_out_capacity); 0 goes back to
+  // dispatch row order.
+  void set_padded_expert_out(const reference::DispatchResult& ref, int64_t capacity);
   // bf16: downloads the dispatch outputs and compares them with the reference ("" = equal).
   std::string check_dispatch(const reference::DispatchResult& ref) const;
   // Quantised formats. The dispatch outputs as the reference holds them: row_offsets, expert_ids,
@@ -207,6 +216,10 @@ struct RoundOptions {
   bool function_outputs = false;
   // If set, receives every rank's reduced [T, H] combine output of the round (bf16 bits).
   std::vector<std::vector<uint16_t>>* reduced_out = nullptr;
+  // Combine reads the expert outputs in the padded per-expert layout (RankIO::
+  // set_padded_expert_out) with n_ranks * max_tokens + this many slots a group; < 0: in dispatch
+  // row order.
+  int64_t padded_extra_slots = -1;
 };
 std::string run_round(LocalGroup& lg, const reference::Problem& p, const RoundOptions& o);
 

@@ -38,7 +38,9 @@ struct PaddedCase {
 
 // Group g holds up to max_group real rows (from random sources, each sending a token at most
 // once) and 0-3 padding rows; `spare` rows past the last group are in the output but not in use
-// (their src_info names a real rank, so a read of them shows). pow2: scales are powers of two
+// (their src_info names a real rank, so a read of them shows). A negative `spare` cuts that many
+// rows off the end instead: max_rows < row_offsets[groups], as a dispatch output too small for
+// its rows would be. pow2: scales are powers of two
 // (what UE8M0 holds exactly), else any positive normal floats.
 inline PaddedCase random_padded_case(int32_t groups, int32_t n_ranks, int64_t capacity,
                                      int64_t row_bytes, int32_t scale_cols, int32_t max_group,
@@ -68,6 +70,8 @@ inline PaddedCase random_padded_case(int32_t groups, int32_t n_ranks, int64_t ca
   }
   for (int64_t i = 0; i < spare; ++i)
     c.src_info.push_back(SrcInfo{int32_t(i), int16_t(rng() % uint64_t(n_ranks)), 0});
+  if (spare < 0)
+    c.src_info.resize(size_t(std::max<int64_t>(0, int64_t(c.src_info.size()) + spare)));
   c.max_rows = int64_t(c.src_info.size());
   c.codes.resize(size_t(c.max_rows * row_bytes));
   for (auto& b : c.codes)

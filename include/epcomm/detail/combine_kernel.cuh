@@ -75,6 +75,12 @@ struct WorkSplit {
   __device__ int32_t column_stride() const { return split * kCombineStep; }
 };
 
+// Where the send reads expert output row i (dispatch row order): row i, or its slot in the
+// padded per-expert layout (CombineInput::expert_out_capacity).
+__device__ __forceinline__ GroupSlots expert_slots(const CombineParams& p) {
+  return GroupSlots{p.row_offsets, p.g.n_local(), p.expert_capacity};
+}
+
 // Puts a whole row in flight to L2 (kPrefetchRows) when the item is the whole row.
 __device__ __forceinline__ void prefetch_whole_row(const char* row, int32_t H, int32_t stride) {
   if (kPrefetchRows && stride == kCombineStep && row != nullptr) prefetch_l2(row, uint32_t(H) * 2);
@@ -202,7 +208,7 @@ __device__ inline void combine_send_expert_side(const CombineParams& p, const in
     if (lane < n) {
       int64_t r = -1;
       if (e.group() < n_local) r = int64_t(bases[s * n_local + e.group()]) + e.pos;
-      if (r >= 0 && r < row_limit) row = in + r * H * 2;
+      if (r >= 0 && r < row_limit) row = in + expert_slots(p).slot_row(e.group(), r) * H * 2;
       w = e.weight;
     }
     const int64_t at = wl.combine_recv_offset() + cl.offset(token, slot);
@@ -271,6 +277,12 @@ __device__ inline void combine_send(const CombineParams& p, unsigned long long s
   for (int64_t batch = WorkSplit::first_item(); batch < items; batch += kWarpSize * step) {
     const int64_t mine = batch + lane * step;
     const SrcInfo ahead = mine < items ? p.src_info[mine / pieces] : SrcInfo{-1, -1, -1};
+    // And where its row is read (the padded layout), as an offset from the row: 0 in dispatch
+    // row order (set-up keeps the padded layout's rows below 2^31). Looked up here in the split
+    // kernel, per row below in the fused one: each way keeps that kernel's registers.
+    int32_t ahead_delta = 0;
+    if (!kDirectSelf && p.expert_capacity != 0 && mine < items)
+      ahead_delta = int32_t(expert_slots(p).slot_row(mine / pieces) - mine / pieces);
     for (int32_t j = 0; j < kWarpSize; ++j) {
       const int64_t item = batch + j * step;
       if (item >= items) break;  // the same for every lane
@@ -279,6 +291,7 @@ __device__ inline void combine_send(const CombineParams& p, unsigned long long s
       const int32_t token = __shfl_sync(0xffffffffu, ahead.token, j);
       const int32_t rank = __shfl_sync(0xffffffffu, int32_t(ahead.rank), j);
       const int32_t slot = __shfl_sync(0xffffffffu, int32_t(ahead.slot), j);
+      const int32_t delta = kDirectSelf ? 0 : __shfl_sync(0xffffffffu, ahead_delta, j);
       const int32_t owner = g.route.view_rank_of(rank);  // src_info holds the caller's rank
       if (owner < 0 || owner >= g.n_ranks || token < 0 || token >= g.max_tokens || slot < 0 ||
           slot >= g.top_k)
@@ -290,7 +303,8 @@ __device__ inline void combine_send(const CombineParams& p, unsigned long long s
         return outbox_at(g, g.outbox_layout().combine_offset(r)) + int64_t(v0) * 16;
       });
       const int32_t n = min(kPiece, n_vec - v0);
-      copy_vectors(in + (r * g.hidden + int64_t(v0) * 8) * 2, n, 1, LoadNc{},
+      const int64_t src = kDirectSelf ? expert_slots(p).slot_row(r) : r + delta;
+      copy_vectors(in + (src * g.hidden + int64_t(v0) * 8) * 2, n, 1, LoadNc{},
                    [&](int32_t) { return dst; });
       warp_put(g, owner, at, dst, int64_t(n) * 16);
     }
@@ -349,7 +363,7 @@ __device__ void combine_recv(const CombineParams& p, unsigned long long seq, Epi
       mine = slots + int64_t(lane) * cl.row_bytes();
       if (kDirectSelf && em.rank_of(id) == g.rank) {
         const int32_t r = p.self_row[int64_t(t) * K + lane];
-        mine = r >= 0 && r < self_rows ? expert_out + int64_t(r) * H * 2 : nullptr;
+        mine = r >= 0 && r < self_rows ? expert_out + expert_slots(p).slot_row(r) * H * 2 : nullptr;
       }
     }
     if (p.weights != nullptr) {

@@ -210,6 +210,7 @@ struct CombineParams {
   const void* expert_out;
   const uint32_t* row_offsets;
   const SrcInfo* src_info;
+  int64_t expert_capacity;  // CombineInput::expert_out_capacity (0: dispatch row order)
   // receive side
   void* out;
   const float* weights;
