@@ -45,8 +45,21 @@ def test_torchrun_graph_capture(nproc):
     torchrun(nproc, "--cases", "graph")
 
 
-def test_one_process_several_ranks():
-    """create_local: two ranks in this process (on GPU 0 twice where there is one GPU)."""
+def padded_rows(rows, row_offsets, capacity):
+    """Dispatch-ordered rows [N, H] laid out as the padded per-expert layout [G, capacity, H]
+    (group g's rows at [g, 0 .. count)); NaN in every slot no row reaches."""
+    ro = row_offsets.cpu().tolist()
+    out = torch.full((len(ro) - 1, capacity, rows.size(1)), float("nan"), dtype=rows.dtype,
+                     device=rows.device)
+    for g in range(len(ro) - 1):
+        out[g, :ro[g + 1] - ro[g]] = rows[ro[g]:ro[g + 1]]
+    return out
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_one_process_several_ranks(padded):
+    """create_local: two ranks in this process (on GPU 0 twice where there is one GPU). padded:
+    combine takes the expert outputs as [G, capacity, H] (the padded per-expert layout)."""
     n = 2
     ngpu = torch.cuda.device_count()
     devices = [r % ngpu for r in range(n)]
@@ -73,7 +86,14 @@ def test_one_process_several_ranks():
             layouts[r], d.row_offsets.cpu().numpy(), d.expert_ids.cpu().numpy(),
             d.src_info.cpu().numpy(), d.tokens.view(torch.int16).cpu().numpy().view(np.uint16), H)
         assert msg == "", msg
-    results = [g.combine(outs[r][3].tokens, stream=streams[r]) for r, g in enumerate(groups)]
+    expert_out = []
+    for r, g in enumerate(groups):
+        with torch.cuda.device(g.device):
+            d = outs[r][3]
+            expert_out.append(padded_rows(d.tokens, d.row_offsets, n * T + 3) if padded
+                              else d.tokens)
+            streams[r].wait_stream(torch.cuda.current_stream(g.device))
+    results = [g.combine(expert_out[r], stream=streams[r]) for r, g in enumerate(groups)]
     for r, g in enumerate(groups):
         g.synchronize(streams[r])
     for r in range(n):
