@@ -97,8 +97,8 @@ struct CombineInput {
   // 0: expert_out is [max_recv_rows, H] in dispatch row order. > 0: expert_out is the padded
   // per-expert layout [G, capacity, H] (epcomm/padded_layout.h; what a masked grouped GEMM
   // writes): row i of group g is read at slot (g, i - row_offsets[g]), and no unpad copy is
-  // needed. At least n_ranks * max_tokens_per_rank, the most rows a group can receive; slots a
-  // group's rows do not reach are not read.
+  // needed. At least n_ranks * max_tokens_per_rank (max_tokens_per_rank with skip_a2a), the
+  // most rows a group can receive; slots a group's rows do not reach are not read.
   int64_t expert_out_capacity = 0;
 };
 

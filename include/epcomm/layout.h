@@ -157,9 +157,12 @@ struct GroupSlots {
   }
   // Row i's slot within its group g.
   EPCOMM_HD int64_t slot_in(int32_t g, int64_t i) const { return i - int64_t(row_offsets[g]); }
-  // Row i of group g, where the padded array holds it.
+  // Row i of group g, where the padded array holds it; -1 where its slot falls outside the
+  // group's [0, capacity) (inconsistent row_offsets: never read there).
   EPCOMM_HD int64_t slot_row(int32_t g, int64_t i) const {
-    return capacity == 0 ? i : int64_t(g) * capacity + slot_in(g, i);
+    if (capacity == 0) return i;
+    const int64_t j = slot_in(g, i);
+    return j >= 0 && j < capacity ? int64_t(g) * capacity + j : -1;
   }
   EPCOMM_HD int64_t slot_row(int64_t i) const {
     return capacity == 0 ? i : slot_row(group_of(i), i);

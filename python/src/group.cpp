@@ -203,6 +203,10 @@ class PyGroup {
       check_array(c, "expert_out", expert_out, Elem::kBf16, {s.num_groups, -1, cfg.hidden},
                   "[G, capacity, hidden]: the padded per-expert layout");
       in.expert_out_capacity = int64_t(expert_out.shape(1));
+      if (in.expert_out_capacity == 0)
+        invalid(c.op + ": expert_out " + shape_str(expert_out) +
+                " has no slots: the padded layout needs a capacity of at least the most rows "
+                "a group can receive");
     } else {
       check_array(c, "expert_out", expert_out, Elem::kBf16, {-1, cfg.hidden},
                   "[rows, hidden], rows >= the dispatch output's rows (sizes.max_recv_rows); "

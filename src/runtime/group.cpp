@@ -824,11 +824,11 @@ static detail::CombineParams prepare_combine(detail::GroupState& s, const Combin
     require_ptr(in->src_info, s.rank, op, "src_info", false);
     const int64_t most = int64_t(s.view.n_ranks) * s.cfg.max_tokens_per_rank;
     const int64_t cap = in->expert_out_capacity;
-    require(cap == 0 || (cap >= most && cap * s.view.n_local() < (int64_t(1) << 31)), s.rank, op,
+    require(cap == 0 || (cap >= most && cap < (int64_t(1) << 31) / s.view.n_local()), s.rank, op,
             "expert_out_capacity = " + std::to_string(cap) +
-                ": 0 (dispatch row order), or a padded layout of at least n_ranks * "
-                "max_tokens_per_rank = " +
-                std::to_string(most) + " slots a group, fewer than 2^31 rows in all");
+                ": 0 (dispatch row order), or a padded layout of at least " + std::to_string(most) +
+                " slots a group (the most rows a group can receive: the group's ranks, 1 with "
+                "skip_a2a, times max_tokens_per_rank), fewer than 2^31 rows in all");
     p.expert_out = in->expert_out;
     p.row_offsets = in->row_offsets;
     p.src_info = in->src_info;

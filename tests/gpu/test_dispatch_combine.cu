@@ -129,6 +129,14 @@ TEST(Edge, EveryTokenToOneExpert) {
       o.expert_side = true;
       EXPECT_EQ(run_round(lg, p, o), "")
           << "K = " << K << ", expert side, " << dispatch_path_name(path);
+      // The one expert's group is full: the padded layout of the least capacity, every slot
+      // used, read by both reductions.
+      o.padded_extra_slots = 0;
+      EXPECT_EQ(run_round(lg, p, o), "")
+          << "K = " << K << ", expert side, padded, " << dispatch_path_name(path);
+      o.expert_side = false;
+      EXPECT_EQ(run_round(lg, p, o), "")
+          << "K = " << K << ", token side, padded, " << dispatch_path_name(path);
     }
   }
 }
@@ -149,19 +157,21 @@ TEST(Combine, ReadsThePaddedLayout) {
       LocalGroup lg(cfg, n);
       for (Form form : {Form::kFused, Form::kAsyncWait}) {
         for (bool expert_side : {false, true}) {
-          const auto p = reference::make_problem(n, 2048, 8, 8 * n, random_counts(n, 96, seed),
-                                                 seed, 0.0, 0.1);
-          RoundOptions o;
-          o.form = form;
-          o.unreduced = true;
-          o.expert_side = expert_side;
-          o.padded_extra_slots = int64_t(seed % 2) * 5;
-          EXPECT_EQ(run_round(lg, p, o), "")
-              << token_format_name(format) << ", " << dispatch_path_name(path) << ", "
-              << (form == Form::kFused ? "fused" : "async+wait")
-              << (expert_side ? ", expert side" : ", token side") << ", capacity + "
-              << o.padded_extra_slots;
-          ++seed;
+          for (int64_t extra : {0, 5}) {
+            const auto p = reference::make_problem(n, 2048, 8, 8 * n, random_counts(n, 96, seed),
+                                                   seed, 0.0, 0.1);
+            RoundOptions o;
+            o.form = form;
+            o.unreduced = true;
+            o.expert_side = expert_side;
+            o.padded_extra_slots = extra;
+            EXPECT_EQ(run_round(lg, p, o), "")
+                << token_format_name(format) << ", " << dispatch_path_name(path) << ", "
+                << (form == Form::kFused ? "fused" : "async+wait")
+                << (expert_side ? ", expert side" : ", token side") << ", capacity + "
+                << o.padded_extra_slots;
+            ++seed;
+          }
         }
       }
     }
@@ -172,7 +182,7 @@ TEST(Combine, ReadsThePaddedLayout) {
   const auto p = reference::make_problem(n, 2048, 8, 8 * n, random_counts(n, 96, 1), 1);
   ASSERT_EQ(run_round(lg, p, RoundOptions{}), "");
   RankIO& io = *lg.io[0];
-  for (int64_t bad : {int64_t(n) * 96 - 1, int64_t(-1), int64_t(1) << 40}) {
+  for (int64_t bad : {int64_t(n) * 96 - 1, int64_t(-1), int64_t(1) << 40, int64_t(1) << 61}) {
     CombineInput in = io.combine_input();
     in.expert_out_capacity = bad;
     try {

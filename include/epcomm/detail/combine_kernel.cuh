@@ -76,7 +76,9 @@ struct WorkSplit {
 };
 
 // Where the send reads expert output row i (dispatch row order): row i, or its slot in the
-// padded per-expert layout (CombineInput::expert_out_capacity).
+// padded per-expert layout (CombineInput::expert_out_capacity); -1 outside its group's slots.
+// kNoSlot marks that in a shuffled row offset.
+constexpr int32_t kNoSlot = INT32_MIN;
 __device__ __forceinline__ GroupSlots expert_slots(const CombineParams& p) {
   return GroupSlots{p.row_offsets, p.g.n_local(), p.expert_capacity};
 }
@@ -208,7 +210,8 @@ __device__ inline void combine_send_expert_side(const CombineParams& p, const in
     if (lane < n) {
       int64_t r = -1;
       if (e.group() < n_local) r = int64_t(bases[s * n_local + e.group()]) + e.pos;
-      if (r >= 0 && r < row_limit) row = in + expert_slots(p).slot_row(e.group(), r) * H * 2;
+      const int64_t at = r >= 0 && r < row_limit ? expert_slots(p).slot_row(e.group(), r) : -1;
+      if (at >= 0) row = in + at * H * 2;
       w = e.weight;
     }
     const int64_t at = wl.combine_recv_offset() + cl.offset(token, slot);
@@ -281,8 +284,10 @@ __device__ inline void combine_send(const CombineParams& p, unsigned long long s
     // row order (set-up keeps the padded layout's rows below 2^31). Looked up here in the split
     // kernel, per row below in the fused one: each way keeps that kernel's registers.
     int32_t ahead_delta = 0;
-    if (!kDirectSelf && p.expert_capacity != 0 && mine < items)
-      ahead_delta = int32_t(expert_slots(p).slot_row(mine / pieces) - mine / pieces);
+    if (!kDirectSelf && p.expert_capacity != 0 && mine < items) {
+      const int64_t at = expert_slots(p).slot_row(mine / pieces);
+      ahead_delta = at >= 0 ? int32_t(at - mine / pieces) : kNoSlot;
+    }
     for (int32_t j = 0; j < kWarpSize; ++j) {
       const int64_t item = batch + j * step;
       if (item >= items) break;  // the same for every lane
@@ -297,13 +302,15 @@ __device__ inline void combine_send(const CombineParams& p, unsigned long long s
           slot >= g.top_k)
         continue;  // padding rows, and never a write outside a peer's buffer
       if (kDirectSelf && owner == g.rank) continue;  // read in place by the receive
+      const int64_t src =
+          kDirectSelf ? expert_slots(p).slot_row(r) : (delta == kNoSlot ? -1 : r + delta);
+      if (src < 0) continue;  // outside its group's slots (bad row_offsets): never read
       const int64_t at = wl.combine_recv_offset() + cl.offset(token, slot) + int64_t(v0) * 16;
       // Staged at the row's place in the outbox for a rank of another node.
       char* dst = put_buffer(g, owner, at, [=, &g] {
         return outbox_at(g, g.outbox_layout().combine_offset(r)) + int64_t(v0) * 16;
       });
       const int32_t n = min(kPiece, n_vec - v0);
-      const int64_t src = kDirectSelf ? expert_slots(p).slot_row(r) : r + delta;
       copy_vectors(in + (src * g.hidden + int64_t(v0) * 8) * 2, n, 1, LoadNc{},
                    [&](int32_t) { return dst; });
       warp_put(g, owner, at, dst, int64_t(n) * 16);
@@ -363,7 +370,8 @@ __device__ void combine_recv(const CombineParams& p, unsigned long long seq, Epi
       mine = slots + int64_t(lane) * cl.row_bytes();
       if (kDirectSelf && em.rank_of(id) == g.rank) {
         const int32_t r = p.self_row[int64_t(t) * K + lane];
-        mine = r >= 0 && r < self_rows ? expert_out + expert_slots(p).slot_row(r) * H * 2 : nullptr;
+        const int64_t at = r >= 0 && r < self_rows ? expert_slots(p).slot_row(r) : -1;
+        mine = at >= 0 ? expert_out + at * H * 2 : nullptr;
       }
     }
     if (p.weights != nullptr) {
