@@ -1,5 +1,5 @@
 """What the DeepEP layer (epcomm.deep_ep) costs over epcomm's own calls, for the benchmark's
-`decode` and `prefill` workloads, under torchrun:
+`decode` (also with UE8M0 scales, `decode-ue8m0`) and `prefill` workloads, under torchrun:
 
     torchrun --nproc-per-node N bench/deep_ep_bench.py [--sms 24] [--iters 50]
 
@@ -24,8 +24,17 @@ from epcomm.deep_ep import Buffer
 
 WORKLOADS = {  # name: (tokens per rank, hidden, top-k, experts, format)
     "decode": (128, 7168, 8, 256, "fp8-blockwise"),
+    # decode with DeepGEMM's scales: round_scale=True, use_ue8m0=True (epcomm: fp8_pow2_scales)
+    "decode-ue8m0": (128, 7168, 8, 256, "fp8-blockwise"),
     "prefill": (4096, 7168, 8, 256, "bf16"),
 }
+
+
+def ue8m0_scales(words):
+    """UE8M0 words [..., H / 512] int32 (four exponent bytes, block 4j lowest) -> fp32 scales
+    [..., H / 128]."""
+    e = torch.stack([(words >> (8 * t)) & 0xFF for t in range(4)], dim=-1).flatten(-2)
+    return torch.ldexp(torch.ones_like(e, dtype=torch.float32), e - 127)
 
 
 def inputs(T, H, K, E, seed, dev):
@@ -62,7 +71,7 @@ def main():
     ap.add_argument("--sms", type=int, default=24)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--workloads", default="decode,prefill")
+    ap.add_argument("--workloads", default="decode,decode-ue8m0,prefill")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     me, n = dist.get_rank(), dist.get_world_size()
@@ -78,23 +87,26 @@ def main():
                   "costs, not link time")
     for name in args.workloads.split(","):
         T, H, K, E, form = WORKLOADS[name]
+        ue8m0 = name == "decode-ue8m0"
         sets = [inputs(T, H, K, E, 1000 * s + me, dev) for s in range(3)]
         ids32 = [s[1].to(torch.int32) for s in sets]
         grp = epcomm.Group.from_torch(hidden=H, top_k=K, n_experts=E, max_tokens_per_rank=T,
-                                      format=form, num_sms=args.sms, share_gpus=per_gpu > 1)
+                                      format=form, num_sms=args.sms, share_gpus=per_gpu > 1,
+                                      **({"fp8_pow2_scales": True} if ue8m0 else {}))
+        ll_args = {"use_fp8": True, "round_scale": ue8m0, "use_ue8m0": ue8m0}
         buf = Buffer(dist.group.WORLD, low_latency_mode=True, explicitly_destroy=True,
                      max_tokens_per_rank=T)
         rows = grp.sizes.max_recv_rows
         y_native = torch.randn((rows, H), device=dev).to(torch.bfloat16)
         res = {}
-        if name == "decode":
+        if name.startswith("decode"):
             E_l = E // n
             y_pad = torch.randn((E_l, n * T, H), device=dev).to(torch.bfloat16)
             state = {}
 
             def layer_d(i):
                 x, idx, _ = sets[i]
-                state["h"] = buf.low_latency_dispatch(x, idx, T, E, use_fp8=True)[2]
+                state["h"] = buf.low_latency_dispatch(x, idx, T, E, **ll_args)[2]
 
             def layer_c(i):
                 _, idx, w = sets[i]
@@ -111,8 +123,9 @@ def main():
             # Check: the layer's combine of expert rows (y = the dispatched values) equals
             # epcomm's combine of the same values.
             x, idx, w = sets[1]
-            recv, count, h, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=True)
-            deq = (recv[0].float() * recv[1].repeat_interleave(128, dim=2)).to(torch.bfloat16)
+            recv, count, h, _, _ = buf.low_latency_dispatch(x, idx, T, E, **ll_args)
+            scales = ue8m0_scales(recv[1]) if ue8m0 else recv[1]
+            deq = (recv[0].float() * scales.repeat_interleave(128, dim=2)).to(torch.bfloat16)
             got, _, _ = buf.low_latency_combine(deq, idx, w, h)
             d = grp.dispatch(x, ids32[1])
             sc = d.scales.t().repeat_interleave(128, dim=1)[: d.tokens.size(0)]
