@@ -1,7 +1,7 @@
 """What the DeepEP layer (epcomm.deep_ep) costs over epcomm's own calls, for the benchmark's
 `decode` (also with UE8M0 scales, `decode-ue8m0`) and `prefill` workloads, under torchrun:
 
-    torchrun --nproc-per-node N bench/deep_ep_bench.py [--sms 24] [--iters 50]
+    torchrun --nproc-per-node N bench/deep_ep_bench.py [--sms 24] [--iters 50] [--profile 20]
 
 For each workload and each side (dispatch, combine) it times, with CUDA events around each call
 after a warm-up, over three rotating input sets, and prints median (min, max) in µs:
@@ -11,6 +11,8 @@ after a warm-up, over three rotating input sets, and prints median (min, max) in
 and their difference, the layer's cost. Each layer result is checked once against the epcomm
 result of the same inputs (decode: every combined row; prefill: every received and combined
 row). Processes sharing one GPU measure fixed costs, not links: the script says so.
+--profile CALLS also runs that many calls of each layer side under torch.profiler and prints
+the kernels and operators the time goes to.
 """
 
 import argparse
@@ -62,6 +64,24 @@ def timed(fn, iters, sets):
     return statistics.median(times), min(times), max(times)
 
 
+def profiled(fn, calls, label, show):
+    """Runs fn(i) `calls` times (collectively: every rank) under torch.profiler; `show` (one
+    rank) prints where the time goes: the top kernels by GPU time and the top operators by CPU
+    time, totals over the calls."""
+    from torch.profiler import ProfilerActivity, profile
+    dist.barrier()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as pr:
+        for i in range(calls):
+            fn(i % 3)
+        torch.cuda.synchronize()
+    if show:
+        ka = pr.key_averages()
+        print(f"# profile: {label}, {calls} calls")
+        print(ka.table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=70))
+        print(ka.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=70))
+
+
 def fmt(t):
     return f"{t[0]:8.1f} ({t[1]:.1f}, {t[2]:.1f})"
 
@@ -72,6 +92,9 @@ def main():
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--workloads", default="decode,decode-ue8m0,prefill")
+    ap.add_argument("--profile", type=int, default=0, metavar="CALLS",
+                    help="also profile CALLS calls of each layer side (torch.profiler) and "
+                         "print where the time goes")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     me, n = dist.get_rank(), dist.get_world_size()
@@ -164,6 +187,11 @@ def main():
             assert torch.equal(got.view(torch.int16), want.view(torch.int16)), "prefill check"
             res["dispatch"] = (timed(layer_d, args.iters, sets), timed(native_d, args.iters, sets))
             res["combine"] = (timed(layer_c, args.iters, sets), timed(native_c, args.iters, sets))
+        if args.profile:
+            for side, fn in (("dispatch", layer_d), ("combine", layer_c)):
+                if side == "combine":
+                    layer_d(0)  # the combine's dispatch
+                profiled(fn, args.profile, f"{name} layer {side}", me == 0)
         if me == 0:
             for side, (lay, nat) in res.items():
                 print(f"{name:8s} {side:8s} layer {fmt(lay)}  epcomm {fmt(nat)}  "
