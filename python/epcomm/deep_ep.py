@@ -26,7 +26,7 @@ import itertools
 import operator
 import os
 import weakref
-from typing import List, Optional, Tuple, Union
+from typing import Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
