@@ -799,8 +799,9 @@ class Buffer:
         with torch.cuda.stream(compute):
             codes, scales, ue8m0, count, src_info, layout_range = _ll_outputs(
                 R, num_experts, max_t, H, dev, use_fp8, use_ue8m0)
-        handle = _LowLatencyHandle((src_info, layout_range, max_t, H, num_experts), g, key,
-                                   tuple(topk_idx.shape))
+        handle = _LowLatencyHandle(
+            _ll_handle_items(src_info, layout_range, max_t, H, num_experts), g, key,
+            tuple(topk_idx.shape))
         self._routing[key] = handle
 
         def receive(stream):
@@ -864,7 +865,7 @@ class Buffer:
         if stats is not None:  # as the eager call does, after the counts
             stats.add_(count)
         recv_x = (codes, scales) if use_fp8 else codes
-        handle = (src_info, layout_range, int(max_t), x.size(1), int(num_experts))
+        handle = _ll_handle_items(src_info, layout_range, max_t, x.size(1), num_experts)
         return recv_x, count, handle, EventOverlap(None), None
 
     def _ll_combine_traced(self, x, topk_idx, topk_weights, handle, zero_copy, async_finish,
@@ -1004,6 +1005,11 @@ def _ll_outputs(R: int, num_experts: int, max_t: int, H: int, dev, use_fp8: bool
             torch.empty((E_l, R), dtype=torch.int64, device=dev))
 
 
+def _ll_handle_items(src_info, layout_range, max_t, H, num_experts) -> tuple:
+    """DeepEP's low-latency handle: (src_info, layout_range, max tokens, hidden, experts)."""
+    return (src_info, layout_range, int(max_t), H, int(num_experts))
+
+
 def _ll_returned_scales(scales, ue8m0, dev):
     """The scales a dispatch returns: UE8M0 words or fp32 scales, column-major per expert
     ([E_l, S, cols] views); without FP8, the operator's empty float32 placeholder."""
@@ -1025,12 +1031,9 @@ def _ll_dispatch_eager(b: "Buffer", x, topk_idx, max_t, num_experts, use_fp8, ro
 
 
 def _ll_combine_eager(b: "Buffer", x, topk_idx, topk_weights, src_info):
-    """The combine operator's work: the eager call with the dispatch's handle."""
-    handle = b._ll_handle_of(src_info)
-    if handle is None:
-        raise InvalidArgument("epcomm.deep_ep low_latency_combine: the handle is not one of "
-                              "the last two low_latency_dispatch calls of this Buffer")
-    combined, _, _ = b.low_latency_combine(x, topk_idx, topk_weights, handle)
+    """The combine operator's work: the eager call, which finds the dispatch's handle by
+    src_info as for any compiled dispatch's plain handle."""
+    combined, _, _ = b.low_latency_combine(x, topk_idx, topk_weights, (src_info,))
     return combined
 
 

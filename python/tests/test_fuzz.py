@@ -7,6 +7,7 @@ import os
 import tempfile
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -215,6 +216,5 @@ def test_absurd_capacity_is_bad_input():
     # Hypothesis found it: an output capacity no host can allocate raised MemoryError
     # (std::bad_alloc), not epcomm's error naming the argument.
     p = R.make_problem(1, 128, 2, 4, [3], 1)
-    import pytest
     with pytest.raises(epcomm.InvalidArgument, match="max_routed_rows 2147483647"):
         R.dispatch_quantized(p, 0, "fp8-blockwise", 1.0, 2**31 - 1)

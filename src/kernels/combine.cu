@@ -10,7 +10,7 @@ int load_combine_kernels_default() {
   int per_sm = 0, fewest = 1 << 30;
   for (bool expert_side : {false, true})
     for (bool whole_rows : {false, true}) {
-      auto kernel = combine_kernel_of<StoreBf16>(expert_side, whole_rows, true, true);
+      auto kernel = combine_kernel_of<StoreBf16>(expert_side, whole_rows, true);
       check_cuda(
           cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kCombineThreads, 0),
           "cudaOccupancyMaxActiveBlocksPerMultiprocessor(combine)");

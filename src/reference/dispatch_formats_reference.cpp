@@ -97,19 +97,8 @@ QuantOutputShape dispatch_output_shape(QuantFormat format, int32_t hidden, int64
     invalid("dispatch_output_shape: max_routed_rows " + std::to_string(max_routed_rows) +
             ", groups " + std::to_string(groups));
   }
-  const DispatchOutputLayout layout =
-      DispatchOutputLayout::make(token_format(format), hidden, max_routed_rows, groups);
-  // The output is sized by the caller's capacity: one larger than this host's memory is bad
-  // input, refused before anything is allocated.
-  const double bytes = double(layout.rows) * double(layout.row_bytes()) +
-                       double(layout.scales_bytes());
-  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
-  if (pages > 0 && page > 0 && bytes > double(pages) * double(page)) {
-    invalid("dispatch_output_shape: max_routed_rows " + std::to_string(max_routed_rows) +
-            " asks for an output of " + std::to_string(layout.rows) +
-            " rows, more than this host's memory");
-  }
-  shape.rows = layout.rows;
+  shape.rows =
+      DispatchOutputLayout::make(token_format(format), hidden, max_routed_rows, groups).rows;
   return shape;
 }
 
@@ -265,6 +254,20 @@ QuantDispatchResult dispatch_quantized(const Problem& p, int32_t rank, QuantForm
   }
   QuantOutputShape shape = dispatch_output_shape(format, H, max_routed_rows, groups);
   shape.fp8_pow2 = fp8_pow2;
+  {
+    // The output is sized by the caller's capacity: one larger than this host's memory is bad
+    // input, refused before anything is allocated.
+    const DispatchOutputLayout layout =
+        DispatchOutputLayout::make(token_format(format), H, max_routed_rows, groups);
+    const double bytes =
+        double(layout.rows) * double(layout.row_bytes()) + double(layout.scales_bytes());
+    const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+    if (pages > 0 && page > 0 && bytes > double(pages) * double(page)) {
+      invalid("dispatch_quantized: max_routed_rows " + std::to_string(max_routed_rows) +
+              " asks for an output of " + std::to_string(layout.rows) +
+              " rows, more than this host's memory");
+    }
+  }
 
   std::vector<int32_t> counts(static_cast<size_t>(groups));
   for (int32_t g = 0; g < groups; ++g)

@@ -316,13 +316,14 @@ CrossNodeSizes cross_node_sizes(const Problem& p, TokenFormat format, int32_t ma
                                 int32_t ranks_per_node) {
   check_problem(p);
   const RouteMap rm = p.route(0);
-  const detail::MessageLayout msg{p.hidden, rm.slots(), format};
+  // The window the group would have (its view: GroupView::layout()).
+  const detail::WindowLayout w{rm.view_ranks(), p.hidden, rm.slots(), rm.view_experts(),
+                               max_tokens,      format,   0};
   CrossNodeSizes s;
-  s.message = msg.bytes();
-  s.forward_message = detail::forward_message_bytes(msg, ranks_per_node);
-  s.combine_row = detail::CombineRecvLayout{p.hidden, rm.slots(), max_tokens}.row_bytes();
-  s.meta_record =
-      detail::MetaLayout{rm.groups(), detail::num_chunks(max_tokens), rm.view_ranks()}.bytes();
+  s.message = w.msg().bytes();
+  s.forward_message = detail::forward_message_bytes(w.msg(), ranks_per_node);
+  s.combine_row = w.combine_recv().row_bytes();
+  s.meta_record = w.meta().bytes();
   return s;
 }
 

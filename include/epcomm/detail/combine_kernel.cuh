@@ -440,18 +440,18 @@ __global__ void __launch_bounds__(kCombineThreads, 1)
     combine_half<Epilogue, true, kExpertSide, kWholeRows>(p, epi);
 }
 
-// The kernel of one form (fused, or either half of a split call), reduction and load shape.
+// The kernel of one form (fused, or the split kernel of either half), reduction and load shape.
 template <class Epilogue, bool kExpertSide, bool kWholeRows>
-auto combine_kernel_of(bool send, bool recv) {
-  return send && recv ? combine_kernel<Epilogue, true, kExpertSide, kWholeRows>
-                      : combine_kernel<Epilogue, false, kExpertSide, kWholeRows>;
+auto combine_kernel_of(bool fused) {
+  return fused ? combine_kernel<Epilogue, true, kExpertSide, kWholeRows>
+               : combine_kernel<Epilogue, false, kExpertSide, kWholeRows>;
 }
 template <class Epilogue>
-auto combine_kernel_of(bool expert_side, bool whole_rows, bool send, bool recv) {
-  return expert_side ? (whole_rows ? combine_kernel_of<Epilogue, true, true>(send, recv)
-                                   : combine_kernel_of<Epilogue, true, false>(send, recv))
-                     : (whole_rows ? combine_kernel_of<Epilogue, false, true>(send, recv)
-                                   : combine_kernel_of<Epilogue, false, false>(send, recv));
+auto combine_kernel_of(bool expert_side, bool whole_rows, bool fused) {
+  return expert_side ? (whole_rows ? combine_kernel_of<Epilogue, true, true>(fused)
+                                   : combine_kernel_of<Epilogue, true, false>(fused))
+                     : (whole_rows ? combine_kernel_of<Epilogue, false, true>(fused)
+                                   : combine_kernel_of<Epilogue, false, false>(fused));
 }
 
 // Loads the combine kernels for `Epilogue` on the current device. CUDA loads a kernel lazily at
@@ -461,18 +461,18 @@ auto combine_kernel_of(bool expert_side, bool whole_rows, bool send, bool recv) 
 template <class Epilogue>
 void load_combine_kernels() {
   cudaFuncAttributes a;
-  for (auto [send, recv] : {std::pair<bool, bool>{true, true}, {true, false}})  // fused, split
+  for (bool fused : {true, false})
     for (bool expert_side : {false, true})
       for (bool whole_rows : {false, true})
-        check_cuda(cudaFuncGetAttributes(
-                       &a, combine_kernel_of<Epilogue>(expert_side, whole_rows, send, recv)),
-                   "load combine");
+        check_cuda(
+            cudaFuncGetAttributes(&a, combine_kernel_of<Epilogue>(expert_side, whole_rows, fused)),
+            "load combine");
 }
 
 template <class Epilogue>
 void launch_combine(const CombineParams& p, const Epilogue& epi, bool send, bool recv,
                     cudaStream_t stream) {
-  auto kernel = combine_kernel_of<Epilogue>(p.expert_side != 0, p.whole_rows != 0, send, recv);
+  auto kernel = combine_kernel_of<Epilogue>(p.expert_side != 0, p.whole_rows != 0, send && recv);
   launch_cooperative(kernel, p.g.num_blocks, kCombineThreads, 0, stream, p, epi, int32_t(!send));
 }
 

@@ -244,7 +244,8 @@ __device__ void expand_parts(const DispatchParams& p, const RecvGroups& rg, unsi
   }
 }
 
-// The throughput path's receive: work items (chunk, source, part) of the chunks' messages.
+// The throughput path's receive: work items (chunk, source, message slot) of the chunks'
+// messages.
 template <TokenFormat F>
 __device__ void expand_chunks(const DispatchParams& p, const RecvGroups& rg, unsigned long long seq) {
   const GroupView& g = p.g;
@@ -264,22 +265,21 @@ __device__ void expand_chunks(const DispatchParams& p, const RecvGroups& rg, uns
   for (int32_t s = 0; s < n_ranks; ++s)
     max_chunks = max(max_chunks, rg.n_chunks[s]);
   const int64_t cells = max(int64_t(1), int64_t(max_chunks) * n_ranks);
-  constexpr int32_t parts = kChunkTokens;
-  const int64_t items = cells * parts;
+  const int64_t items = cells * kChunkTokens;
   unsigned long long* counter = &g.state->recv_item[seq & 1];
   unsigned long long taken = lane == 0 ? atomicAdd(counter, 1ull) : 0ull;
   for (;;) {
     const int64_t i = int64_t(__shfl_sync(0xffffffffu, taken, 0));
     if (i >= items) break;
     if (lane == 0) taken = atomicAdd(counter, 1ull);  // the next item, in flight meanwhile
-    const int32_t part = int32_t(i % parts);
-    const int32_t s = int32_t((i / parts) % n_ranks);
-    const int32_t c = int32_t(i / (int64_t(parts) * n_ranks));
+    const int32_t slot = int32_t(i % kChunkTokens);
+    const int32_t s = int32_t((i / kChunkTokens) % n_ranks);
+    const int32_t c = int32_t(i / (int64_t(kChunkTokens) * n_ranks));
     if (c >= rg.n_chunks[s]) continue;
     const int32_t* starts = reinterpret_cast<const int32_t*>(
         window_at(g, g.rank, g.layout().meta_offset(s)) + ml.chunk_start_offset());
     const int32_t end = min(starts[c + 1], rg.stream_count[s]);
-    const int32_t m = starts[c] + part;
+    const int32_t m = starts[c] + slot;
     if (m >= end) continue;  // no message in this slot: nothing to wait for
     if (!warp_wait_chunk(g, s, c, seq)) break;
     expand_message<F>(p, rg, s, m, 0, g.hidden / kLaneValues);
