@@ -14,10 +14,11 @@
 // outside its group's [0, capacity) is neither read nor written.
 //
 // Arguments are device pointers: codes and rows 16-byte aligned with row_bytes a multiple of 16,
-// scales and the int outputs 4-byte aligned, layout_range 8-byte aligned. capacity must hold every
-// group's rows (n_ranks * max_tokens_per_rank always does: a source sends a token to an expert at
-// most once); a row past capacity is not copied. Bad arguments throw Error(kInvalidArgument)
-// before anything is launched; a failed launch throws Error(kCuda).
+// scales and the int outputs 4-byte aligned, layout_range 8-byte aligned; an array of no elements
+// (src_info, codes or out with max_rows 0, the padded arrays with capacity 0) may be null. capacity
+// must hold every group's rows (n_ranks * max_tokens_per_rank always does: a source sends a token
+// to an expert at most once); a row past capacity is not copied. Bad arguments throw
+// Error(kInvalidArgument) before anything is launched; a failed launch throws Error(kCuda).
 #pragma once
 
 #include <cuda_runtime_api.h>

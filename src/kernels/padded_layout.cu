@@ -103,9 +103,16 @@ __global__ void __launch_bounds__(kThreads) unpad_kernel(UnpadExpertRows a) {
   }
 }
 
+// A pointer to an array of no elements may be null (an empty tensor's data pointer is); else
+// check_pointer.
+void check_array(const char* op, const char* name, const void* p, size_t align, int64_t elements) {
+  if (p == nullptr && elements == 0) return;
+  check_pointer(op, name, p, align);
+}
+
 void check_rows(const char* op, const DispatchRows& r, int64_t row_bytes, int64_t capacity) {
   check_pointer(op, "row_offsets", r.row_offsets, 4);
-  check_pointer(op, "src_info", r.src_info, alignof(SrcInfo));
+  check_array(op, "src_info", r.src_info, alignof(SrcInfo), r.max_rows);
   if (r.groups < 1) invalid(op, "groups = " + std::to_string(r.groups) + " must be at least 1");
   if (r.max_rows < 0 || r.max_rows >= (int64_t(1) << 31))
     invalid(op, "max_rows = " + std::to_string(r.max_rows) + " is outside [0, 2^31)");
@@ -133,8 +140,9 @@ void check_pad_expert_rows(const PadExpertRows& a) {
   using namespace detail;
   const char* op = "pad_expert_rows";
   check_rows(op, a.rows, a.row_bytes, a.capacity);
-  check_pointer(op, "codes", a.codes, 16);
-  check_pointer(op, "padded_codes", a.padded_codes, 16);
+  const int64_t rows = a.rows.max_rows, slots = int64_t(a.rows.groups) * a.capacity;
+  check_array(op, "codes", a.codes, 16, rows);
+  check_array(op, "padded_codes", a.padded_codes, 16, slots);
   check_pointer(op, "counts", a.counts, 4);
   if (a.scales != nullptr) {
     check_pointer(op, "scales", a.scales, 4);
@@ -175,8 +183,8 @@ void check_unpad_expert_rows(const UnpadExpertRows& a) {
   using namespace detail;
   const char* op = "unpad_expert_rows";
   check_rows(op, a.rows, a.row_bytes, a.capacity);
-  check_pointer(op, "padded", a.padded, 16);
-  check_pointer(op, "out", a.out, 16);
+  check_array(op, "padded", a.padded, 16, int64_t(a.rows.groups) * a.capacity);
+  check_array(op, "out", a.out, 16, a.rows.max_rows);
 }
 
 void unpad_expert_rows(const UnpadExpertRows& a, cudaStream_t stream) {

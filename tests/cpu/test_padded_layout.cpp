@@ -148,6 +148,39 @@ TEST(PaddedLayoutReference, UnpadUndoesPadAndZeroesWhatHasNoSlot) {
   }
 }
 
+// A rank that received no rows (max_rows 0): its row arrays may be null, as an empty tensor's
+// data pointer is; every group counts 0 and no slot is written. A null array that has rows is
+// still refused.
+TEST(PaddedLayoutReference, NoRowsMayComeAsNullArrays) {
+  const std::vector<uint32_t> offsets = {0, 0, 0};
+  std::vector<uint8_t> padded(2 * 3 * 16, kPaddedPoison);
+  std::vector<int32_t> counts = {7, 7};
+  PadExpertRows a;
+  a.rows = DispatchRows{offsets.data(), nullptr, 2, 0};
+  a.row_bytes = 16;
+  a.capacity = 3;
+  a.padded_codes = padded.data();
+  a.counts = counts.data();
+  reference::pad_expert_rows(a);
+  EXPECT_EQ(counts, (std::vector<int32_t>{0, 0}));
+  for (uint8_t b : padded)
+    ASSERT_EQ(b, kPaddedPoison);
+  UnpadExpertRows u;
+  u.rows = a.rows;
+  u.padded = padded.data();
+  u.row_bytes = 16;
+  u.capacity = 3;
+  EXPECT_NO_THROW(reference::unpad_expert_rows(u));  // out null: no row to write
+  for (int k = 0; k < 3; ++k) {
+    PadExpertRows bad = a;
+    bad.rows.max_rows = 1;  // one row: its arrays must be there
+    std::vector<SrcInfo> src(1, SrcInfo{0, 0, 0});
+    if (k != 0) bad.rows.src_info = src.data();
+    if (k == 2) bad.padded_codes = nullptr, bad.codes = padded.data();
+    EXPECT_THROW(reference::pad_expert_rows(bad), Error) << "case " << k;
+  }
+}
+
 // Each bad argument throws InvalidArgument and leaves every output as it was.
 TEST(PaddedLayoutReference, BadArgumentsWriteNothing) {
   const PaddedCase c = worked_example(3);
