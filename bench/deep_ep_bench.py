@@ -2,6 +2,7 @@
 `decode` (also with UE8M0 scales, `decode-ue8m0`) and `prefill` workloads, under torchrun:
 
     torchrun --nproc-per-node N bench/deep_ep_bench.py [--sms 24] [--iters 50] [--profile 20]
+                                                       [--host-profile 50]
 
 For each workload and each side (dispatch, combine) it times, with CUDA events around each call
 after a warm-up, over three rotating input sets, and prints median (min, max) in µs:
@@ -12,7 +13,9 @@ and their difference, the layer's cost. Each layer result is checked once agains
 result of the same inputs (decode: every combined row; prefill: every received and combined
 row). Processes sharing one GPU measure fixed costs, not links: the script says so.
 --profile CALLS also runs that many calls of each layer side under torch.profiler and prints
-the kernels and operators the time goes to.
+the kernels and operators the time goes to; --host-profile CALLS runs that many calls of each
+side with the GPU busy ahead of them under cProfile and prints the host time a call and the
+Python functions it goes to.
 """
 
 import argparse
@@ -82,6 +85,35 @@ def profiled(fn, calls, label, show):
         print(ka.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=70))
 
 
+def host_profiled(fns, calls, label, show):
+    """The host side of each (name, fn) in fns: `calls` calls under cProfile with the GPU kept
+    busy ahead of them (a long kernel queued first, so no call waits for the device unless it
+    synchronises), then one synchronize. `show` prints the host µs a call and the functions
+    the time goes to (self time, top 12)."""
+    import cProfile
+    import io
+    import pstats
+    import time
+    for name, fn in fns:
+        dist.barrier()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(5e8))  # ~0.3 s of GPU cycles ahead of the calls
+        prof = cProfile.Profile()
+        t0 = time.perf_counter()
+        prof.enable()
+        for i in range(calls):
+            fn(i % 3)
+        prof.disable()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        if show:
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(12)
+            body = "\n".join(out.getvalue().strip().splitlines()[2:])
+            print(f"# host: {label} {name}: {(t1 - t0) * 1e6 / calls:.1f} µs a call "
+                  f"(wall, under cProfile), {calls} calls\n{body}")
+
+
 def fmt(t):
     return f"{t[0]:8.1f} ({t[1]:.1f}, {t[2]:.1f})"
 
@@ -95,6 +127,10 @@ def main():
     ap.add_argument("--profile", type=int, default=0, metavar="CALLS",
                     help="also profile CALLS calls of each layer side (torch.profiler) and "
                          "print where the time goes")
+    ap.add_argument("--host-profile", type=int, default=0, metavar="CALLS",
+                    help="also run CALLS calls of each side (layer and epcomm) under cProfile "
+                         "with the GPU busy ahead of them, and print the host µs a call and "
+                         "where it goes")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     me, n = dist.get_rank(), dist.get_world_size()
@@ -192,6 +228,12 @@ def main():
                 if side == "combine":
                     layer_d(0)  # the combine's dispatch
                 profiled(fn, args.profile, f"{name} layer {side}", me == 0)
+        if args.host_profile:
+            host_profiled((("layer dispatch", layer_d), ("epcomm dispatch", native_d)),
+                          args.host_profile, name, me == 0)
+            layer_d(0)  # the combine's dispatch
+            host_profiled((("layer combine", layer_c), ("epcomm combine", native_c)),
+                          args.host_profile, name, me == 0)
         if me == 0:
             for side, (lay, nat) in res.items():
                 print(f"{name:8s} {side:8s} layer {fmt(lay)}  epcomm {fmt(nat)}  "
