@@ -60,6 +60,12 @@ def _collective(group, t: torch.Tensor, op: str):
     return [q.to(dev) for q in parts]
 
 
+# The current CUDA stream's handle on a device: torch's own accessor (what its compiled code
+# uses), far cheaper than torch.cuda.current_stream(device).cuda_stream, which builds a Stream.
+_current_stream_handle = getattr(torch._C, "_cuda_getCurrentRawStream", None) or \
+    (lambda device: torch.cuda.current_stream(device).cuda_stream)
+
+
 def _bad(call: str, msg: str):
     raise InvalidArgument(f"epcomm.deep_ep {call}: {msg}")
 
@@ -266,6 +272,7 @@ class Buffer:
         self._scratch = {}      # key -> tensors a group keeps (combine inputs)
         self._ll_parity = 0
         self._stream = None
+        self._comm_handle = None  # self._stream's CUDA handle
         self._destroyed = False
         # torch.compile: the operators below find this Buffer by its id, and a traced
         # low-latency combine finds its dispatch's handle by the src_info tensor it returned
@@ -409,13 +416,31 @@ class Buffer:
             comm.wait_stream(compute)
         return compute, comm
 
-    def _ll_streams(self, call, async_finish, return_recv_hook):
-        """The low-latency calls run on the current stream with a hook (the hook receives
-        there), else as every other call."""
+    def _ll_stream_handles(self, return_recv_hook):
+        """(compute, comm) CUDA stream handles of a low-latency call: the current stream, and
+        the Buffer's comm stream (the current one again with a receive hook, which receives
+        there). The C++ call orders them as _streams and _finish do (comm after compute;
+        without async_finish, compute after comm)."""
+        compute = _current_stream_handle(self.device)
         if return_recv_hook:
-            s = torch.cuda.current_stream()
-            return s, s
-        return self._streams(call, None, async_finish, False)
+            return compute, compute
+        if self._comm_handle is None:
+            self._comm_handle = self._comm_stream.cuda_stream
+        return compute, self._comm_handle
+
+    def _ll_finish(self, async_finish, stats, count, tensors) -> EventOverlap:
+        """After a low-latency call that ran on the comm stream: the received-token counter
+        (stats += count, ordered after the call) and, with async_finish, the event and the
+        tensors it keeps alive (as _finish)."""
+        if not async_finish:
+            if stats is not None:
+                stats.add_(count)  # the current stream already waits for the call
+            return EventOverlap(None)
+        comm = self._comm_stream
+        if stats is not None:
+            with torch.cuda.stream(comm):
+                stats.add_(count)
+        return self._finish(torch.cuda.current_stream(), comm, True, tensors)
 
     def _finish(self, compute, comm, async_finish, tensors) -> EventOverlap:
         if not async_finish:
@@ -790,50 +815,41 @@ class Buffer:
         self._ll_parity ^= 1  # two groups in turn, so two dispatches may await their combines
         key = ("ll", H, num_experts, K, max_t, fmt, bool(round_scale), Buffer.num_sms,
                self._ll_parity)
-        g = self._group(key, hidden=H, top_k=K, n_experts=num_experts,
-                        max_tokens_per_rank=max_t, format=fmt, num_sms=Buffer.num_sms,
-                        **({"fp8_pow2_scales": True} if round_scale else {}))
+        g = self._groups.get(key) or self._group(
+            key, hidden=H, top_k=K, n_experts=num_experts, max_tokens_per_rank=max_t, format=fmt,
+            num_sms=Buffer.num_sms, **({"fp8_pow2_scales": True} if round_scale else {}))
         ids = topk_idx.to(torch.int32)
         dev = x.device
-        compute, comm = self._ll_streams(call, async_finish, return_recv_hook)
-        with torch.cuda.stream(compute):
-            codes, scales, ue8m0, count, src_info, layout_range = _ll_outputs(
-                R, num_experts, max_t, H, dev, use_fp8, use_ue8m0)
+        # On the current stream, as every output of the call.
+        codes, scales, ue8m0, count, src_info, layout_range = _ll_outputs(
+            R, num_experts, max_t, H, dev, use_fp8, use_ue8m0)
         handle = _LowLatencyHandle(
             _ll_handle_items(src_info, layout_range, max_t, H, num_experts), g, key,
             tuple(topk_idx.shape))
         self._routing[key] = handle
-
-        def receive(stream):
-            d = g._dispatch_result("torch", None, stream)
-            # With use_ue8m0 the kernel packs each power-of-two scale's exponent byte, four
-            # to a word, and writes no fp32 scales.
-            _C.pad_expert_rows(d.tokens.view(torch.uint8), d.scales if use_fp8 else None,
-                               d.row_offsets, d.src_info, R, codes.view(torch.uint8),
-                               scales, ue8m0, count, src_info, layout_range, stream)
-            if cumulative_local_expert_recv_stats is not None:
-                cumulative_local_expert_recv_stats.add_(count)
-
-        with torch.cuda.stream(comm):
-            stream = comm.cuda_stream
-            if return_recv_hook:
-                g._impl.dispatch_async(x, ids, None, stream)
-            else:
-                g._impl.dispatch(x, ids, None, stream)
-                receive(stream)
+        # The padded outputs' pointers; with use_ue8m0 the kernel packs each power-of-two
+        # scale's exponent byte, four to a word, and writes no fp32 scales.
+        outs = (codes.data_ptr(), 0 if scales is None else scales.data_ptr(),
+                0 if ue8m0 is None else ue8m0.data_ptr(), count.data_ptr(),
+                src_info.data_ptr(), layout_range.data_ptr())
+        compute, comm = self._ll_stream_handles(return_recv_hook)
+        g._impl.ll_dispatch(x.data_ptr(), T, ids.data_ptr(), *outs, compute, comm,
+                            not async_finish, return_recv_hook)
+        stats = cumulative_local_expert_recv_stats
         recv_x = (codes, _ll_returned_scales(scales, ue8m0, dev)) if use_fp8 else codes
         hook = None
         if return_recv_hook:
             def receive_hook():
-                s = torch.cuda.current_stream()
-                g._impl.dispatch_wait(s.cuda_stream)
-                receive(s.cuda_stream)
+                s = _current_stream_handle(self.device)
+                g._impl.ll_receive(*outs, s)
+                if stats is not None:
+                    stats.add_(count)
 
             hook = receive_hook
             event = EventOverlap(None)
         else:
-            event = self._finish(compute, comm, async_finish,
-                                 (x, ids, codes, scales, ue8m0, count, src_info, layout_range))
+            event = self._ll_finish(async_finish, stats, count,
+                                    (x, ids, codes, scales, ue8m0, count, src_info, layout_range))
         return recv_x, count, handle, event, hook
 
     def get_next_low_latency_combine_buffer(self, handle: _LowLatencyHandle) -> torch.Tensor:
@@ -936,28 +952,24 @@ class Buffer:
         # get_next_low_latency_combine_buffer(handle), and x's storage is not read.
         src = sc["padded"] if zero_copy else x
         g = handle.group
-        compute, comm = self._ll_streams(call, async_finish, return_recv_hook)
-        with torch.cuda.stream(compute):
-            combined = out if out is not None else torch.empty((T, H), dtype=torch.bfloat16,
-                                                               device=x.device)
-        with torch.cuda.stream(comm):
-            stream = comm.cuda_stream
-            # Combine reads the expert outputs in DeepEP's padded layout where they are
-            # ([E_l, R * max, H]: CombineInput::expert_out_capacity), no unpad copy.
-            if return_recv_hook:
-                g._impl.combine_async(src, stream)
-            else:
-                g._impl.combine(src, topk_weights, stream, combined)
+        combined = out if out is not None else torch.empty((T, H), dtype=torch.bfloat16,
+                                                           device=x.device)
+        # Combine reads the expert outputs in DeepEP's padded layout where they are
+        # ([E_l, R * max, H]: CombineInput::expert_out_capacity), no unpad copy.
+        compute, comm = self._ll_stream_handles(return_recv_hook)
+        g._impl.ll_combine(src.data_ptr(), src.size(1), topk_weights.data_ptr(),
+                           combined.data_ptr(), compute, comm, not async_finish,
+                           return_recv_hook)
         hook = None
         if return_recv_hook:
             def receive_hook():
-                s = torch.cuda.current_stream()
-                g._impl.combine_wait(topk_weights, s.cuda_stream, combined)
+                s = _current_stream_handle(self.device)
+                g._impl.ll_combine_wait(topk_weights.data_ptr(), combined.data_ptr(), s)
 
             hook = receive_hook
             event = EventOverlap(None)
         else:
-            event = self._finish(compute, comm, async_finish, (x, topk_weights, combined))
+            event = self._ll_finish(async_finish, None, None, (x, topk_weights, combined))
         return combined, event, hook
 
 

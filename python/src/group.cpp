@@ -15,6 +15,7 @@
 #include "bindings.h"
 #include "epcomm/config.h"
 #include "epcomm/group.h"
+#include "epcomm/padded_layout.h"
 #include "epcomm/tensors.h"
 
 namespace epcomm_py {
@@ -94,13 +95,7 @@ class PyGroup {
                                          const std::optional<Array>& src_info,
                                          const std::optional<Array>& scales_offsets) {
     const bool any = tokens || scales || row_offsets || expert_ids || src_info || scales_offsets;
-    if (!any)
-      return epcomm::DispatchOutput{tokens_.ptr,
-                                    static_cast<uint32_t*>(row_offsets_.ptr),
-                                    static_cast<int32_t*>(expert_ids_.ptr),
-                                    static_cast<epcomm::SrcInfo*>(src_info_.ptr),
-                                    scales_.ptr,
-                                    static_cast<uint32_t*>(scales_offsets_.ptr)};
+    if (!any) return own_dispatch_output();
     auto need = [&](const std::optional<Array>& a, const char* name) -> void* {
       const int64_t bytes = epcomm::desc_bytes(descs_, name);
       if (bytes == 0) return nullptr;
@@ -116,6 +111,15 @@ class PyGroup {
     o.scales = need(scales, "scales");
     o.scales_offsets = static_cast<uint32_t*>(need(scales_offsets, "scales_offsets"));
     return o;
+  }
+
+  epcomm::DispatchOutput own_dispatch_output() const {
+    return epcomm::DispatchOutput{tokens_.ptr,
+                                  static_cast<uint32_t*>(row_offsets_.ptr),
+                                  static_cast<int32_t*>(expert_ids_.ptr),
+                                  static_cast<epcomm::SrcInfo*>(src_info_.ptr),
+                                  scales_.ptr,
+                                  static_cast<uint32_t*>(scales_offsets_.ptr)};
   }
 
   epcomm::DispatchInput dispatch_input(const Ctx& c, const Array& tokens, const Array& topk_ids,
@@ -348,6 +352,83 @@ class PyGroup {
     invalid("epcomm: no buffer named '" + name + "'");
   }
 
+  // ---- the DeepEP layer's low-latency calls (python/epcomm/deep_ep.py) ------------------------
+  // Device pointers as integers: the layer has checked every tensor's dtype, shape, device and
+  // contiguity, and allocated the outputs, before it calls; converting its ~10 tensors through
+  // DLPack cost more host time than the rest of the call. The library still checks each
+  // pointer (null, alignment) before any launch.
+  //
+  // Streams: the work runs on `comm` after what `compute` has queued (an event between them
+  // where they differ), and with `join` `compute` then waits for it, as DeepEP's calls do.
+  // send_only (the receive hook): only the send half runs; ll_receive / ll_combine_wait finish.
+  struct LlOutputs {  // the padded per-expert outputs ([E_l, S, ...]; DeepEP's layout)
+    uintptr_t codes, scales, ue8m0, count, src_token, layout_range;
+  };
+
+  void ll_dispatch(uintptr_t x, int64_t T, uintptr_t ids, const LlOutputs& o, uintptr_t compute,
+                   uintptr_t comm, bool join, bool send_only) {
+    const epcomm::Config& cfg = live()->config();
+    epcomm::DispatchInput in;
+    in.tokens = x ? reinterpret_cast<const void*>(x) : out_.ptr;  // T = 0: never read
+    in.topk_ids = reinterpret_cast<const int32_t*>(ids ? ids : uintptr_t(out_.ptr));
+    in.num_tokens = int32_t(T);
+    in.hidden = cfg.hidden;
+    DeviceGuard guard;
+    nb::gil_scoped_release nogil;
+    cuda_check(cudaSetDevice(live()->device()), "cudaSetDevice");
+    fork(compute, comm);
+    if (send_only) {
+      live()->dispatch_async(in, as_stream(comm));
+      return;
+    }
+    live()->dispatch(in, own_dispatch_output(), as_stream(comm));
+    pad(o, comm);
+    if (join) fork(comm, compute);
+  }
+
+  // The receive hook of a send_only ll_dispatch, on `stream`.
+  void ll_receive(const LlOutputs& o, uintptr_t stream) {
+    DeviceGuard guard;
+    nb::gil_scoped_release nogil;
+    cuda_check(cudaSetDevice(live()->device()), "cudaSetDevice");
+    live()->dispatch_wait(own_dispatch_output(), as_stream(stream));
+    pad(o, stream);
+  }
+
+  // expert_out: the padded [E_l, capacity, H] bf16 outputs; weights [T, K] fp32; out [T, H].
+  void ll_combine(uintptr_t expert_out, int64_t capacity, uintptr_t weights, uintptr_t out,
+                  uintptr_t compute, uintptr_t comm, bool join, bool send_only) {
+    epcomm::CombineInput in;
+    in.expert_out = reinterpret_cast<const void*>(expert_out);
+    in.expert_out_capacity = capacity;
+    in.row_offsets = static_cast<const uint32_t*>(row_offsets_.ptr);
+    in.src_info = static_cast<const epcomm::SrcInfo*>(src_info_.ptr);
+    in.hidden = live()->config().hidden;
+    DeviceGuard guard;
+    nb::gil_scoped_release nogil;
+    cuda_check(cudaSetDevice(live()->device()), "cudaSetDevice");
+    fork(compute, comm);
+    if (send_only) {
+      live()->combine_async(in, as_stream(comm));
+      return;
+    }
+    live()->combine(in, ll_combine_output(weights, out), as_stream(comm));
+    if (join) fork(comm, compute);
+  }
+
+  void ll_combine_wait(uintptr_t weights, uintptr_t out, uintptr_t stream) {
+    DeviceGuard guard;
+    nb::gil_scoped_release nogil;
+    cuda_check(cudaSetDevice(live()->device()), "cudaSetDevice");
+    live()->combine_wait(ll_combine_output(weights, out), as_stream(stream));
+  }
+
+  ~PyGroup() {
+    DeviceGuard guard;
+    if (stream_event_ && cudaSetDevice(event_device_) == cudaSuccess)
+      (void)cudaEventDestroy(stream_event_);
+  }
+
   int32_t last_tokens() const { return live()->last_dispatch().num_tokens; }
   bool last_weighted() const { return live()->last_dispatch().weights; }
 
@@ -384,6 +465,55 @@ class PyGroup {
     if (!g_) invalid("epcomm: this group was closed");
     return g_.get();
   }
+
+  // `to` waits for the work queued on `from` so far (nothing where they are one stream). One
+  // event serves every call: a wait takes the event's state when it is queued.
+  void fork(uintptr_t from, uintptr_t to) {
+    if (from == to) return;
+    if (!stream_event_) {
+      cuda_check(cudaEventCreateWithFlags(&stream_event_, cudaEventDisableTiming),
+                 "cudaEventCreateWithFlags");
+      event_device_ = live()->device();
+    }
+    cuda_check(cudaEventRecord(stream_event_, as_stream(from)), "cudaEventRecord");
+    cuda_check(cudaStreamWaitEvent(as_stream(to), stream_event_, 0), "cudaStreamWaitEvent");
+  }
+
+  // The last dispatch's rows (the group's own outputs) into DeepEP's padded layout.
+  void pad(const LlOutputs& o, uintptr_t stream) {
+    const epcomm::Config& cfg = live()->config();
+    const epcomm::Sizes& s = live()->sizes();
+    epcomm::PadExpertRows a;
+    a.rows = epcomm::DispatchRows{static_cast<const uint32_t*>(row_offsets_.ptr),
+                                  static_cast<const epcomm::SrcInfo*>(src_info_.ptr), s.num_groups,
+                                  s.max_recv_rows};
+    a.codes = tokens_.ptr;
+    a.row_bytes = s.token_bytes;
+    if (cfg.format == epcomm::TokenFormat::kFp8Blockwise) {
+      a.scales = static_cast<const float*>(scales_.ptr);
+      a.scale_cols = cfg.hidden / 128;
+      a.padded_scales = reinterpret_cast<float*>(o.scales);
+      a.padded_ue8m0 = reinterpret_cast<uint32_t*>(o.ue8m0);
+    }
+    a.n_ranks = s.n_ranks;
+    a.capacity = int64_t(s.n_ranks) * cfg.max_tokens_per_rank;
+    a.padded_codes = reinterpret_cast<void*>(o.codes);
+    a.counts = reinterpret_cast<int32_t*>(o.count);
+    a.src_token = reinterpret_cast<int32_t*>(o.src_token);
+    a.layout_range = reinterpret_cast<int64_t*>(o.layout_range);
+    epcomm::pad_expert_rows(a, as_stream(stream));
+  }
+
+  epcomm::CombineOutput ll_combine_output(uintptr_t weights, uintptr_t out) const {
+    // T = 0 may come with null pointers; a null weights pointer would mean "no weights".
+    epcomm::CombineOutput o;
+    o.weights = reinterpret_cast<const float*>(weights ? weights : uintptr_t(out_.ptr));
+    o.out = out ? reinterpret_cast<void*>(out) : out_.ptr;
+    return o;
+  }
+
+  cudaEvent_t stream_event_ = nullptr;
+  int event_device_ = 0;
   std::unique_ptr<epcomm::Group> g_;
   std::vector<epcomm::TensorDesc> descs_;  // the dispatch outputs (epcomm/tensors.h)
   DeviceBuffer tokens_, scales_, row_offsets_, expert_ids_, src_info_, scales_offsets_, out_,
@@ -459,6 +589,28 @@ void bind_group(nb::module_& m) {
            "used_rows"_a = -1)
       .def("combine_wait", &PyGroup::combine_wait, "weights"_a.none(), "stream"_a,
            "out"_a.none() = nb::none())
+      .def(
+          "ll_dispatch",
+          [](PyGroup& g, uintptr_t x, int64_t T, uintptr_t ids, uintptr_t codes, uintptr_t scales,
+             uintptr_t ue8m0, uintptr_t count, uintptr_t src_token, uintptr_t layout_range,
+             uintptr_t compute, uintptr_t comm, bool join, bool send_only) {
+            g.ll_dispatch(x, T, ids, {codes, scales, ue8m0, count, src_token, layout_range},
+                          compute, comm, join, send_only);
+          },
+          "x"_a, "num_tokens"_a, "topk_ids"_a, "codes"_a, "scales"_a, "ue8m0"_a, "count"_a,
+          "src_token"_a, "layout_range"_a, "compute"_a, "comm"_a, "join"_a, "send_only"_a,
+          "The DeepEP layer's low-latency dispatch (device pointers as integers): dispatch, "
+          "then the padded per-expert layout.")
+      .def(
+          "ll_receive",
+          [](PyGroup& g, uintptr_t codes, uintptr_t scales, uintptr_t ue8m0, uintptr_t count,
+             uintptr_t src_token, uintptr_t layout_range, uintptr_t stream) {
+            g.ll_receive({codes, scales, ue8m0, count, src_token, layout_range}, stream);
+          },
+          "codes"_a, "scales"_a, "ue8m0"_a, "count"_a, "src_token"_a, "layout_range"_a, "stream"_a)
+      .def("ll_combine", &PyGroup::ll_combine, "expert_out"_a, "capacity"_a, "weights"_a, "out"_a,
+           "compute"_a, "comm"_a, "join"_a, "send_only"_a)
+      .def("ll_combine_wait", &PyGroup::ll_combine_wait, "weights"_a, "out"_a, "stream"_a)
       .def(
           "buffer",
           [](nb::handle self, const std::string& name, bool plain) {
