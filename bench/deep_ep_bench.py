@@ -83,6 +83,12 @@ def profiled(fn, calls, label, show):
         print(f"# profile: {label}, {calls} calls")
         print(ka.table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=70))
         print(ka.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=70))
+        # The last call's GPU work in launch order (which of two same-named kernels costs what).
+        gpu = [e for e in pr.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        gpu.sort(key=lambda e: e.time_range.start)
+        print(f"# profile: {label}, the last call's GPU work in order (µs)")
+        for e in gpu[-(len(gpu) // calls):]:
+            print(f"  {e.time_range.elapsed_us():9.1f}  {e.name[:90]}")
 
 
 def host_profiled(fns, calls, label, show):

@@ -820,34 +820,35 @@ class Buffer:
             num_sms=Buffer.num_sms, **({"fp8_pow2_scales": True} if round_scale else {}))
         ids = topk_idx.to(torch.int32)
         dev = x.device
-        # On the current stream, as every output of the call.
+        compute, comm = self._ll_stream_handles(return_recv_hook)
+        g._impl.ll_dispatch(x.data_ptr(), T, ids.data_ptr(), compute, comm, return_recv_hook)
+        # While the dispatch runs: the outputs (on the current stream, as every output of the
+        # call), which ll_receive fills.
         codes, scales, ue8m0, count, src_info, layout_range = _ll_outputs(
             R, num_experts, max_t, H, dev, use_fp8, use_ue8m0)
         handle = _LowLatencyHandle(
             _ll_handle_items(src_info, layout_range, max_t, H, num_experts), g, key,
             tuple(topk_idx.shape))
         self._routing[key] = handle
-        # The padded outputs' pointers; with use_ue8m0 the kernel packs each power-of-two
-        # scale's exponent byte, four to a word, and writes no fp32 scales.
+        # With use_ue8m0 the kernel packs each power-of-two scale's exponent byte, four to a
+        # word, and writes no fp32 scales.
         outs = (codes.data_ptr(), 0 if scales is None else scales.data_ptr(),
                 0 if ue8m0 is None else ue8m0.data_ptr(), count.data_ptr(),
                 src_info.data_ptr(), layout_range.data_ptr())
-        compute, comm = self._ll_stream_handles(return_recv_hook)
-        g._impl.ll_dispatch(x.data_ptr(), T, ids.data_ptr(), *outs, compute, comm,
-                            not async_finish, return_recv_hook)
         stats = cumulative_local_expert_recv_stats
         recv_x = (codes, _ll_returned_scales(scales, ue8m0, dev)) if use_fp8 else codes
         hook = None
         if return_recv_hook:
             def receive_hook():
                 s = _current_stream_handle(self.device)
-                g._impl.ll_receive(*outs, s)
+                g._impl.ll_receive(*outs, s, True, s, False)
                 if stats is not None:
                     stats.add_(count)
 
             hook = receive_hook
             event = EventOverlap(None)
         else:
+            g._impl.ll_receive(*outs, comm, False, compute, not async_finish)
             event = self._ll_finish(async_finish, stats, count,
                                     (x, ids, codes, scales, ue8m0, count, src_info, layout_range))
         return recv_x, count, handle, event, hook

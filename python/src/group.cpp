@@ -365,8 +365,10 @@ class PyGroup {
     uintptr_t codes, scales, ue8m0, count, src_token, layout_range;
   };
 
-  void ll_dispatch(uintptr_t x, int64_t T, uintptr_t ids, const LlOutputs& o, uintptr_t compute,
-                   uintptr_t comm, bool join, bool send_only) {
+  // The dispatch alone (send_only: its send half); ll_receive then lays the rows out, so the
+  // caller can allocate the outputs while the dispatch runs.
+  void ll_dispatch(uintptr_t x, int64_t T, uintptr_t ids, uintptr_t compute, uintptr_t comm,
+                   bool send_only) {
     const epcomm::Config& cfg = live()->config();
     epcomm::DispatchInput in;
     in.tokens = x ? reinterpret_cast<const void*>(x) : out_.ptr;  // T = 0: never read
@@ -377,22 +379,22 @@ class PyGroup {
     nb::gil_scoped_release nogil;
     cuda_check(cudaSetDevice(live()->device()), "cudaSetDevice");
     fork(compute, comm);
-    if (send_only) {
+    if (send_only)
       live()->dispatch_async(in, as_stream(comm));
-      return;
-    }
-    live()->dispatch(in, own_dispatch_output(), as_stream(comm));
-    pad(o, comm);
-    if (join) fork(comm, compute);
+    else
+      live()->dispatch(in, own_dispatch_output(), as_stream(comm));
   }
 
-  // The receive hook of a send_only ll_dispatch, on `stream`.
-  void ll_receive(const LlOutputs& o, uintptr_t stream) {
+  // After ll_dispatch, on its stream: (wait: the receive half of a send_only dispatch, then)
+  // the rows into DeepEP's padded layout; with join, `compute` then waits for it. (A stream
+  // handle of 0 is the default stream, so whether to join is a flag of its own.)
+  void ll_receive(const LlOutputs& o, uintptr_t stream, bool wait, uintptr_t compute, bool join) {
     DeviceGuard guard;
     nb::gil_scoped_release nogil;
     cuda_check(cudaSetDevice(live()->device()), "cudaSetDevice");
-    live()->dispatch_wait(own_dispatch_output(), as_stream(stream));
+    if (wait) live()->dispatch_wait(own_dispatch_output(), as_stream(stream));
     pad(o, stream);
+    if (join) fork(stream, compute);
   }
 
   // expert_out: the padded [E_l, capacity, H] bf16 outputs; weights [T, K] fp32; out [T, H].
@@ -589,25 +591,20 @@ void bind_group(nb::module_& m) {
            "used_rows"_a = -1)
       .def("combine_wait", &PyGroup::combine_wait, "weights"_a.none(), "stream"_a,
            "out"_a.none() = nb::none())
-      .def(
-          "ll_dispatch",
-          [](PyGroup& g, uintptr_t x, int64_t T, uintptr_t ids, uintptr_t codes, uintptr_t scales,
-             uintptr_t ue8m0, uintptr_t count, uintptr_t src_token, uintptr_t layout_range,
-             uintptr_t compute, uintptr_t comm, bool join, bool send_only) {
-            g.ll_dispatch(x, T, ids, {codes, scales, ue8m0, count, src_token, layout_range},
-                          compute, comm, join, send_only);
-          },
-          "x"_a, "num_tokens"_a, "topk_ids"_a, "codes"_a, "scales"_a, "ue8m0"_a, "count"_a,
-          "src_token"_a, "layout_range"_a, "compute"_a, "comm"_a, "join"_a, "send_only"_a,
-          "The DeepEP layer's low-latency dispatch (device pointers as integers): dispatch, "
-          "then the padded per-expert layout.")
+      .def("ll_dispatch", &PyGroup::ll_dispatch, "x"_a, "num_tokens"_a, "topk_ids"_a, "compute"_a,
+           "comm"_a, "send_only"_a,
+           "The DeepEP layer's low-latency dispatch (device pointers as integers); "
+           "ll_receive lays its rows out.")
       .def(
           "ll_receive",
           [](PyGroup& g, uintptr_t codes, uintptr_t scales, uintptr_t ue8m0, uintptr_t count,
-             uintptr_t src_token, uintptr_t layout_range, uintptr_t stream) {
-            g.ll_receive({codes, scales, ue8m0, count, src_token, layout_range}, stream);
+             uintptr_t src_token, uintptr_t layout_range, uintptr_t stream, bool wait,
+             uintptr_t compute, bool join) {
+            g.ll_receive({codes, scales, ue8m0, count, src_token, layout_range}, stream, wait,
+                         compute, join);
           },
-          "codes"_a, "scales"_a, "ue8m0"_a, "count"_a, "src_token"_a, "layout_range"_a, "stream"_a)
+          "codes"_a, "scales"_a, "ue8m0"_a, "count"_a, "src_token"_a, "layout_range"_a, "stream"_a,
+          "wait"_a, "compute"_a, "join"_a)
       .def("ll_combine", &PyGroup::ll_combine, "expert_out"_a, "capacity"_a, "weights"_a, "out"_a,
            "compute"_a, "comm"_a, "join"_a, "send_only"_a)
       .def("ll_combine_wait", &PyGroup::ll_combine_wait, "weights"_a, "out"_a, "stream"_a)
