@@ -54,7 +54,7 @@ struct WorkloadResult {
   std::vector<double> messages;       // per rank: messages received (mean over input sets)
   // Declared nodes (--ranks-per-node below the ranks): per rank, the dispatch messages sent to
   // ranks of other nodes, one per (token, remote rank) as now and one per (token, remote node)
-  // as with forwarding inside the node (reference::cross_node_messages; mean over input sets).
+  // as with forwarding inside the node (reference::cross_node_traffic; mean over input sets).
   int ranks_per_node = 0;
   std::vector<double> cross_node_direct, cross_node_per_node;
   // Declared nodes, after the timed runs: bytes each rank put through NVSHMEM in one fused

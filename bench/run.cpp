@@ -179,9 +179,13 @@ class WorkloadRun {
         result_.ranks_per_node = cfg_.ranks_per_node;
         result_.cross_node_direct.resize(size_t(n), 0.0);
         result_.cross_node_per_node.resize(size_t(n), 0.0);
-        // Counts only: no sizes (the printed model multiplies by the message's own).
-        const std::vector<ref::CrossNodeTraffic> traffic =
-            ref::cross_node_traffic(problems_.back(), cfg_.ranks_per_node, {});
+        // The model, sized as the window lays the group out (measure_network_bytes checks the
+        // NVSHMEM byte counters against it).
+        const ref::Problem& p = problems_.back();
+        traffic_.push_back(ref::cross_node_traffic(
+            p, cfg_.ranks_per_node,
+            ref::cross_node_sizes(p, cfg_.format, cfg_.max_tokens_per_rank, cfg_.ranks_per_node)));
+        const std::vector<ref::CrossNodeTraffic>& traffic = traffic_.back();
         for (int r = 0; r < n; ++r) {
           result_.cross_node_direct[size_t(r)] +=
               double(traffic[size_t(r)].direct.dispatch_messages) / kInputSets;
@@ -446,10 +450,7 @@ class WorkloadRun {
     double measured[2] = {0, 0}, model[2] = {0, 0};
     std::string mismatches;
     for (int set = 0; set < kInputSets; ++set) {
-      const ref::Problem& p = problems_[size_t(set)];
-      const std::vector<ref::CrossNodeTraffic> model_of = ref::cross_node_traffic(
-          p, cfg_.ranks_per_node,
-          ref::cross_node_sizes(p, cfg_.format, cfg_.max_tokens_per_rank, cfg_.ranks_per_node));
+      const std::vector<ref::CrossNodeTraffic>& model_of = traffic_[size_t(set)];
       const std::vector<uint64_t> c0 = counters();
       for_each_rank(team_, [&](size_t i, const LocalRank&) { issue_dispatch(i, set, Form::kFused); });
       const std::vector<uint64_t> c1 = counters();
@@ -993,6 +994,8 @@ class WorkloadRun {
   MessageFormat message_;               // the dispatch format's per-token message
   epcomm::Sizes sizes_;                 // of the group (kept after the group is freed)
   std::vector<ref::Problem> problems_;  // one per input set
+  // Across declared nodes: each set's traffic model (reference::cross_node_traffic), per rank.
+  std::vector<std::vector<ref::CrossNodeTraffic>> traffic_;
   std::vector<std::unique_ptr<epcomm::Group>> groups_;  // per local rank
   std::vector<std::vector<cudaGraphExec_t>> graphs_;     // --graph: per local rank, capture_graphs
   std::vector<RankBuffers> buffers_;                    // per local rank

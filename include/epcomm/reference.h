@@ -155,15 +155,6 @@ struct CrossNodeTraffic {
 std::vector<CrossNodeTraffic> cross_node_traffic(const Problem& p, int32_t ranks_per_node,
                                                  const CrossNodeSizes& sizes);
 
-// The dispatch messages of cross_node_traffic for rank `rank`: `direct` its
-// direct.dispatch_messages, `per_node` its forwarded.dispatch_messages (the benchmark prints
-// them).
-struct CrossNodeMessages {
-  int64_t direct = 0;
-  int64_t per_node = 0;
-};
-CrossNodeMessages cross_node_messages(const Problem& p, int32_t rank, int32_t ranks_per_node);
-
 // Routing generators (docs/results/method.md): for each token, K distinct experts, the top-K of |randn| + 1
 // scores (uniform popularity), or with expert e's score scaled by a Zipf(s) popularity when
 // zipf_s > 0. mask_prob masks each slot independently (-1).

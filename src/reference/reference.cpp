@@ -378,12 +378,6 @@ std::vector<CrossNodeTraffic> cross_node_traffic(const Problem& p, int32_t ranks
   return out;
 }
 
-CrossNodeMessages cross_node_messages(const Problem& p, int32_t rank, int32_t ranks_per_node) {
-  rank_input(p, rank, "cross_node_messages");
-  const CrossNodeTraffic c = cross_node_traffic(p, ranks_per_node, CrossNodeSizes{})[size_t(rank)];
-  return CrossNodeMessages{c.direct.dispatch_messages, c.forwarded.dispatch_messages};
-}
-
 std::vector<int32_t> make_topk(int32_t num_tokens, int32_t top_k, int32_t n_experts,
                                std::mt19937_64& rng, double zipf_s, double mask_prob) {
   if (num_tokens < 0 || top_k < 1 || n_experts < top_k)

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <map>
 #include <set>
+#include <utility>
 
 #include "epcomm/bf16.h"
 #include "epcomm/reference.h"
@@ -299,16 +300,15 @@ TEST(Reference, CrossNodeMessagesByHand) {
   EXPECT_EQ(destination_ranks(p, 0, 0), 0xfu);
   EXPECT_EQ(destination_ranks(p, 0, 1), 0xcu);
   EXPECT_EQ(destination_ranks(p, 0, 2), 0x3u);
-  const CrossNodeMessages two_nodes = cross_node_messages(p, 0, 2);
-  EXPECT_EQ(two_nodes.direct, 4);
-  EXPECT_EQ(two_nodes.per_node, 2);
-  const CrossNodeMessages four_nodes = cross_node_messages(p, 0, 1);  // every rank a node
-  EXPECT_EQ(four_nodes.direct, 6);  // 3 + 2 + 1 remote ranks
-  EXPECT_EQ(four_nodes.per_node, 6);
-  const CrossNodeMessages one_node = cross_node_messages(p, 0, 4);
-  EXPECT_EQ(one_node.direct, 0);
-  EXPECT_EQ(one_node.per_node, 0);
-  EXPECT_THROW(cross_node_messages(p, 0, 3), Error);  // 3 does not divide 4
+  // Rank 0's dispatch messages: direct (one per remote rank) and forwarded (one per remote node).
+  const auto messages = [&p](int32_t ranks_per_node) {
+    const CrossNodeTraffic t = cross_node_traffic(p, ranks_per_node, {})[0];
+    return std::make_pair(t.direct.dispatch_messages, t.forwarded.dispatch_messages);
+  };
+  EXPECT_EQ(messages(2), std::make_pair(int64_t(4), int64_t(2)));
+  EXPECT_EQ(messages(1), std::make_pair(int64_t(6), int64_t(6)));  // every rank a node: 3 + 2 + 1
+  EXPECT_EQ(messages(4), std::make_pair(int64_t(0), int64_t(0)));
+  EXPECT_THROW(messages(3), Error);  // 3 does not divide 4
   p.ranks[0].topk_ids[1] = 0;  // a duplicate: the device sends nothing from rank 0
-  EXPECT_EQ(cross_node_messages(p, 0, 2).direct, 0);
+  EXPECT_EQ(messages(2).first, 0);
 }
