@@ -821,36 +821,47 @@ class Buffer:
         ids = topk_idx.to(torch.int32)
         dev = x.device
         compute, comm = self._ll_stream_handles(return_recv_hook)
+        # The group's last dispatch changes now: its previous handle must not combine, even if
+        # this call fails below.
+        self._routing.pop(key, None)
         g._impl.ll_dispatch(x.data_ptr(), T, ids.data_ptr(), compute, comm, return_recv_hook)
-        # While the dispatch runs: the outputs (on the current stream, as every output of the
-        # call), which ll_receive fills.
-        codes, scales, ue8m0, count, src_info, layout_range = _ll_outputs(
-            R, num_experts, max_t, H, dev, use_fp8, use_ue8m0)
-        handle = _LowLatencyHandle(
-            _ll_handle_items(src_info, layout_range, max_t, H, num_experts), g, key,
-            tuple(topk_idx.shape))
-        self._routing[key] = handle
-        # With use_ue8m0 the kernel packs each power-of-two scale's exponent byte, four to a
-        # word, and writes no fp32 scales.
-        outs = (codes.data_ptr(), 0 if scales is None else scales.data_ptr(),
-                0 if ue8m0 is None else ue8m0.data_ptr(), count.data_ptr(),
-                src_info.data_ptr(), layout_range.data_ptr())
-        stats = cumulative_local_expert_recv_stats
-        recv_x = (codes, _ll_returned_scales(scales, ue8m0, dev)) if use_fp8 else codes
-        hook = None
-        if return_recv_hook:
-            def receive_hook():
-                s = _current_stream_handle(self.device)
-                g._impl.ll_receive(*outs, s, True, s, False)
-                if stats is not None:
-                    stats.add_(count)
+        try:
+            # While the dispatch runs: the outputs (on the current stream, as every output of
+            # the call), which ll_receive fills.
+            outputs = _ll_outputs(R, num_experts, max_t, H, dev, use_fp8, use_ue8m0)
+            codes, scales, ue8m0, count, src_info, layout_range = outputs
+            handle = _LowLatencyHandle(
+                _ll_handle_items(src_info, layout_range, max_t, H, num_experts), g, key,
+                tuple(topk_idx.shape))
+            # With use_ue8m0 the kernel packs each power-of-two scale's exponent byte, four to
+            # a word, and writes no fp32 scales.
+            stats = cumulative_local_expert_recv_stats
+            recv_x = (codes, _ll_returned_scales(scales, ue8m0, dev)) if use_fp8 else codes
+            hook = None
+            if return_recv_hook:
+                def receive_hook():
+                    s = _current_stream_handle(self.device)
+                    # The closure holds the outputs themselves (not only their addresses), so
+                    # they live until the hook has written them, as DeepEP's hook does.
+                    g._impl.ll_receive(*_ll_pointers(outputs), s, True, s, False)
+                    if stats is not None:
+                        stats.add_(count)
 
-            hook = receive_hook
-            event = EventOverlap(None)
-        else:
-            g._impl.ll_receive(*outs, comm, False, compute, not async_finish)
-            event = self._ll_finish(async_finish, stats, count,
-                                    (x, ids, codes, scales, ue8m0, count, src_info, layout_range))
+                hook = receive_hook
+                event = EventOverlap(None)
+            else:
+                g._impl.ll_receive(*_ll_pointers(outputs), comm, False, compute,
+                                   not async_finish)
+                event = self._ll_finish(async_finish, stats, count, (x, ids) + outputs)
+        except BaseException:
+            # The dispatch was launched: keep its inputs for it, and order the caller's stream
+            # after it, so nothing the caller frees or reuses is still in use there.
+            if comm != compute:
+                for t in (x, ids):
+                    t.record_stream(self._comm_stream)
+                torch.cuda.current_stream(self.device).wait_stream(self._comm_stream)
+            raise
+        self._routing[key] = handle
         return recv_x, count, handle, event, hook
 
     def get_next_low_latency_combine_buffer(self, handle: _LowLatencyHandle) -> torch.Tensor:
@@ -1016,6 +1027,12 @@ def _ll_outputs(R: int, num_experts: int, max_t: int, H: int, dev, use_fp8: bool
     return (codes, scales, ue8m0, torch.empty(E_l, dtype=torch.int32, device=dev),
             torch.empty((E_l, S), dtype=torch.int32, device=dev),
             torch.empty((E_l, R), dtype=torch.int64, device=dev))
+
+
+def _ll_pointers(outputs) -> tuple:
+    """The device addresses of _ll_outputs' tensors (0 for an absent one), in its order: what
+    Group.ll_receive takes."""
+    return tuple(0 if t is None else t.data_ptr() for t in outputs)
 
 
 def _ll_handle_items(src_info, layout_range, max_t, H, num_experts) -> tuple:

@@ -386,13 +386,16 @@ class PyGroup {
   }
 
   // After ll_dispatch, on its stream: (wait: the receive half of a send_only dispatch, then)
-  // the rows into DeepEP's padded layout; with join, `compute` then waits for it. (A stream
-  // handle of 0 is the default stream, so whether to join is a flag of its own.)
+  // the rows into DeepEP's padded layout, after what `compute` queued since ll_dispatch (the
+  // outputs' allocation there may have queued work on them, e.g. torch's fill of uninitialised
+  // memory); with join, `compute` then waits for it. (A stream handle of 0 is the default
+  // stream, so whether to join is a flag of its own.)
   void ll_receive(const LlOutputs& o, uintptr_t stream, bool wait, uintptr_t compute, bool join) {
     DeviceGuard guard;
     nb::gil_scoped_release nogil;
     cuda_check(cudaSetDevice(live()->device()), "cudaSetDevice");
     if (wait) live()->dispatch_wait(own_dispatch_output(), as_stream(stream));
+    fork(compute, stream);
     pad(o, stream);
     if (join) fork(stream, compute);
   }
