@@ -334,3 +334,98 @@ def test_low_latency_traced_calls_run_in_program_order(buf, monkeypatch):
     assert calls == ["d", "d", "c1", "d", "c2"]
     assert float(o1[0, 0]) == 3.0 and float(o2[0, 0]) == 5.0
     assert stats.tolist() == [1] * E  # the first dispatch's counts, added once
+
+
+class _Recorder:
+    """A fake epcomm group's C++ side: records each call (name, arguments), after checking that
+    the real binding (epcomm._epcomm.Group) takes that many arguments."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        signature = getattr(epcomm._epcomm.Group, name).__doc__.splitlines()[0]
+        params = signature[signature.index("(") + 1:signature.index(")")].split(", ")[1:]
+
+        def call(*args):
+            assert len(args) == len(params), f"{name}{tuple(args)} against {signature}"
+            self.calls.append((name, args))
+        return call
+
+
+def test_low_latency_dispatch_calls_in_order_with_a_fake_group(buf, monkeypatch):
+    """The layer's low-latency dispatch without a GPU, against a fake group: the dispatch is
+    launched, then the outputs it returns are the ones the receive fills, on the comm stream,
+    joined back unless async; with a hook the receive waits for the hook, on the stream current
+    then, and the hook keeps the outputs alive; a failure after the launch registers no handle
+    (its stream ordering needs a GPU: deep_ep_worker.py)."""
+    import gc
+    import weakref
+
+    impl = _Recorder()
+
+    class FakeGroup:
+        _impl = impl
+
+    compute, comm = 11, 22  # stream handles
+    monkeypatch.setattr(buf, "_on_device", lambda call, **tensors: None)
+    monkeypatch.setattr(buf, "_group", lambda key, **config: buf._groups.setdefault(key, FakeGroup()))
+    monkeypatch.setattr(buf, "_ll_stream_handles", lambda hook: (compute, compute if hook else comm))
+    monkeypatch.setattr(buf, "_ll_finish", lambda async_finish, stats, count, tensors: EventOverlap())
+    monkeypatch.setattr(deep_ep, "_current_stream_handle", lambda device: 33)
+    x = torch.randn((3, 256)).to(torch.bfloat16)
+    idx = torch.randint(0, 8, (3, 2))
+
+    def pointers(recv, count, handle):
+        codes, scales = recv
+        return (codes.data_ptr(), scales.data_ptr(), 0, count.data_ptr(), handle[0].data_ptr(),
+                handle[1].data_ptr())
+
+    for async_finish in (False, True):
+        recv, count, handle, _, hook = buf.low_latency_dispatch(x, idx, 4, 8,
+                                                                async_finish=async_finish)
+        assert hook is None
+        assert [c[0] for c in impl.calls] == ["ll_dispatch", "ll_receive"]
+        assert impl.calls[0][1][3:] == (compute, comm, False)  # compute, comm, not send-only
+        assert impl.calls[1][1] == pointers(recv, count, handle) + (comm, False, compute,
+                                                                    not async_finish)
+        assert buf._routing[handle.key] is handle
+        impl.calls.clear()
+
+    # Combine: one call, reading the expert outputs in the padded layout where they are.
+    y = torch.randn((8, 4, 256)).to(torch.bfloat16)  # [E_l, R * max, H], R = 1
+    w = torch.rand((3, 2))
+    for async_finish in (False, True):
+        out, _, hook = buf.low_latency_combine(y, idx, w, handle, async_finish=async_finish)
+        assert hook is None and tuple(out.shape) == (3, 256)
+        assert impl.calls == [("ll_combine", (y.data_ptr(), 4, w.data_ptr(), out.data_ptr(),
+                                              compute, comm, not async_finish, False))]
+        impl.calls.clear()
+    out, _, hook = buf.low_latency_combine(y, idx, w, handle, return_recv_hook=True)
+    hook()
+    assert impl.calls == [
+        ("ll_combine", (y.data_ptr(), 4, w.data_ptr(), out.data_ptr(), compute, compute, True,
+                        True)),
+        ("ll_combine_wait", (w.data_ptr(), out.data_ptr(), 33))]
+    impl.calls.clear()
+
+    recv, count, handle, _, hook = buf.low_latency_dispatch(x, idx, 4, 8, return_recv_hook=True)
+    assert [c[0] for c in impl.calls] == ["ll_dispatch"] and impl.calls[0][1][-1] is True
+    want = pointers(recv, count, handle) + (33, True, 33, False)
+    alive = weakref.ref(recv[0])
+    del recv, count, handle
+    gc.collect()
+    assert alive() is not None, "the hook must keep the outputs it fills"
+    hook()
+    assert impl.calls[-1] == ("ll_receive", want)
+    impl.calls.clear()
+
+    def fail(*args):
+        raise MemoryError("no memory for the outputs")
+
+    monkeypatch.setattr(deep_ep, "_ll_outputs", fail)
+    with pytest.raises(MemoryError):  # hook mode: one stream (the comm stream needs a GPU)
+        buf.low_latency_dispatch(x, idx, 4, 8, return_recv_hook=True)
+    assert [c[0] for c in impl.calls] == ["ll_dispatch"]
+    key = next(k for k in buf._groups if k[-1] == buf._ll_parity)
+    assert key not in buf._routing, "a failed dispatch leaves no handle of its group"
