@@ -58,6 +58,10 @@ struct Config {
   // still stored as fp32; a consumer that wants UE8M0 bytes takes the scale's exponent byte.
   // DeepEP's round_scale; GEMMs with UE8M0 scales (DeepGEMM on Blackwell) need it.
   bool fp8_pow2_scales = false;
+  // Blockwise FP8 with fp8_pow2_scales and padded_capacity: the scales output holds DeepEP's
+  // UE8M0 words, [G, H / 512, padded_capacity] int32 (Ue8m0ScaleLayout: each power-of-two
+  // scale's biased exponent byte, four to a word), instead of fp32 scales. H a multiple of 512.
+  bool fp8_ue8m0_scales = false;
   int32_t num_sms = 24;             // SMs the dispatch/combine kernels may occupy; today one
                                     // block per SM
   // The bound on every wait for a peer (seconds). The default, default_timeout_seconds(), is
@@ -80,6 +84,16 @@ struct Config {
   // no row on any rank and reports ErrorCode::kRecvCapacity on every rank, naming the ranks
   // that would overflow (group.h).
   int64_t max_routed_rows = 0;
+  // The tokens and scales outputs' layout. 0: packed, group g's rows at [row_offsets[g],
+  // row_offsets[g + 1]). C > 0: the padded per-expert layout a masked grouped GEMM and DeepEP's
+  // low-latency mode read (epcomm/padded_layout.h): tokens [G, C, row], row row_offsets[g] + j
+  // at slot (g, j); FP8 scales [G, H / 128, C] fp32 (or UE8M0 words, fp8_ue8m0_scales); and
+  // dispatch also writes counts, src_token and layout_range (DispatchOutput). row_offsets,
+  // expert_ids and src_info stay packed (what combine reads), with no format padding rows;
+  // slots at or past a group's count keep what they held. At least the most rows a group can
+  // receive, n_ranks * max_tokens_per_rank (max_tokens_per_rank with skip_a2a), with groups * C
+  // below 2^31; bf16 and blockwise FP8 only.
+  int64_t padded_capacity = 0;
   // The dispatch kernels (DispatchPath). kLowLatency needs max_tokens_per_rank <=
   // kLowLatencyMaxTokens.
   DispatchPath dispatch_path = DispatchPath::kAuto;
@@ -141,18 +155,19 @@ struct ConfigField {
   bool same_on_every_rank = true;
 };
 inline constexpr auto kConfigFields = std::make_tuple(
-    ConfigField<int32_t>{"hidden", &Config::hidden},
-    ConfigField<int32_t>{"top_k", &Config::top_k},
+    ConfigField<int32_t>{"hidden", &Config::hidden}, ConfigField<int32_t>{"top_k", &Config::top_k},
     ConfigField<int32_t>{"n_experts", &Config::n_experts},
     ConfigField<int32_t>{"max_tokens_per_rank", &Config::max_tokens_per_rank},
     ConfigField<TokenFormat>{"format", &Config::format},
     ConfigField<float>{"nvfp4_global_scale", &Config::nvfp4_global_scale},
     ConfigField<bool>{"fp8_pow2_scales", &Config::fp8_pow2_scales},
+    ConfigField<bool>{"fp8_ue8m0_scales", &Config::fp8_ue8m0_scales},
     ConfigField<int32_t>{"num_sms", &Config::num_sms},
     ConfigField<double>{"timeout_seconds", &Config::timeout_seconds},
     ConfigField<bool>{"trace", &Config::trace, false},
     ConfigField<bool>{"share_gpus", &Config::share_gpus},
     ConfigField<int64_t>{"max_routed_rows", &Config::max_routed_rows},
+    ConfigField<int64_t>{"padded_capacity", &Config::padded_capacity},
     ConfigField<DispatchPath>{"dispatch_path", &Config::dispatch_path},
     ConfigField<int32_t>{"ranks_per_node", &Config::ranks_per_node},
     ConfigField<bool>{"shared_expert", &Config::shared_expert},

@@ -71,13 +71,20 @@ struct DispatchInput {
 // this format: dispatch_output_descs(config(), sizes()) (epcomm/tensors.h describes them once).
 //
 // Rows are expert-major: group g is rows [row_offsets[g], row_offsets[g + 1]), and within a group
-// by source rank, then source token. The quantised formats (Config::format, docs/design.md "Token formats"):
+// by source rank, then source token. The quantised formats (Config::format, docs/design.md "Token
+// formats"):
 //   kFp8Blockwise: every group's row count is padded to a multiple of 4 and row_offsets include
 //     the padding. A padding row has src_info {-1, -1, -1}, zero codes and zero scales.
 //   kNvfp4, kMxfp8: scales in the 128x4 swizzled layout, every group starting a fresh 128-row
 //     tile; every byte is written on every call, zero where no row's scale lands.
 //     scales_offsets[g] = tile_start[g] - row_offsets[g] / 128.
 // Codes and scales are those of reference::dispatch_quantized, bit for bit.
+// With Config::padded_capacity = C > 0 (bf16, blockwise FP8) no group has padding rows, and the
+// codes and scales go to the padded per-expert layout (DispatchOutputLayout): row
+// row_offsets[g] + j at slot (g, j) of tokens [G, C, row] and scales [G, H / 128, C] (or the
+// UE8M0 words [G, H / 512, C], Config::fp8_ue8m0_scales); counts[g] = its rows. row_offsets,
+// expert_ids and src_info stay packed, for combine. Slots at or past counts[g] keep what they
+// held (DeepEP's low-latency contract): a consumer reads [0, counts[g]) of each group.
 struct DispatchOutput {
   void* tokens = nullptr;              // the codes, expert-major
   uint32_t* row_offsets = nullptr;
@@ -85,6 +92,11 @@ struct DispatchOutput {
   SrcInfo* src_info = nullptr;
   void* scales = nullptr;              // quantised formats; 16-byte aligned
   uint32_t* scales_offsets = nullptr;  // NVFP4, MXFP8
+  // Config::padded_capacity > 0 (the padded per-expert layout; null otherwise):
+  int32_t* counts = nullptr;        // [G]: rows of each group (required)
+  int32_t* slot_token = nullptr;    // [G, C] (optional): each used slot's source token
+  int64_t* layout_range = nullptr;  // [G, n_ranks] (optional): (first slot << 32) | rows from
+                                    // each caller rank, 0 where it sent none
 };
 
 // Inputs of combine on the expert side: the expert outputs, in dispatch row order or in the

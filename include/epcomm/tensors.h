@@ -19,8 +19,9 @@ enum class DType : int32_t {
   kI32 = 2,         // int32
   kU8 = 3,          // bytes: pairs of e2m1 codes, e4m3 / e8m0 scale codes
   kFloat8E4M3 = 4,  // e4m3 codes (uint8 in a framework without float8_e4m3fn)
+  kI64 = 5,         // int64
 };
-// PyTorch's name of the type: "bfloat16", "float32", "int32", "uint8", "float8_e4m3fn".
+// PyTorch's name of the type: "bfloat16", "float32", "int32", "uint8", "float8_e4m3fn", "int64".
 const char* dtype_name(DType t);
 // Bytes of one element.
 int64_t dtype_bytes(DType t);

@@ -150,6 +150,11 @@ class DispatchOutput:
     expert_ids: Any
     src_info: Any
     scales_offsets: Any
+    # The padded layout (Config.padded_capacity): each group's rows, each slot's source token,
+    # and (first slot << 32) | rows of each source rank; None otherwise.
+    counts: Any = None
+    slot_token: Any = None
+    layout_range: Any = None
 
     def src_token(self):
         return self.src_info[:, 0]
@@ -276,8 +281,8 @@ class Group:
     # ---- buffers ----------------------------------------------------------------------------
     def dispatch_output_descs(self) -> dict:
         """Each dispatch output's TensorDesc (name, dtype, shape, strides), by name: tokens,
-        row_offsets, expert_ids, src_info, scales, scales_offsets (shape (0,) where the format
-        has none)."""
+        row_offsets, expert_ids, src_info, scales, scales_offsets, counts, slot_token,
+        layout_range (shape (0, ...) where the format or layout has none)."""
         if self._descs is None:
             self._descs = {d.name: d for d in _C.dispatch_output_descs(self.config, self.sizes)}
         return self._descs
@@ -305,6 +310,9 @@ class Group:
             out_expert_ids=out.expert_ids,
             out_src_info=out.src_info,
             out_scales_offsets=out.scales_offsets,
+            out_counts=out.counts,
+            out_slot_token=out.slot_token,
+            out_layout_range=out.layout_range,
         )
 
     def _dispatch_result(self, fw: str, out: Optional[DispatchOutput], stream: int):

@@ -813,55 +813,42 @@ class Buffer:
                         cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats)
         fmt = "fp8-blockwise" if use_fp8 else "bf16"
         self._ll_parity ^= 1  # two groups in turn, so two dispatches may await their combines
-        key = ("ll", H, num_experts, K, max_t, fmt, bool(round_scale), Buffer.num_sms,
-               self._ll_parity)
+        key = ("ll", H, num_experts, K, max_t, fmt, bool(round_scale), bool(use_ue8m0),
+               Buffer.num_sms, self._ll_parity)
+        # Dispatch writes DeepEP's padded layout itself (padded_capacity, UE8M0 words).
         g = self._groups.get(key) or self._group(
             key, hidden=H, top_k=K, n_experts=num_experts, max_tokens_per_rank=max_t, format=fmt,
-            num_sms=Buffer.num_sms, **({"fp8_pow2_scales": True} if round_scale else {}))
+            num_sms=Buffer.num_sms, padded_capacity=R * max_t,
+            **({"fp8_pow2_scales": True} if round_scale else {}),
+            **({"fp8_ue8m0_scales": True} if use_ue8m0 else {}))
         ids = topk_idx.to(torch.int32)
         dev = x.device
+        # The outputs, on the current stream as every output of the call, before the launch
+        # that writes them.
+        outputs = _ll_outputs(R, num_experts, max_t, H, dev, use_fp8, use_ue8m0)
+        codes, scales, ue8m0, count, src_info, layout_range = outputs
+        handle = _LowLatencyHandle(
+            _ll_handle_items(src_info, layout_range, max_t, H, num_experts), g, key,
+            tuple(topk_idx.shape))
         compute, comm = self._ll_stream_handles(return_recv_hook)
-        # The group's last dispatch changes now: its previous handle must not combine, even if
-        # this call fails below.
-        self._routing.pop(key, None)
-        g._impl.ll_dispatch(x.data_ptr(), T, ids.data_ptr(), compute, comm, return_recv_hook)
-        try:
-            # While the dispatch runs: the outputs (on the current stream, as every output of
-            # the call), which ll_receive fills.
-            outputs = _ll_outputs(R, num_experts, max_t, H, dev, use_fp8, use_ue8m0)
-            codes, scales, ue8m0, count, src_info, layout_range = outputs
-            handle = _LowLatencyHandle(
-                _ll_handle_items(src_info, layout_range, max_t, H, num_experts), g, key,
-                tuple(topk_idx.shape))
-            # With use_ue8m0 the kernel packs each power-of-two scale's exponent byte, four to
-            # a word, and writes no fp32 scales.
-            stats = cumulative_local_expert_recv_stats
-            recv_x = (codes, _ll_returned_scales(scales, ue8m0, dev)) if use_fp8 else codes
-            hook = None
-            if return_recv_hook:
-                def receive_hook():
-                    s = _current_stream_handle(self.device)
-                    # The closure holds the outputs themselves (not only their addresses), so
-                    # they live until the hook has written them, as DeepEP's hook does.
-                    g._impl.ll_receive(*_ll_pointers(outputs), s, True, s, False)
-                    if stats is not None:
-                        stats.add_(count)
-
-                hook = receive_hook
-                event = EventOverlap(None)
-            else:
-                g._impl.ll_receive(*_ll_pointers(outputs), comm, False, compute,
-                                   not async_finish)
-                event = self._ll_finish(async_finish, stats, count, (x, ids) + outputs)
-        except BaseException:
-            # The dispatch was launched: keep its inputs for it, and order the caller's stream
-            # after it, so nothing the caller frees or reuses is still in use there.
-            if comm != compute:
-                for t in (x, ids):
-                    t.record_stream(self._comm_stream)
-                torch.cuda.current_stream(self.device).wait_stream(self._comm_stream)
-            raise
+        g._impl.ll_dispatch(x.data_ptr(), T, ids.data_ptr(), *_ll_pointers(outputs), compute,
+                            comm, not async_finish, return_recv_hook)
         self._routing[key] = handle
+        stats = cumulative_local_expert_recv_stats
+        recv_x = (codes, _ll_returned_scales(scales, ue8m0, dev)) if use_fp8 else codes
+        hook = None
+        if return_recv_hook:
+            def receive_hook():
+                # The closure holds the outputs themselves (not only their addresses), so they
+                # live until the hook has written them, as DeepEP's hook does.
+                g._impl.ll_receive(*_ll_pointers(outputs), _current_stream_handle(self.device))
+                if stats is not None:
+                    stats.add_(count)
+
+            hook = receive_hook
+            event = EventOverlap(None)
+        else:
+            event = self._ll_finish(async_finish, stats, count, (x, ids) + outputs)
         return recv_x, count, handle, event, hook
 
     def get_next_low_latency_combine_buffer(self, handle: _LowLatencyHandle) -> torch.Tensor:
@@ -1030,9 +1017,13 @@ def _ll_outputs(R: int, num_experts: int, max_t: int, H: int, dev, use_fp8: bool
 
 
 def _ll_pointers(outputs) -> tuple:
-    """The device addresses of _ll_outputs' tensors (0 for an absent one), in its order: what
-    Group.ll_receive takes."""
-    return tuple(0 if t is None else t.data_ptr() for t in outputs)
+    """The device addresses of _ll_outputs' tensors as Group.ll_dispatch and ll_receive take
+    them: codes, scales (the fp32 scales or the UE8M0 words; 0 without FP8), count, src_info
+    (the group's slot_token), layout_range."""
+    codes, scales, ue8m0, count, src_info, layout_range = outputs
+    words = ue8m0 if ue8m0 is not None else scales
+    return (codes.data_ptr(), 0 if words is None else words.data_ptr(), count.data_ptr(),
+            src_info.data_ptr(), layout_range.data_ptr())
 
 
 def _ll_handle_items(src_info, layout_range, max_t, H, num_experts) -> tuple:

@@ -15,7 +15,6 @@
 #include "bindings.h"
 #include "epcomm/config.h"
 #include "epcomm/group.h"
-#include "epcomm/padded_layout.h"
 #include "epcomm/tensors.h"
 
 namespace epcomm_py {
@@ -61,8 +60,32 @@ class PyGroup {
     const int d = live()->device();
     descs_ = epcomm::dispatch_output_descs(c, live()->sizes());
     for (const epcomm::TensorDesc& desc : descs_)
-      dispatch_buffer(desc.name).allocate(d, desc.bytes());
+      if (!lazy(desc.name)) dispatch_buffer(desc.name).allocate(d, desc.bytes());
     out_.allocate(d, epcomm::combine_output_desc(c, c.max_tokens_per_rank, true).bytes());
+  }
+
+  // In the padded layout (Config::padded_capacity) the group's own tokens, scales, counts,
+  // slot_token and layout_range are allocated at their first use: G * C rows can be far more
+  // than a dispatch fills, and a caller such as the DeepEP layer passes its own.
+  bool lazy(const std::string& name) const {
+    return live()->config().padded_capacity > 0 &&
+           (name == "tokens" || name == "scales" || name == "counts" || name == "slot_token" ||
+            name == "layout_range");
+  }
+  void allocate_lazy(const char* op, uintptr_t stream) {
+    if (padded_own_) return;
+    cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+    cuda_check(cudaStreamIsCapturing(as_stream(stream), &st), "cudaStreamIsCapturing");
+    if (st != cudaStreamCaptureStatusNone)
+      invalid(std::string(op) +
+              ": the group's own padded-layout outputs are allocated at their first use, which "
+              "cannot happen during graph capture: run one dispatch before capturing, or pass "
+              "every output");
+    DeviceGuard guard;
+    cuda_check(cudaSetDevice(live()->device()), "cudaSetDevice");
+    for (const epcomm::TensorDesc& desc : descs_)
+      if (lazy(desc.name)) dispatch_buffer(desc.name).allocate(live()->device(), desc.bytes());
+    padded_own_ = true;
   }
 
   // An array's data, or for an empty one (T = 0, where frameworks may give a null pointer) a
@@ -88,14 +111,18 @@ class PyGroup {
   }
 
   // The outputs of dispatch: the caller's buffers where given, else the group's.
-  epcomm::DispatchOutput dispatch_output(const Ctx& c, const std::optional<Array>& tokens,
-                                         const std::optional<Array>& scales,
-                                         const std::optional<Array>& row_offsets,
-                                         const std::optional<Array>& expert_ids,
-                                         const std::optional<Array>& src_info,
-                                         const std::optional<Array>& scales_offsets) {
-    const bool any = tokens || scales || row_offsets || expert_ids || src_info || scales_offsets;
-    if (!any) return own_dispatch_output();
+  epcomm::DispatchOutput dispatch_output(
+      const Ctx& c, const std::optional<Array>& tokens, const std::optional<Array>& scales,
+      const std::optional<Array>& row_offsets, const std::optional<Array>& expert_ids,
+      const std::optional<Array>& src_info, const std::optional<Array>& scales_offsets,
+      const std::optional<Array>& counts, const std::optional<Array>& slot_token,
+      const std::optional<Array>& layout_range, uintptr_t stream) {
+    const bool any = tokens || scales || row_offsets || expert_ids || src_info || scales_offsets ||
+                     counts || slot_token || layout_range;
+    if (!any) {
+      allocate_lazy(c.op.c_str(), stream);
+      return own_dispatch_output();
+    }
     auto need = [&](const std::optional<Array>& a, const char* name) -> void* {
       const int64_t bytes = epcomm::desc_bytes(descs_, name);
       if (bytes == 0) return nullptr;
@@ -110,16 +137,25 @@ class PyGroup {
     o.src_info = static_cast<epcomm::SrcInfo*>(need(src_info, "src_info"));
     o.scales = need(scales, "scales");
     o.scales_offsets = static_cast<uint32_t*>(need(scales_offsets, "scales_offsets"));
+    o.counts = static_cast<int32_t*>(need(counts, "counts"));
+    o.slot_token = static_cast<int32_t*>(need(slot_token, "slot_token"));
+    o.layout_range = static_cast<int64_t*>(need(layout_range, "layout_range"));
     return o;
   }
 
+  // The group's own outputs (in the padded layout, allocate_lazy first).
   epcomm::DispatchOutput own_dispatch_output() const {
-    return epcomm::DispatchOutput{tokens_.ptr,
-                                  static_cast<uint32_t*>(row_offsets_.ptr),
-                                  static_cast<int32_t*>(expert_ids_.ptr),
-                                  static_cast<epcomm::SrcInfo*>(src_info_.ptr),
-                                  scales_.ptr,
-                                  static_cast<uint32_t*>(scales_offsets_.ptr)};
+    epcomm::DispatchOutput o;
+    o.tokens = tokens_.ptr;
+    o.row_offsets = static_cast<uint32_t*>(row_offsets_.ptr);
+    o.expert_ids = static_cast<int32_t*>(expert_ids_.ptr);
+    o.src_info = static_cast<epcomm::SrcInfo*>(src_info_.ptr);
+    o.scales = scales_.ptr;
+    o.scales_offsets = static_cast<uint32_t*>(scales_offsets_.ptr);
+    o.counts = static_cast<int32_t*>(counts_.ptr);
+    o.slot_token = static_cast<int32_t*>(slot_token_.ptr);
+    o.layout_range = static_cast<int64_t*>(layout_range_.ptr);
+    return o;
   }
 
   epcomm::DispatchInput dispatch_input(const Ctx& c, const Array& tokens, const Array& topk_ids,
@@ -152,11 +188,14 @@ class PyGroup {
                 uintptr_t stream, const std::optional<Array>& o_tokens,
                 const std::optional<Array>& o_scales, const std::optional<Array>& o_row_offsets,
                 const std::optional<Array>& o_expert_ids, const std::optional<Array>& o_src_info,
-                const std::optional<Array>& o_scales_offsets) {
+                const std::optional<Array>& o_scales_offsets, const std::optional<Array>& o_counts,
+                const std::optional<Array>& o_slot_token,
+                const std::optional<Array>& o_layout_range) {
     const Ctx c = ctx("dispatch");
     const epcomm::DispatchInput in = dispatch_input(c, tokens, topk_ids, weights);
-    const epcomm::DispatchOutput out = dispatch_output(c, o_tokens, o_scales, o_row_offsets,
-                                                       o_expert_ids, o_src_info, o_scales_offsets);
+    const epcomm::DispatchOutput out =
+        dispatch_output(c, o_tokens, o_scales, o_row_offsets, o_expert_ids, o_src_info,
+                        o_scales_offsets, o_counts, o_slot_token, o_layout_range, stream);
     DeviceGuard guard;
     {
       nb::gil_scoped_release nogil;
@@ -180,10 +219,13 @@ class PyGroup {
                      const std::optional<Array>& o_row_offsets,
                      const std::optional<Array>& o_expert_ids,
                      const std::optional<Array>& o_src_info,
-                     const std::optional<Array>& o_scales_offsets) {
+                     const std::optional<Array>& o_scales_offsets,
+                     const std::optional<Array>& o_counts, const std::optional<Array>& o_slot_token,
+                     const std::optional<Array>& o_layout_range) {
     const Ctx c = ctx("dispatch_wait");
-    const epcomm::DispatchOutput out = dispatch_output(c, o_tokens, o_scales, o_row_offsets,
-                                                       o_expert_ids, o_src_info, o_scales_offsets);
+    const epcomm::DispatchOutput out =
+        dispatch_output(c, o_tokens, o_scales, o_row_offsets, o_expert_ids, o_src_info,
+                        o_scales_offsets, o_counts, o_slot_token, o_layout_range, stream);
     DeviceGuard guard;
     {
       nb::gil_scoped_release nogil;
@@ -341,8 +383,10 @@ class PyGroup {
       return Array(b.ptr, shape.size(), shape.data(), owner, nullptr, dlpack_dtype(d.dtype, plain),
                    nb::device::cuda::value, live()->device());
     };
-    if (const epcomm::TensorDesc* d = epcomm::find_desc(descs_, name))
+    if (const epcomm::TensorDesc* d = epcomm::find_desc(descs_, name)) {
+      if (lazy(name)) allocate_lazy("epcomm buffer", 0);
       return make(dispatch_buffer(name), *d);
+    }
     if (name == "out")
       return make(out_, epcomm::combine_output_desc(c, c.max_tokens_per_rank, true));
     if (name == "out_unreduced") {
@@ -362,13 +406,13 @@ class PyGroup {
   // where they differ), and with `join` `compute` then waits for it, as DeepEP's calls do.
   // send_only (the receive hook): only the send half runs; ll_receive / ll_combine_wait finish.
   struct LlOutputs {  // the padded per-expert outputs ([E_l, S, ...]; DeepEP's layout)
-    uintptr_t codes, scales, ue8m0, count, src_token, layout_range;
+    uintptr_t codes, scales, count, slot_token, layout_range;  // scales: fp32 or UE8M0 words
   };
 
-  // The dispatch alone (send_only: its send half); ll_receive then lays the rows out, so the
-  // caller can allocate the outputs while the dispatch runs.
-  void ll_dispatch(uintptr_t x, int64_t T, uintptr_t ids, uintptr_t compute, uintptr_t comm,
-                   bool send_only) {
+  // The dispatch, writing DeepEP's padded layout itself (the group has Config::padded_capacity
+  // = S); send_only: its send half, and ll_receive is the hook's receive half.
+  void ll_dispatch(uintptr_t x, int64_t T, uintptr_t ids, const LlOutputs& o, uintptr_t compute,
+                   uintptr_t comm, bool join, bool send_only) {
     const epcomm::Config& cfg = live()->config();
     epcomm::DispatchInput in;
     in.tokens = x ? reinterpret_cast<const void*>(x) : out_.ptr;  // T = 0: never read
@@ -379,25 +423,20 @@ class PyGroup {
     nb::gil_scoped_release nogil;
     cuda_check(cudaSetDevice(live()->device()), "cudaSetDevice");
     fork(compute, comm);
-    if (send_only)
+    if (send_only) {
       live()->dispatch_async(in, as_stream(comm));
-    else
-      live()->dispatch(in, own_dispatch_output(), as_stream(comm));
+      return;
+    }
+    live()->dispatch(in, ll_output(o), as_stream(comm));
+    if (join) fork(comm, compute);  // (a stream handle of 0 is the default stream: a flag)
   }
 
-  // After ll_dispatch, on its stream: (wait: the receive half of a send_only dispatch, then)
-  // the rows into DeepEP's padded layout, after what `compute` queued since ll_dispatch (the
-  // outputs' allocation there may have queued work on them, e.g. torch's fill of uninitialised
-  // memory); with join, `compute` then waits for it. (A stream handle of 0 is the default
-  // stream, so whether to join is a flag of its own.)
-  void ll_receive(const LlOutputs& o, uintptr_t stream, bool wait, uintptr_t compute, bool join) {
+  // The receive half of a send_only ll_dispatch, on `stream`.
+  void ll_receive(const LlOutputs& o, uintptr_t stream) {
     DeviceGuard guard;
     nb::gil_scoped_release nogil;
     cuda_check(cudaSetDevice(live()->device()), "cudaSetDevice");
-    if (wait) live()->dispatch_wait(own_dispatch_output(), as_stream(stream));
-    fork(compute, stream);
-    pad(o, stream);
-    if (join) fork(stream, compute);
+    live()->dispatch_wait(ll_output(o), as_stream(stream));
   }
 
   // expert_out: the padded [E_l, capacity, H] bf16 outputs; weights [T, K] fp32; out [T, H].
@@ -449,6 +488,8 @@ class PyGroup {
         return nb::dtype<float>();
       case epcomm::DType::kI32:
         return nb::dtype<int32_t>();
+      case epcomm::DType::kI64:
+        return nb::dtype<int64_t>();
       case epcomm::DType::kU8:
       case epcomm::DType::kFloat8E4M3:
         break;
@@ -463,6 +504,9 @@ class PyGroup {
     if (name == "expert_ids") return expert_ids_;
     if (name == "src_info") return src_info_;
     if (name == "scales_offsets") return scales_offsets_;
+    if (name == "counts") return counts_;
+    if (name == "slot_token") return slot_token_;
+    if (name == "layout_range") return layout_range_;
     invalid("epcomm: no dispatch output named '" + name + "'");
   }
 
@@ -484,29 +528,20 @@ class PyGroup {
     cuda_check(cudaStreamWaitEvent(as_stream(to), stream_event_, 0), "cudaStreamWaitEvent");
   }
 
-  // The last dispatch's rows (the group's own outputs) into DeepEP's padded layout.
-  void pad(const LlOutputs& o, uintptr_t stream) {
-    const epcomm::Config& cfg = live()->config();
-    const epcomm::Sizes& s = live()->sizes();
-    epcomm::PadExpertRows a;
-    a.rows = epcomm::DispatchRows{static_cast<const uint32_t*>(row_offsets_.ptr),
-                                  static_cast<const epcomm::SrcInfo*>(src_info_.ptr), s.num_groups,
-                                  s.max_recv_rows};
-    a.codes = tokens_.ptr;
-    a.row_bytes = s.token_bytes;
-    if (cfg.format == epcomm::TokenFormat::kFp8Blockwise) {
-      a.scales = static_cast<const float*>(scales_.ptr);
-      a.scale_cols = cfg.hidden / 128;
-      a.padded_scales = reinterpret_cast<float*>(o.scales);
-      a.padded_ue8m0 = reinterpret_cast<uint32_t*>(o.ue8m0);
-    }
-    a.n_ranks = s.n_ranks;
-    a.capacity = int64_t(s.n_ranks) * cfg.max_tokens_per_rank;
-    a.padded_codes = reinterpret_cast<void*>(o.codes);
-    a.counts = reinterpret_cast<int32_t*>(o.count);
-    a.src_token = reinterpret_cast<int32_t*>(o.src_token);
-    a.layout_range = reinterpret_cast<int64_t*>(o.layout_range);
-    epcomm::pad_expert_rows(a, as_stream(stream));
+  // The low-latency dispatch's outputs: the caller's padded tokens, scales, counts, slot_token
+  // and layout_range; the group's own packed rows (row_offsets, expert_ids, src_info: what its
+  // combine reads).
+  epcomm::DispatchOutput ll_output(const LlOutputs& o) const {
+    epcomm::DispatchOutput d;
+    d.tokens = reinterpret_cast<void*>(o.codes);
+    d.row_offsets = static_cast<uint32_t*>(row_offsets_.ptr);
+    d.expert_ids = static_cast<int32_t*>(expert_ids_.ptr);
+    d.src_info = static_cast<epcomm::SrcInfo*>(src_info_.ptr);
+    d.scales = reinterpret_cast<void*>(o.scales);
+    d.counts = reinterpret_cast<int32_t*>(o.count);
+    d.slot_token = reinterpret_cast<int32_t*>(o.slot_token);
+    d.layout_range = reinterpret_cast<int64_t*>(o.layout_range);
+    return d;
   }
 
   epcomm::CombineOutput ll_combine_output(uintptr_t weights, uintptr_t out) const {
@@ -521,8 +556,9 @@ class PyGroup {
   int event_device_ = 0;
   std::unique_ptr<epcomm::Group> g_;
   std::vector<epcomm::TensorDesc> descs_;  // the dispatch outputs (epcomm/tensors.h)
-  DeviceBuffer tokens_, scales_, row_offsets_, expert_ids_, src_info_, scales_offsets_, out_,
-      unreduced_;
+  DeviceBuffer tokens_, scales_, row_offsets_, expert_ids_, src_info_, scales_offsets_, counts_,
+      slot_token_, layout_range_, out_, unreduced_;
+  bool padded_own_ = false;  // allocate_lazy has run
 };
 
 }  // namespace
@@ -579,13 +615,16 @@ void bind_group(nb::module_& m) {
       .def("dispatch", &PyGroup::dispatch, "tokens"_a, "topk_ids"_a, "weights"_a.none(), "stream"_a,
            "out_tokens"_a.none() = nb::none(), "out_scales"_a.none() = nb::none(),
            "out_row_offsets"_a.none() = nb::none(), "out_expert_ids"_a.none() = nb::none(),
-           "out_src_info"_a.none() = nb::none(), "out_scales_offsets"_a.none() = nb::none())
+           "out_src_info"_a.none() = nb::none(), "out_scales_offsets"_a.none() = nb::none(),
+           "out_counts"_a.none() = nb::none(), "out_slot_token"_a.none() = nb::none(),
+           "out_layout_range"_a.none() = nb::none())
       .def("dispatch_async", &PyGroup::dispatch_async, "tokens"_a, "topk_ids"_a, "weights"_a.none(),
            "stream"_a)
       .def("dispatch_wait", &PyGroup::dispatch_wait, "stream"_a, "out_tokens"_a.none() = nb::none(),
            "out_scales"_a.none() = nb::none(), "out_row_offsets"_a.none() = nb::none(),
            "out_expert_ids"_a.none() = nb::none(), "out_src_info"_a.none() = nb::none(),
-           "out_scales_offsets"_a.none() = nb::none())
+           "out_scales_offsets"_a.none() = nb::none(), "out_counts"_a.none() = nb::none(),
+           "out_slot_token"_a.none() = nb::none(), "out_layout_range"_a.none() = nb::none())
       .def("combine", &PyGroup::combine, "expert_out"_a, "weights"_a.none(), "stream"_a,
            "out"_a.none() = nb::none(), "row_offsets"_a.none() = nb::none(),
            "src_info"_a.none() = nb::none(), "used_rows"_a = -1)
@@ -594,20 +633,25 @@ void bind_group(nb::module_& m) {
            "used_rows"_a = -1)
       .def("combine_wait", &PyGroup::combine_wait, "weights"_a.none(), "stream"_a,
            "out"_a.none() = nb::none())
-      .def("ll_dispatch", &PyGroup::ll_dispatch, "x"_a, "num_tokens"_a, "topk_ids"_a, "compute"_a,
-           "comm"_a, "send_only"_a,
-           "The DeepEP layer's low-latency dispatch (device pointers as integers); "
-           "ll_receive lays its rows out.")
+      .def(
+          "ll_dispatch",
+          [](PyGroup& g, uintptr_t x, int64_t T, uintptr_t ids, uintptr_t codes, uintptr_t scales,
+             uintptr_t count, uintptr_t slot_token, uintptr_t layout_range, uintptr_t compute,
+             uintptr_t comm, bool join, bool send_only) {
+            g.ll_dispatch(x, T, ids, {codes, scales, count, slot_token, layout_range}, compute,
+                          comm, join, send_only);
+          },
+          "x"_a, "num_tokens"_a, "topk_ids"_a, "codes"_a, "scales"_a, "count"_a, "slot_token"_a,
+          "layout_range"_a, "compute"_a, "comm"_a, "join"_a, "send_only"_a,
+          "The DeepEP layer's low-latency dispatch into its padded layout (device pointers as "
+          "integers).")
       .def(
           "ll_receive",
-          [](PyGroup& g, uintptr_t codes, uintptr_t scales, uintptr_t ue8m0, uintptr_t count,
-             uintptr_t src_token, uintptr_t layout_range, uintptr_t stream, bool wait,
-             uintptr_t compute, bool join) {
-            g.ll_receive({codes, scales, ue8m0, count, src_token, layout_range}, stream, wait,
-                         compute, join);
+          [](PyGroup& g, uintptr_t codes, uintptr_t scales, uintptr_t count, uintptr_t slot_token,
+             uintptr_t layout_range, uintptr_t stream) {
+            g.ll_receive({codes, scales, count, slot_token, layout_range}, stream);
           },
-          "codes"_a, "scales"_a, "ue8m0"_a, "count"_a, "src_token"_a, "layout_range"_a, "stream"_a,
-          "wait"_a, "compute"_a, "join"_a)
+          "codes"_a, "scales"_a, "count"_a, "slot_token"_a, "layout_range"_a, "stream"_a)
       .def("ll_combine", &PyGroup::ll_combine, "expert_out"_a, "capacity"_a, "weights"_a, "out"_a,
            "compute"_a, "comm"_a, "join"_a, "send_only"_a)
       .def("ll_combine_wait", &PyGroup::ll_combine_wait, "weights"_a, "out"_a, "stream"_a)

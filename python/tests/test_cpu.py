@@ -114,7 +114,9 @@ def test_dispatch_output_descs(fmt):
     s = cfg.sizes(4)
     d = {t.name: t for t in epcomm._epcomm.dispatch_output_descs(cfg, s)}
     assert list(d) == ["tokens", "row_offsets", "expert_ids", "src_info", "scales",
-                       "scales_offsets"]
+                       "scales_offsets", "counts", "slot_token", "layout_range"]
+    assert [d[n].shape for n in ("counts", "slot_token", "layout_range")] == \
+        [(0,), (0, 0), (0, 4)]  # the padded layout's: empty when packed
     R, H, G = s.max_recv_rows, cfg.hidden, s.num_groups
     assert d["tokens"].bytes == R * s.token_bytes and d["tokens"].shape[0] == R
     assert d["tokens"].dtype == {"bf16": "bfloat16", "fp8-blockwise": "float8_e4m3fn",
@@ -128,6 +130,21 @@ def test_dispatch_output_descs(fmt):
     out = epcomm._epcomm.combine_output_desc(cfg, 3, False)
     assert (out.shape, out.strides, out.dtype) == ((3, 4, H), (4 * H, H, 1), "bfloat16")
     assert epcomm._epcomm.expert_out_desc(cfg, s).shape == (R, H)
+
+
+def test_dispatch_output_descs_of_the_padded_layout():
+    C = 4 * BASE["max_tokens_per_rank"] + 1
+    cfg = epcomm.make_config(**BASE, format="fp8-blockwise", padded_capacity=C)
+    s = cfg.sizes(4)
+    d = {t.name: t for t in epcomm._epcomm.dispatch_output_descs(cfg, s)}
+    G, H = s.num_groups, cfg.hidden
+    assert d["tokens"].shape == (G, C, H) and d["scales"].shape == (G, H // 128, C)
+    assert d["src_info"].shape == (s.max_routed_rows, 2)  # packed, no padding rows
+    assert (d["counts"].shape, d["slot_token"].shape, d["layout_range"].shape) == \
+        ((G,), (G, C), (G, 4))
+    assert d["layout_range"].dtype == "int64"
+    with pytest.raises(epcomm.InvalidArgument, match="padded_capacity"):
+        epcomm.make_config(**BASE, padded_capacity=C - 2).validate(4)
 
 
 def _thread_gather(n):

@@ -354,50 +354,57 @@ class _Recorder:
 
 
 def test_low_latency_dispatch_calls_in_order_with_a_fake_group(buf, monkeypatch):
-    """The layer's low-latency dispatch without a GPU, against a fake group: the dispatch is
-    launched, then the outputs it returns are the ones the receive fills, on the comm stream,
-    joined back unless async; with a hook the receive waits for the hook, on the stream current
-    then, and the hook keeps the outputs alive; a failure after the launch registers no handle
-    (its stream ordering needs a GPU: deep_ep_worker.py)."""
+    """The layer's low-latency calls without a GPU, against a fake group: dispatch writes the
+    outputs it returns (DeepEP's padded layout, in a group set up for it), in one call on the
+    comm stream, joined back unless async; with a hook the receive waits for the hook, on the
+    stream current then, and the hook keeps the outputs alive; combine is one call (and its
+    hook's wait); a failure before the launch launches nothing and keeps the last handle."""
     import gc
     import weakref
 
     impl = _Recorder()
+    configs = []
 
     class FakeGroup:
         _impl = impl
 
+    def group(key, **config):
+        configs.append(config)
+        return buf._groups.setdefault(key, FakeGroup())
+
     compute, comm = 11, 22  # stream handles
     monkeypatch.setattr(buf, "_on_device", lambda call, **tensors: None)
-    monkeypatch.setattr(buf, "_group", lambda key, **config: buf._groups.setdefault(key, FakeGroup()))
+    monkeypatch.setattr(buf, "_group", group)
     monkeypatch.setattr(buf, "_ll_stream_handles", lambda hook: (compute, compute if hook else comm))
     monkeypatch.setattr(buf, "_ll_finish", lambda async_finish, stats, count, tensors: EventOverlap())
     monkeypatch.setattr(deep_ep, "_current_stream_handle", lambda device: 33)
-    x = torch.randn((3, 256)).to(torch.bfloat16)
+    x = torch.randn((3, 512)).to(torch.bfloat16)
     idx = torch.randint(0, 8, (3, 2))
 
     def pointers(recv, count, handle):
         codes, scales = recv
-        return (codes.data_ptr(), scales.data_ptr(), 0, count.data_ptr(), handle[0].data_ptr(),
+        return (codes.data_ptr(), scales.data_ptr(), count.data_ptr(), handle[0].data_ptr(),
                 handle[1].data_ptr())
 
     for async_finish in (False, True):
         recv, count, handle, _, hook = buf.low_latency_dispatch(x, idx, 4, 8,
                                                                 async_finish=async_finish)
         assert hook is None
-        assert [c[0] for c in impl.calls] == ["ll_dispatch", "ll_receive"]
-        assert impl.calls[0][1][3:] == (compute, comm, False)  # compute, comm, not send-only
-        assert impl.calls[1][1] == pointers(recv, count, handle) + (comm, False, compute,
-                                                                    not async_finish)
+        assert len(impl.calls) == 1 and impl.calls[0][0] == "ll_dispatch"
+        assert impl.calls[0][1][3:] == pointers(recv, count, handle) + (
+            compute, comm, not async_finish, False)
+        assert tuple(recv[0].shape) == (8, 4, 512) and tuple(recv[1].shape) == (8, 4, 4)
         assert buf._routing[handle.key] is handle
         impl.calls.clear()
+    # The group writes the padded layout for the layer's S = R * max rows a group.
+    assert configs[-1]["padded_capacity"] == 4 and "fp8_ue8m0_scales" not in configs[-1]
 
     # Combine: one call, reading the expert outputs in the padded layout where they are.
-    y = torch.randn((8, 4, 256)).to(torch.bfloat16)  # [E_l, R * max, H], R = 1
+    y = torch.randn((8, 4, 512)).to(torch.bfloat16)  # [E_l, R * max, H], R = 1
     w = torch.rand((3, 2))
     for async_finish in (False, True):
         out, _, hook = buf.low_latency_combine(y, idx, w, handle, async_finish=async_finish)
-        assert hook is None and tuple(out.shape) == (3, 256)
+        assert hook is None and tuple(out.shape) == (3, 512)
         assert impl.calls == [("ll_combine", (y.data_ptr(), 4, w.data_ptr(), out.data_ptr(),
                                               compute, comm, not async_finish, False))]
         impl.calls.clear()
@@ -409,9 +416,13 @@ def test_low_latency_dispatch_calls_in_order_with_a_fake_group(buf, monkeypatch)
         ("ll_combine_wait", (w.data_ptr(), out.data_ptr(), 33))]
     impl.calls.clear()
 
-    recv, count, handle, _, hook = buf.low_latency_dispatch(x, idx, 4, 8, return_recv_hook=True)
+    # UE8M0 words: their own group, and the words are what dispatch writes as scales.
+    recv, count, handle, _, hook = buf.low_latency_dispatch(
+        x, idx, 4, 8, round_scale=True, use_ue8m0=True, return_recv_hook=True)
+    assert configs[-1]["fp8_ue8m0_scales"] and configs[-1]["fp8_pow2_scales"]
+    assert recv[1].dtype == torch.int32 and tuple(recv[1].shape) == (8, 4, 1)
     assert [c[0] for c in impl.calls] == ["ll_dispatch"] and impl.calls[0][1][-1] is True
-    want = pointers(recv, count, handle) + (33, True, 33, False)
+    want = pointers(recv, count, handle) + (33,)
     alive = weakref.ref(recv[0])
     del recv, count, handle
     gc.collect()
@@ -423,9 +434,8 @@ def test_low_latency_dispatch_calls_in_order_with_a_fake_group(buf, monkeypatch)
     def fail(*args):
         raise MemoryError("no memory for the outputs")
 
+    before = dict(buf._routing)
     monkeypatch.setattr(deep_ep, "_ll_outputs", fail)
-    with pytest.raises(MemoryError):  # hook mode: one stream (the comm stream needs a GPU)
-        buf.low_latency_dispatch(x, idx, 4, 8, return_recv_hook=True)
-    assert [c[0] for c in impl.calls] == ["ll_dispatch"]
-    key = next(k for k in buf._groups if k[-1] == buf._ll_parity)
-    assert key not in buf._routing, "a failed dispatch leaves no handle of its group"
+    with pytest.raises(MemoryError):
+        buf.low_latency_dispatch(x, idx, 4, 8)
+    assert impl.calls == [] and buf._routing == before

@@ -77,7 +77,7 @@ int32_t QuantOutputShape::row_align() const { return format_row_align(token_form
 int64_t QuantOutputShape::row_bytes() const { return format_row_bytes(token_format(format), hidden); }
 
 DispatchOutputLayout QuantOutputShape::layout() const {
-  return DispatchOutputLayout{token_format(format), hidden, groups, rows, rows};
+  return DispatchOutputLayout{token_format(format), hidden, groups, rows, rows, 0, false};
 }
 
 int64_t QuantOutputShape::scales_size() const {

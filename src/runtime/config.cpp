@@ -175,6 +175,27 @@ void Config::validate(int n_ranks) const {
             max_tokens_per_rank);
   require(max_routed_rows >= 0, name(&Config::max_routed_rows),
           "0 (the worst case) or a positive row count", max_routed_rows);
+  if (padded_capacity != 0) {
+    require(format == TokenFormat::kBF16 || format == TokenFormat::kFp8Blockwise,
+            name(&Config::format),
+            std::string("bf16 or fp8-blockwise with padded_capacity (the format is ") +
+                token_format_name(format) + ")",
+            int(format));
+    const RouteMap route = this->route(n_ranks, 0);
+    const int64_t most = int64_t(skip_a2a ? 1 : n_ranks) * max_tokens_per_rank;
+    require(padded_capacity >= most && padded_capacity < (int64_t(1) << 31) / route.groups(),
+            name(&Config::padded_capacity),
+            "0 (packed) or at least the most rows a group can receive, " + std::to_string(most) +
+                ", with padded_capacity * " + std::to_string(route.groups()) + " groups below 2^31",
+            padded_capacity);
+  }
+  if (fp8_ue8m0_scales)
+    require(format == TokenFormat::kFp8Blockwise && fp8_pow2_scales && padded_capacity > 0 &&
+                hidden % Ue8m0ScaleLayout::kValuesPerWord == 0,
+            name(&Config::fp8_ue8m0_scales),
+            "false, or true with format fp8-blockwise, fp8_pow2_scales (UE8M0 holds powers of "
+            "two), padded_capacity > 0 and hidden a multiple of 512",
+            int(fp8_ue8m0_scales));
   if (shared_expert)
     require(n_experts / n_ranks + 1 <= kMaxExperts, name(&Config::n_experts),
             "at most " + std::to_string(kMaxExperts - 1) +
@@ -291,7 +312,8 @@ Sizes compute_sizes(const Config& cfg, int n_ranks) {
   if (cfg.max_routed_rows > 0 && cfg.max_routed_rows < s.max_routed_rows)
     s.max_routed_rows = cfg.max_routed_rows;
   const DispatchOutputLayout out =
-      DispatchOutputLayout::make(cfg.format, cfg.hidden, s.max_routed_rows, s.num_groups);
+      DispatchOutputLayout::make(cfg.format, cfg.hidden, s.max_routed_rows, s.num_groups,
+                                 cfg.padded_capacity, cfg.fp8_ue8m0_scales);
   s.max_recv_rows = out.rows;
   s.token_bytes = out.row_bytes();
   s.scales_bytes = out.scales_bytes();

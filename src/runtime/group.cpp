@@ -101,6 +101,8 @@ GroupView make_view(const Config& cfg, int n_ranks, int rank, const Sizes& sizes
   v.fp8_pow2 = cfg.fp8_pow2_scales ? 1 : 0;
   v.low_latency = cfg.resolved_path() == DispatchPath::kLowLatency;
   v.routed_rows = sizes.max_routed_rows;
+  v.capacity = cfg.padded_capacity;
+  v.ue8m0 = cfg.fp8_ue8m0_scales ? 1 : 0;
   v.timeout_ns = (unsigned long long)(cfg.timeout_seconds * 1e9);
   v.ranks_per_node = v.n_ranks;  // one node until set-up finds otherwise
   return v;
@@ -709,6 +711,9 @@ static detail::DispatchParams dispatch_params(detail::GroupState& s, const Dispa
     p.src_info = out->src_info;
     p.out_scales = out->scales;
     p.scales_offsets = out->scales_offsets;
+    p.counts = out->counts;
+    p.slot_token = out->slot_token;
+    p.layout_range = out->layout_range;
   }
   return p;
 }
@@ -745,6 +750,13 @@ static void check_dispatch_output(detail::GroupState& s, const DispatchOutput& o
     require_ptr(out.scales_offsets, s.rank, op, "scales_offsets", false);
     require((reinterpret_cast<uintptr_t>(out.scales_offsets) & 3u) == 0, s.rank, op,
             "scales_offsets is not 4-byte aligned");
+  }
+  if (s.cfg.padded_capacity > 0) {
+    require_ptr(out.counts, s.rank, op, "counts (padded_capacity)", false);
+    require((reinterpret_cast<uintptr_t>(out.counts) & 3u) == 0 &&
+                (reinterpret_cast<uintptr_t>(out.slot_token) & 3u) == 0 &&
+                (reinterpret_cast<uintptr_t>(out.layout_range) & 7u) == 0,
+            s.rank, op, "counts, slot_token or layout_range is not 4-, 4- or 8-byte aligned");
   }
 }
 

@@ -15,8 +15,8 @@ struct DTypeInfo {
   int64_t bytes;
 };
 // In DType's order.
-constexpr DTypeInfo kDTypes[] = {
-    {"bfloat16", 2}, {"float32", 4}, {"int32", 4}, {"uint8", 1}, {"float8_e4m3fn", 1}};
+constexpr DTypeInfo kDTypes[] = {{"bfloat16", 2}, {"float32", 4},       {"int32", 4},
+                                 {"uint8", 1},    {"float8_e4m3fn", 1}, {"int64", 8}};
 constexpr DTypeInfo kUnknown = {"unknown", 0};
 
 const DTypeInfo& info(DType t) {
@@ -58,22 +58,33 @@ std::vector<TensorDesc> dispatch_output_descs(const Config& cfg, const Sizes& si
   const int64_t R = sizes.max_recv_rows;
   // The scales' layouts (the row count and bytes are in Sizes already).
   const DispatchOutputLayout out =
-      DispatchOutputLayout::make(f, cfg.hidden, sizes.max_routed_rows, sizes.num_groups);
+      DispatchOutputLayout::make(f, cfg.hidden, sizes.max_routed_rows, sizes.num_groups,
+                                 cfg.padded_capacity, cfg.fp8_ue8m0_scales);
+  const int64_t C = out.capacity;  // > 0: the tokens and scales in the padded layout
+  // Tokens: [rows, row] packed, [G, C, row] padded.
+  auto token_shape = [&](int64_t row) {
+    return C > 0 ? std::vector<int64_t>{G, C, row} : std::vector<int64_t>{R, row};
+  };
   std::vector<TensorDesc> d;
   if (f == TokenFormat::kBF16)
-    d.push_back(contiguous("tokens", DType::kBF16, {R, H}));
+    d.push_back(contiguous("tokens", DType::kBF16, token_shape(H)));
   else
     d.push_back(contiguous("tokens",
                            f == TokenFormat::kFp8Blockwise || f == TokenFormat::kMxfp8
                                ? DType::kFloat8E4M3  // one e4m3 code a byte
                                : DType::kU8,         // two e2m1 codes a byte
-                           {R, sizes.token_bytes}));
+                           token_shape(sizes.token_bytes)));
   d.push_back(contiguous("row_offsets", DType::kI32, {G + 1}));
   d.push_back(contiguous("expert_ids", DType::kI32, {G}));
   d.push_back(contiguous("src_info", DType::kI32, {R, int64_t(sizeof(SrcInfo) / 4)}));
   switch (f) {
     case TokenFormat::kFp8Blockwise:
-      d.push_back(contiguous("scales", DType::kF32, {out.fp8().cols(), out.fp8().ld}));
+      if (C > 0 && out.ue8m0)
+        d.push_back(contiguous("scales", DType::kI32, {G, out.ue8m0_words().cols(), C}));
+      else if (C > 0)
+        d.push_back(contiguous("scales", DType::kF32, {G, out.fp8().cols(), C}));
+      else
+        d.push_back(contiguous("scales", DType::kF32, {out.fp8().cols(), out.fp8().ld}));
       break;
     case TokenFormat::kNvfp4:
     case TokenFormat::kMxfp8:
@@ -87,6 +98,10 @@ std::vector<TensorDesc> dispatch_output_descs(const Config& cfg, const Sizes& si
       break;
   }
   d.push_back(contiguous("scales_offsets", DType::kI32, {sizes.num_scales_offsets}));
+  // The padded layout's own outputs (DispatchOutput): empty when packed.
+  d.push_back(contiguous("counts", DType::kI32, {C > 0 ? G : 0}));
+  d.push_back(contiguous("slot_token", DType::kI32, {C > 0 ? G : 0, C}));
+  d.push_back(contiguous("layout_range", DType::kI64, {C > 0 ? G : 0, sizes.n_ranks}));
   return d;
 }
 

@@ -419,3 +419,49 @@ TEST(Config, TimeoutDefaultAndEnvironment) {
   if (saved) setenv("EPCOMM_TIMEOUT_SECONDS", keep.c_str(), 1);
   else unsetenv("EPCOMM_TIMEOUT_SECONDS");
 }
+
+// The padded layout's fields: checked against the format, the capacity a group needs, and what
+// UE8M0 words need; and the sizes they give (packed rows, no FP8 padding; G * C slots).
+TEST(Config, PaddedLayoutIsCheckedAndSized) {
+  Config c = good();  // 8 ranks x 128 tokens: a group receives at most 1024 rows
+  c.padded_capacity = 1024;
+  EXPECT_NO_THROW(c.validate(8));
+  c.padded_capacity = 1023;
+  expect_bad(c, 8, "padded_capacity");
+  c.padded_capacity = -1;
+  expect_bad(c, 8, "padded_capacity");
+  c.padded_capacity = (int64_t(1) << 31) / 32;  // G * C must stay below 2^31
+  expect_bad(c, 8, "padded_capacity");
+  c.padded_capacity = 1024;
+  c.format = TokenFormat::kNvfp4;  // swizzled scales: not in the padded layout
+  expect_bad(c, 8, "format");
+  c.format = TokenFormat::kMxfp4;
+  expect_bad(c, 8, "format");
+  c = good();
+  c.skip_a2a = true;  // every token stays: a group receives at most max_tokens_per_rank rows
+  c.padded_capacity = 128;
+  EXPECT_NO_THROW(c.validate(8));
+
+  c = good();
+  c.format = TokenFormat::kFp8Blockwise;
+  c.fp8_ue8m0_scales = true;
+  expect_bad(c, 8, "fp8_ue8m0_scales");  // needs the padded layout and power-of-two scales
+  c.padded_capacity = 1024;
+  expect_bad(c, 8, "fp8_ue8m0_scales");
+  c.fp8_pow2_scales = true;
+  EXPECT_NO_THROW(c.validate(8));
+  c.hidden = 7168 - 128;  // not whole 512-value words
+  expect_bad(c, 8, "fp8_ue8m0_scales");
+
+  c = good();
+  c.format = TokenFormat::kFp8Blockwise;
+  const Sizes packed = compute_sizes(c, 8);
+  c.padded_capacity = 1024;
+  const Sizes s = compute_sizes(c, 8);
+  EXPECT_EQ(s.max_recv_rows, s.max_routed_rows);  // no padding rows
+  EXPECT_GT(packed.max_recv_rows, packed.max_routed_rows);
+  EXPECT_EQ(s.token_bytes, packed.token_bytes);
+  EXPECT_EQ(s.scales_bytes, int64_t(32) * 56 * 1024 * 4);  // [G, H/128, C] fp32
+  c.fp8_pow2_scales = c.fp8_ue8m0_scales = true;
+  EXPECT_EQ(compute_sizes(c, 8).scales_bytes, int64_t(32) * 14 * 1024 * 4);  // [G, H/512, C]
+}

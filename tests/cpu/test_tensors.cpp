@@ -47,9 +47,10 @@ void check_dispatch_descs(const Config& c, int n_ranks) {
   SCOPED_TRACE(std::string(token_format_name(c.format)) + " H " + std::to_string(c.hidden));
   const Sizes s = compute_sizes(c, n_ranks);
   const std::vector<TensorDesc> d = dispatch_output_descs(c, s);
-  ASSERT_EQ(d.size(), 6u);
-  const char* order[] = {"tokens",   "row_offsets", "expert_ids",
-                         "src_info", "scales",      "scales_offsets"};  // DispatchOutput's members
+  ASSERT_EQ(d.size(), 9u);
+  const char* order[] = {"tokens",         "row_offsets", "expert_ids", "src_info",    "scales",
+                         "scales_offsets", "counts",      "slot_token", "layout_range"};
+  // (DispatchOutput's members, in order)
   for (size_t i = 0; i < d.size(); ++i) {
     EXPECT_EQ(std::string(d[i].name), order[i]);
     expect_contiguous(d[i]);
@@ -165,4 +166,43 @@ TEST(Tensors, NamesAndLookup) {
   EXPECT_EQ(desc_bytes(d, "nothing"), 0);
   EXPECT_EQ(desc_bytes(d, "scales"), 0);  // bf16 has no scales
   EXPECT_EQ(desc_bytes(d, "expert_ids"), 32 * 4);
+}
+
+// The padded layout's outputs: tokens [G, C, row], scales [G, H/128, C] fp32 or [G, H/512, C]
+// UE8M0 words, counts [G], slot_token [G, C], layout_range [G, n_ranks] int64; src_info stays
+// packed; the three are empty when packed.
+TEST(Tensors, PaddedLayoutOutputs) {
+  Config c = config_of(TokenFormat::kFp8Blockwise, 7168);
+  const Sizes packed = compute_sizes(c, 8);
+  const auto pd = dispatch_output_descs(c, packed);
+  for (const char* name : {"counts", "slot_token", "layout_range"})
+    EXPECT_EQ(desc(pd, name).numel(), 0) << name;
+  c.padded_capacity = int64_t(8) * c.max_tokens_per_rank + 5;
+  const int64_t C = c.padded_capacity;
+  const Sizes s = compute_sizes(c, 8);
+  const int64_t G = s.num_groups;
+  const auto d = dispatch_output_descs(c, s);
+  EXPECT_EQ(desc(d, "tokens").shape, (Shape{G, C, 7168}));
+  EXPECT_EQ(desc(d, "tokens").dtype, DType::kFloat8E4M3);
+  EXPECT_EQ(desc(d, "scales").shape, (Shape{G, 56, C}));
+  EXPECT_EQ(desc(d, "scales").dtype, DType::kF32);
+  EXPECT_EQ(desc(d, "scales").bytes(), s.scales_bytes);
+  EXPECT_EQ(desc(d, "src_info").shape[0], s.max_routed_rows);
+  EXPECT_EQ(desc(d, "counts").shape, (Shape{G}));
+  EXPECT_EQ(desc(d, "slot_token").shape, (Shape{G, C}));
+  EXPECT_EQ(desc(d, "layout_range").shape, (Shape{G, 8}));
+  EXPECT_EQ(desc(d, "layout_range").dtype, DType::kI64);
+  EXPECT_STREQ(dtype_name(DType::kI64), "int64");
+  EXPECT_EQ(dtype_bytes(DType::kI64), 8);
+  c.fp8_pow2_scales = c.fp8_ue8m0_scales = true;
+  const Sizes u = compute_sizes(c, 8);
+  const auto w = dispatch_output_descs(c, u);
+  EXPECT_EQ(desc(w, "scales").shape, (Shape{G, 14, C}));
+  EXPECT_EQ(desc(w, "scales").dtype, DType::kI32);
+  EXPECT_EQ(desc(w, "scales").bytes(), u.scales_bytes);
+  c = config_of(TokenFormat::kBF16, 2048);
+  c.padded_capacity = int64_t(8) * c.max_tokens_per_rank;
+  const auto b = dispatch_output_descs(c, compute_sizes(c, 8));
+  EXPECT_EQ(desc(b, "tokens").shape, (Shape{G, c.padded_capacity, 2048}));
+  EXPECT_EQ(desc(b, "scales").numel(), 0);
 }

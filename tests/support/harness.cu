@@ -3,12 +3,14 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <random>
 #include <set>
 #include <string>
 
 #include "epcomm/bf16.h"
+#include "epcomm/padded_layout.h"
 
 namespace epcomm {
 namespace testing {
@@ -105,6 +107,8 @@ RankIO::RankIO(const Group& g, uint64_t seed)
       nvfp4_global_scale(g.config().nvfp4_global_scale),
       max_routed_rows(g.sizes().max_routed_rows),
       token_bytes(g.sizes().token_bytes),
+      padded_capacity(g.config().padded_capacity),
+      n_ranks(g.n_ranks()),
       expert_seed(seed) {
   EPCOMM_CUDA_OK(cudaSetDevice(device));
   EPCOMM_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -112,7 +116,14 @@ RankIO::RankIO(const Group& g, uint64_t seed)
   tokens = DeviceBuffer(device, T * H * 2);
   topk = DeviceBuffer(device, T * K * 4);
   weights = DeviceBuffer(device, T * K * 4);
-  out_tokens = DeviceBuffer(device, size_t(max_rows) * size_t(token_bytes));
+  const size_t token_rows =
+      padded_capacity > 0 ? size_t(n_groups) * size_t(padded_capacity) : size_t(max_rows);
+  out_tokens = DeviceBuffer(device, token_rows * size_t(token_bytes));
+  if (padded_capacity > 0) {
+    counts = DeviceBuffer(device, size_t(n_groups) * 4);
+    slot_token = DeviceBuffer(device, token_rows * 4);
+    layout_range = DeviceBuffer(device, size_t(n_groups) * size_t(n_ranks) * 8);
+  }
   row_offsets = DeviceBuffer(device, size_t(n_groups + 1) * 4);
   expert_ids = DeviceBuffer(device, size_t(n_groups) * 4);
   src_info = DeviceBuffer(device, size_t(max_rows) * sizeof(SrcInfo));
@@ -138,7 +149,7 @@ void RankIO::upload(const reference::RankInput& in) {
 
 void RankIO::poison() {
   for (DeviceBuffer* b : {&out_tokens, &row_offsets, &expert_ids, &src_info, &scales,
-                          &scales_offsets, &combine_out})
+                          &scales_offsets, &counts, &slot_token, &layout_range, &combine_out})
     if (b->get() != nullptr) b->fill(0xff, stream);
   EPCOMM_CUDA_OK(cudaStreamSynchronize(stream));
 }
@@ -148,8 +159,16 @@ DispatchInput RankIO::dispatch_input(bool with_weights) const {
                        with_weights ? weights.get<float>() : nullptr};
 }
 DispatchOutput RankIO::dispatch_output() const {
-  return DispatchOutput{out_tokens.get(), row_offsets.get<uint32_t>(), expert_ids.get<int32_t>(),
-                        src_info.get<SrcInfo>(), scales.get(), scales_offsets.get<uint32_t>()};
+  DispatchOutput o{out_tokens.get(),
+                   row_offsets.get<uint32_t>(),
+                   expert_ids.get<int32_t>(),
+                   src_info.get<SrcInfo>(),
+                   scales.get(),
+                   scales_offsets.get<uint32_t>()};
+  o.counts = counts.get<int32_t>();
+  o.slot_token = slot_token.get<int32_t>();
+  o.layout_range = layout_range.get<int64_t>();
+  return o;
 }
 CombineInput RankIO::combine_input() const {
   if (expert_capacity > 0)
@@ -263,6 +282,101 @@ void RankIO::set_padded_expert_out(const reference::DispatchResult& ref, int64_t
 void RankIO::set_expert_out(std::vector<uint16_t> rows) {
   expert_out_host = std::move(rows);
   expert_out.upload(expert_out_host.data(), expert_out_host.size() * 2, stream);
+}
+
+namespace {
+// The first index where two arrays differ, as " at i: got vs want", or "".
+template <class T>
+std::string first_difference(const std::vector<T>& got, const std::vector<T>& want) {
+  if (got.size() != want.size())
+    return " has " + std::to_string(got.size()) + " elements, want " + std::to_string(want.size());
+  for (size_t i = 0; i < got.size(); ++i)
+    if (!(got[i] == want[i]))
+      return " at " + std::to_string(i) + ": " + std::to_string(got[i]) + ", want " +
+             std::to_string(want[i]);
+  return "";
+}
+}  // namespace
+
+PaddedWant padded_want(const reference::Problem& p, int32_t rank, const Config& cfg,
+                       const Sizes& sizes) {
+  const int64_t C = cfg.padded_capacity;
+  const int32_t G = sizes.num_groups, H = cfg.hidden;
+  const int64_t row_bytes = sizes.token_bytes;
+  PaddedWant w;
+  w.codes.assign(size_t(G) * size_t(C) * size_t(row_bytes), 0xff);
+  w.counts.assign(size_t(G), int32_t(0xffffffff));
+  w.slot_token.assign(size_t(G) * size_t(C), int32_t(0xffffffff));
+  w.layout_range.assign(size_t(G) * size_t(p.n_ranks), -1);
+  PadExpertRows a;
+  a.row_bytes = row_bytes;
+  a.n_ranks = p.n_ranks;
+  a.capacity = C;
+  a.padded_codes = w.codes.data();
+  a.counts = w.counts.data();
+  a.src_token = w.slot_token.data();
+  a.layout_range = w.layout_range.data();
+  reference::DispatchResult bf16;
+  reference::QuantDispatchResult q;
+  if (cfg.format == TokenFormat::kBF16) {
+    bf16 = reference::dispatch(p, rank);
+    a.rows = DispatchRows{bf16.row_offsets.data(), bf16.src_info.data(), G, bf16.rows()};
+    a.codes = bf16.tokens.data();
+  } else {
+    q = reference::dispatch_quantized(p, rank, reference::quant_format(cfg.format),
+                                      cfg.nvfp4_global_scale, sizes.max_routed_rows,
+                                      cfg.fp8_pow2_scales);
+    a.rows = DispatchRows{q.row_offsets.data(), q.src_info.data(), G, q.out.shape.rows};
+    a.codes = q.out.codes.data();
+    a.scales = q.out.fp8_scales.data();
+    a.scale_cols = H / 128;
+    const int64_t cols = cfg.fp8_ue8m0_scales ? H / 512 : H / 128;
+    w.scales.assign(size_t(G) * size_t(cols) * size_t(C), 0xffffffffu);
+    if (cfg.fp8_ue8m0_scales)
+      a.padded_ue8m0 = w.scales.data();
+    else
+      a.padded_scales = reinterpret_cast<float*>(w.scales.data());
+  }
+  reference::pad_expert_rows(a);
+  return w;
+}
+
+std::string RankIO::check_dispatch_padded(const reference::DispatchResult& meta,
+                                          const PaddedWant& want) const {
+  const std::string at = "rank " + std::to_string(rank) + " padded dispatch: ";
+  std::vector<uint32_t> ro(static_cast<size_t>(n_groups) + 1);
+  std::vector<int32_t> eid(static_cast<size_t>(n_groups));
+  row_offsets.download(ro.data(), ro.size() * 4);
+  expert_ids.download(eid.data(), eid.size() * 4);
+  std::string e = first_difference(ro, meta.row_offsets);
+  if (!e.empty()) return at + "row_offsets" + e;
+  e = first_difference(eid, meta.expert_ids);
+  if (!e.empty()) return at + "expert_ids" + e;
+  std::vector<SrcInfo> si(static_cast<size_t>(meta.rows()));
+  src_info.download(si.data(), si.size() * sizeof(SrcInfo));
+  for (size_t i = 0; i < si.size(); ++i)
+    if (std::memcmp(&si[i], &meta.src_info[i], sizeof(SrcInfo)) != 0)
+      return at + "src_info of row " + std::to_string(i) + " differs";
+  std::vector<uint8_t> codes(want.codes.size());
+  out_tokens.download(codes.data(), codes.size());
+  e = first_difference(codes, want.codes);
+  if (!e.empty()) return at + "tokens (byte index; slot = index / row bytes)" + e;
+  std::vector<uint32_t> sc(want.scales.size());
+  if (!sc.empty()) scales.download(sc.data(), sc.size() * 4);
+  e = first_difference(sc, want.scales);
+  if (!e.empty()) return at + "scales (word bits)" + e;
+  std::vector<int32_t> cnt(want.counts.size()), tok(want.slot_token.size());
+  counts.download(cnt.data(), cnt.size() * 4);
+  slot_token.download(tok.data(), tok.size() * 4);
+  e = first_difference(cnt, want.counts);
+  if (!e.empty()) return at + "counts" + e;
+  e = first_difference(tok, want.slot_token);
+  if (!e.empty()) return at + "slot_token" + e;
+  std::vector<int64_t> lr(want.layout_range.size());
+  layout_range.download(lr.data(), lr.size() * 8);
+  e = first_difference(lr, want.layout_range);
+  if (!e.empty()) return at + "layout_range" + e;
+  return "";
 }
 
 std::string RankIO::check_dispatch(const reference::DispatchResult& ref) const {
@@ -486,7 +600,17 @@ std::string run_round(LocalGroup& lg, const reference::Problem& problem, const R
   // refs: the rows combine reads, in each rank's dispatch output order (padding rows included).
   std::vector<reference::DispatchResult> refs;
   const Config& cfg = lg.groups[0]->config();
-  if (cfg.format == TokenFormat::kBF16) {
+  if (cfg.padded_capacity > 0) {
+    // The padded layout: packed rows with no format padding (the bf16 reference's, for every
+    // format), the data in the slots; combine reads the packed rows.
+    if (!o.poison) return "run_round: the padded layout's check needs poisoned outputs";
+    refs = reference_dispatch_all(p);
+    for (int r = 0; r < n; ++r) {
+      const std::string e = lg.io[size_t(r)]->check_dispatch_padded(
+          refs[size_t(r)], padded_want(p, r, cfg, lg.groups[0]->sizes()));
+      if (!e.empty()) return e;
+    }
+  } else if (cfg.format == TokenFormat::kBF16) {
     refs = reference_dispatch_all(p);
     for (int r = 0; r < n; ++r) {
       const std::string e = lg.io[size_t(r)]->check_dispatch(refs[size_t(r)]);

@@ -99,6 +99,7 @@ struct GroupView {
   int32_t low_latency;    // DispatchPath::kLowLatency (Config::resolved_path)
   int32_t fp8_pow2;       // Config::fp8_pow2_scales
   int64_t routed_rows;    // rows a dispatch may deliver here (Sizes::max_routed_rows: the cap)
+  int64_t capacity;       // Config::padded_capacity: 0 packed, else the padded layout's slots
   unsigned long long timeout_ns;
   // Every rank's symmetric window, as seen from here; null for ranks of other nodes, which are
   // reached through NVSHMEM at the same offsets of this rank's own window (its symmetric
@@ -111,7 +112,7 @@ struct GroupView {
   char* window[kInlineWindows];
   char* const* window_rest;  // [n_ranks - kInlineWindows], or null
   int32_t ranks_per_node;  // NodeMap: n_ranks when the group is one node
-  int32_t pad_nodes_;
+  int32_t ue8m0;           // Config::fp8_ue8m0_scales
   char* outbox;  // OutboxLayout: what goes to other nodes is staged here (null: one node)
   LocalState* state;
   DeviceErrorRecord* error;  // host-mapped
@@ -123,7 +124,8 @@ struct GroupView {
   // Rows a dispatch can deliver here, and the output's rows and scale layouts.
   EPCOMM_HD int64_t max_routed_rows() const { return routed_rows; }
   EPCOMM_HD DispatchOutputLayout output() const {
-    return DispatchOutputLayout::make(format, hidden, max_routed_rows(), n_local());
+    return DispatchOutputLayout::make(format, hidden, max_routed_rows(), n_local(), capacity,
+                                      ue8m0 != 0);
   }
   EPCOMM_HD char* window_of(int32_t r) const {
     return r < kInlineWindows ? window[r] : window_rest[r - kInlineWindows];
@@ -174,6 +176,11 @@ struct DispatchParams {
   SrcInfo* src_info;
   void* out_scales;          // quantised formats: the output scales (DispatchOutputLayout)
   uint32_t* scales_offsets;  // NVFP4, MXFP8: [G]
+  // The padded layout (GroupView::capacity > 0; DispatchOutput): counts [G], and where given,
+  // slot_token [G, C] and layout_range [G, caller ranks].
+  int32_t* counts;
+  int32_t* slot_token;
+  int64_t* layout_range;
 };
 
 // The combine kernels' work split (the host picks the kernel with it, the kernels split their

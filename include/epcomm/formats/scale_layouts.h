@@ -51,6 +51,23 @@ struct Fp8ScaleLayout {
   }
 };
 
+// DeepEP's UE8M0 scale words in the padded per-expert layout (Config::fp8_ue8m0_scales): word q
+// of a row holds the biased exponents of its power-of-two scales 4q .. 4q + 3 (scale 4q in the
+// lowest byte: Fp8BlockQuant::ue8m0_word), and word q of slot j of a group sits at
+// q * capacity + j within the group's block of size() words ([G, H / 512, capacity] int32).
+struct Ue8m0ScaleLayout {
+  static constexpr int32_t kValuesPerWord = 4 * Fp8ScaleLayout::kGroup;  // 512
+
+  int32_t hidden;    // H, a multiple of kValuesPerWord
+  int64_t capacity;  // slots a group
+
+  EPCOMM_HD int32_t cols() const { return hidden / kValuesPerWord; }
+  EPCOMM_HD int64_t offset(int64_t slot, int32_t word) const {
+    return int64_t(word) * capacity + slot;
+  }
+  EPCOMM_HD int64_t size() const { return int64_t(cols()) * capacity; }
+};
+
 // ---- the 128x4 swizzled layout (NVFP4, MXFP8) ----------------------------------------------
 // A scale is addressed by (row, col): `col` is the scale column — scale `col` of a row covers
 // its values [col * group, (col + 1) * group), group = 16 for NVFP4 and 32 for MXFP8. Rows are
@@ -159,24 +176,50 @@ struct DispatchOutputLayout {
   int32_t hidden;
   int32_t groups;
   int64_t routed_rows;  // Sizes::max_routed_rows
-  int64_t rows;         // Sizes::max_recv_rows: routed_rows and the format's padding rows
+  int64_t rows;         // Sizes::max_recv_rows: routed_rows and the format's padding rows; the
+                        // rows of src_info (packed in either mode)
+  // Config::padded_capacity: 0, the tokens and scales are packed like the rows; C > 0, they sit
+  // in the padded per-expert layout, slot j of group g for row row_offsets[g] + j, and no group
+  // has format padding rows (bf16 and blockwise FP8 only).
+  int64_t capacity;
+  bool ue8m0;  // Config::fp8_ue8m0_scales (with capacity): UE8M0 words, not fp32 scales
 
   EPCOMM_HD static DispatchOutputLayout make(TokenFormat f, int32_t hidden, int64_t routed_rows,
-                                             int32_t groups) {
-    const int64_t rows = f == TokenFormat::kFp8Blockwise
+                                             int32_t groups, int64_t capacity = 0,
+                                             bool ue8m0 = false) {
+    const int64_t rows = f == TokenFormat::kFp8Blockwise && capacity == 0
                              ? Fp8ScaleLayout::max_rows(routed_rows, groups)
                              : routed_rows;
-    return DispatchOutputLayout{f, hidden, groups, routed_rows, rows};
+    return DispatchOutputLayout{f, hidden, groups, routed_rows, rows, capacity, ue8m0};
   }
   EPCOMM_HD int64_t row_bytes() const { return format_row_bytes(format, hidden); }
-  EPCOMM_HD Fp8ScaleLayout fp8() const { return Fp8ScaleLayout{hidden, rows}; }
+  // Each group's rows are padded to a multiple of this in row_offsets (1 in the padded layout).
+  EPCOMM_HD int32_t row_align() const { return capacity > 0 ? 1 : format_row_align(format); }
+  // Rows of the tokens output: the packed rows, or every group's slots.
+  EPCOMM_HD int64_t token_rows() const { return capacity > 0 ? groups * capacity : rows; }
+  // The tokens output's row of dispatch row `row` of group `grp` (row_offset: row_offsets[grp]):
+  // the row itself when packed, else its slot's, -1 past the group's capacity.
+  EPCOMM_HD int64_t token_row(int64_t row, int32_t grp, int64_t row_offset) const {
+    if (capacity == 0) return row;
+    const int64_t j = row - row_offset;
+    return j >= 0 && j < capacity ? int64_t(grp) * capacity + j : -1;
+  }
+  // Blockwise FP8's fp32 scales. Packed: [H/128, rows], scale k of row r at offset(r, k).
+  // Padded: group g's block [H/128, C] at g * fp8().size(), slot j's scale k at offset(j, k)
+  // in it.
+  EPCOMM_HD Fp8ScaleLayout fp8() const {
+    return Fp8ScaleLayout{hidden, capacity > 0 ? capacity : rows};
+  }
+  EPCOMM_HD Ue8m0ScaleLayout ue8m0_words() const { return Ue8m0ScaleLayout{hidden, capacity}; }
   EPCOMM_HD SwizzledScaleLayout swizzled() const {
     return SwizzledScaleLayout::make(hidden, format_scale_group(format), routed_rows, groups);
   }
   EPCOMM_HD Mxfp4ScaleLayout mxfp4() const { return Mxfp4ScaleLayout{hidden, rows}; }
   EPCOMM_HD int64_t scales_bytes() const {
     switch (format) {
-      case TokenFormat::kFp8Blockwise: return fp8().size() * 4;
+      case TokenFormat::kFp8Blockwise:
+        if (capacity == 0) return fp8().size() * 4;
+        return groups * (ue8m0 ? ue8m0_words().size() : fp8().size()) * 4;
       case TokenFormat::kNvfp4:
       case TokenFormat::kMxfp8: return swizzled().size();
       case TokenFormat::kMxfp4: return mxfp4().size();

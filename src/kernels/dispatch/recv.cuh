@@ -22,9 +22,9 @@ namespace epcomm {
 namespace detail {
 namespace {
 
-// Writes scale columns [c_begin, c_end) of one message into output row `row` of group `grp`, in
-// the format's output layout (c_end = the row's scale count: the rest of the row too). Called
-// by the whole warp.
+// Writes scale columns [c_begin, c_end) of one message into output row `row` of group `grp` (the
+// tokens output's row: in the padded layout, the slot's), in the format's output layout (c_end =
+// the row's scale count: the rest of the row too). Called by the whole warp.
 template <TokenFormat F>
 __device__ void place_scales(const DispatchParams& p, const RecvGroups& rg, const char* scales,
                              int32_t grp, int64_t row, int32_t c_begin, int32_t c_end) {
@@ -33,10 +33,26 @@ __device__ void place_scales(const DispatchParams& p, const RecvGroups& rg, cons
   const int lane = threadIdx.x % kWarpSize;
   const int32_t cols = format_scales_per_row(F, g.hidden);
   if constexpr (F == TokenFormat::kFp8Blockwise) {
+    const float* src = reinterpret_cast<const float*>(scales);
     const Fp8ScaleLayout l = out.fp8();
+    if (out.capacity > 0) {  // `row` is the slot's: slot j of group grp
+      const int64_t j = row - int64_t(grp) * out.capacity;
+      if (out.ue8m0) {  // words of 4 scales: c_begin and c_end are multiples of 4 (H % 512)
+        const Ue8m0ScaleLayout w = out.ue8m0_words();
+        uint32_t* dst = static_cast<uint32_t*>(p.out_scales) + int64_t(grp) * w.size();
+        for (int32_t q = c_begin / 4 + lane; q < c_end / 4; q += kWarpSize)
+          dst[w.offset(j, q)] =
+              Fp8BlockQuant::ue8m0_word(src[4 * q], src[4 * q + 1], src[4 * q + 2], src[4 * q + 3]);
+      } else {
+        float* dst = static_cast<float*>(p.out_scales) + int64_t(grp) * l.size();
+        for (int32_t c = c_begin + lane; c < c_end; c += kWarpSize)
+          dst[l.offset(j, c)] = src[c];
+      }
+      return;
+    }
     float* dst = static_cast<float*>(p.out_scales);
     for (int32_t c = c_begin + lane; c < c_end; c += kWarpSize)
-      dst[l.offset(row, c)] = reinterpret_cast<const float*>(scales)[c];
+      dst[l.offset(row, c)] = src[c];
   } else if constexpr (F == TokenFormat::kMxfp4) {
     const Mxfp4ScaleLayout l = out.mxfp4();
     uint8_t* dst = static_cast<uint8_t*>(p.out_scales);
@@ -74,7 +90,8 @@ __device__ void expand_message(const DispatchParams& p, const RecvGroups& rg, in
   const int lane = threadIdx.x % kWarpSize;
   const int32_t n_local = g.n_local();
   const int64_t row_bytes = format_row_bytes(F, g.hidden);  // a multiple of 16 (Config)
-  const int64_t row_limit = g.output().rows;
+  const DispatchOutputLayout layout = g.output();
+  const int64_t row_limit = layout.rows;
   char* out = static_cast<char*>(p.out_tokens);
 
   const char* msg = window_at(g, g.rank, wl.dispatch_recv_offset() + wl.dispatch_recv().offset(src, m));
@@ -87,14 +104,18 @@ __device__ void expand_message(const DispatchParams& p, const RecvGroups& rg, in
   if (lane < g.top_k) e = h->entries[lane];  // with the header's words: one round trip
   const int32_t token = h->token;
   const int32_t n = min(int32_t(h->n_entries), g.top_k);
-  int64_t row = -1;
+  int64_t row = -1;  // the dispatch row (src_info, self_row: packed)
+  int64_t at = -1;   // the tokens output's row: `row`, or in the padded layout its slot's
   int32_t grp = -1;
   if (lane < n) {
     grp = e.group();
     if (grp < n_local) row = int64_t(rg.base[src * n_local + grp]) + e.pos;
     if (row >= row_limit) row = -1;  // never write outside the output
-    if (row >= 0 && unit_begin == 0)
+    if (row >= 0) at = layout.token_row(row, grp, rg.row_offset[grp]);
+    if (row >= 0 && unit_begin == 0) {
       p.src_info[row] = SrcInfo{token, int16_t(g.route.caller_rank(src)), int16_t(e.slot())};
+      if (p.slot_token != nullptr && at >= 0) p.slot_token[at] = token;
+    }
     // This rank's own token: where its slot's row went, for the fused combine.
     if (src == g.rank && unit_begin == 0 && token >= 0 && token < g.max_tokens && e.slot() >= 0 &&
         e.slot() < g.top_k)
@@ -108,13 +129,13 @@ __device__ void expand_message(const DispatchParams& p, const RecvGroups& rg, in
   copy_vectors(msg + ml.payload_offset() + first,
                int32_t((unit_end - unit_begin) * unit_bytes / 16), n, LoadCoherent{},
                [&](int32_t j) {
-                 const int64_t r = __shfl_sync(0xffffffffu, row, j);
+                 const int64_t r = __shfl_sync(0xffffffffu, at, j);
                  return r < 0 ? nullptr : out + r * row_bytes + first;
                });
   if constexpr (F != TokenFormat::kBF16) {
     constexpr int32_t kUnitsPerScale = format_scale_group(F) / kLaneValues;
     for (int32_t j = 0; j < n; ++j) {
-      const int64_t r = __shfl_sync(0xffffffffu, row, j);
+      const int64_t r = __shfl_sync(0xffffffffu, at, j);
       const int32_t gj = __shfl_sync(0xffffffffu, grp, j);
       if (r >= 0)
         place_scales<F>(p, rg, msg + ml.scales_offset(), gj, r, unit_begin / kUnitsPerScale,
@@ -137,6 +158,7 @@ __device__ void fill_padding(const DispatchParams& p, const RecvGroups& rg, int3
   const int64_t warp = int64_t(rb) * kWarps + threadIdx.x / kWarpSize;
   const int64_t warps = int64_t(n_rb) * kWarps;
   if constexpr (F == TokenFormat::kFp8Blockwise) {
+    if (out.capacity > 0) return;  // no padding rows; unused slots keep what they held
     constexpr int32_t kPad = Fp8ScaleLayout::kRowAlign - 1;  // padding rows per group, at most
     const Fp8ScaleLayout l = out.fp8();
     const int64_t row_bytes = out.row_bytes();
@@ -326,7 +348,11 @@ __device__ __noinline__ void dispatch_recv(const DispatchParams& p, unsigned lon
         p.row_offsets[grp] = 0;
         if (grp < n_local) p.expert_ids[grp] = g.route.group_expert(grp);
         if (format_swizzled(F) && grp < n_local) p.scales_offsets[grp] = 0;
+        if (g.capacity > 0 && grp < n_local) p.counts[grp] = 0;  // no stale counts for a GEMM
       }
+      if (g.capacity > 0 && p.layout_range != nullptr)
+        for (int32_t i = threadIdx.x; i < n_local * g.route.n_ranks; i += kThreads)
+          p.layout_range[i] = 0;
       if (threadIdx.x < n_ranks) p.scratch.recv_count[threadIdx.x] = 0;
     }
     dispatch_done(g, seq);
@@ -336,7 +362,7 @@ __device__ __noinline__ void dispatch_recv(const DispatchParams& p, unsigned lon
   // row_offsets: exclusive scan of the group totals, each padded to the format's row alignment;
   // the swizzled formats also scan each group's scale tiles (n_local <= 1024 = 2 per thread).
   const GroupRows rows{rg.counts, n_ranks, n_local};
-  constexpr int32_t kAlign = format_row_align(F);
+  const int32_t align = g.output().row_align();  // the format's, or 1 in the padded layout
   constexpr int32_t kTileRows = SwizzledScaleLayout::kTileRows;
   using Scan = cub::BlockScan<int32_t, kThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
@@ -345,7 +371,7 @@ __device__ __noinline__ void dispatch_recv(const DispatchParams& p, unsigned lon
     const int32_t grp = threadIdx.x * 2 + i;
     const int32_t m = grp < n_local ? rows.group_total(grp) : 0;
     if (grp < n_local) rg.rows[grp] = m;
-    item[i] = int32_t(align_up(m, kAlign));
+    item[i] = int32_t(align_up(m, align));
     tiles[i] = (m + kTileRows - 1) / kTileRows;
   }
   Scan(scan_tmp).ExclusiveSum(item, item, total);
@@ -383,6 +409,21 @@ __device__ __noinline__ void dispatch_recv(const DispatchParams& p, unsigned lon
     }
   }
   __syncthreads();
+  // The padded layout's per-group outputs (block 0, after every base is known): counts, and
+  // layout_range by caller rank, (first slot << 32) | rows, 0 for a source that sent none.
+  if (rb == 0 && g.capacity > 0) {
+    for (int32_t grp = threadIdx.x; grp < n_local; grp += kThreads)
+      p.counts[grp] = rg.rows[grp];
+    if (p.layout_range != nullptr) {
+      const int32_t callers = g.route.n_ranks;
+      for (int32_t i = threadIdx.x; i < n_local * callers; i += kThreads) {
+        const int32_t grp = i / callers, s = g.route.view_rank_of(i % callers);
+        const int32_t c = s >= 0 ? rg.counts[s * n_local + grp] : 0;
+        const int64_t first = c > 0 ? rg.base[s * n_local + grp] - rg.row_offset[grp] : 0;
+        p.layout_range[i] = c > 0 ? int64_t(uint64_t(first) << 32 | uint32_t(c)) : 0;
+      }
+    }
+  }
   if (rb >= 0) fill_padding<F>(p, rg, rb, n_rb);
   trace_mark(g, kTraceDispatch, kTraceReady);
   if (g.low_latency)
