@@ -88,7 +88,7 @@ struct Config {
   // row_offsets[g + 1]). C > 0: the padded per-expert layout a masked grouped GEMM and DeepEP's
   // low-latency mode read (epcomm/padded_layout.h): tokens [G, C, row], row row_offsets[g] + j
   // at slot (g, j); FP8 scales [G, H / 128, C] fp32 (or UE8M0 words, fp8_ue8m0_scales); and
-  // dispatch also writes counts, src_token and layout_range (DispatchOutput). row_offsets,
+  // dispatch also writes counts, slot_token and layout_range (DispatchOutput). row_offsets,
   // expert_ids and src_info stay packed (what combine reads), with no format padding rows;
   // slots at or past a group's count keep what they held. At least the most rows a group can
   // receive, n_ranks * max_tokens_per_rank (max_tokens_per_rank with skip_a2a), with groups * C

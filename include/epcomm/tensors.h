@@ -50,8 +50,19 @@ struct TensorDesc {
 //                   (e4m3 / e8m0 codes, the 128x4 swizzled layout); MXFP4: e8m0 uint8
 //                   [R, H / 32] (Mxfp4ScaleLayout); bf16: none
 //   scales_offsets  NVFP4, MXFP8: int32 [G] (uint32 values); others: none
+//   counts, slot_token, layout_range
+//                   the padded layout's (below); otherwise shapes [0], [0, 0], [0, n_ranks]
+// With Config::padded_capacity = C > 0 (the padded per-expert layout; bf16, blockwise FP8) the
+// rows have no format padding (R = Sizes::max_routed_rows) and:
+//   tokens          [G, C, H] (bf16) or [G, C, H] e4m3: row row_offsets[g] + j at slot (g, j)
+//   scales          blockwise FP8: fp32 [G, H / 128, C]; with Config::fp8_ue8m0_scales, int32
+//                   [G, H / 512, C] UE8M0 words (Ue8m0ScaleLayout)
+//   counts          int32 [G]: each group's rows
+//   slot_token      int32 [G, C]: each used slot's source token
+//   layout_range    int64 [G, n_ranks]: (first slot << 32) | rows from each source rank
 // An output the format does not have is described with shape [0]: nothing to allocate (pass
-// null). bytes() of each equals what Sizes says (token_bytes * R, scales_bytes, ...).
+// null). bytes() of each equals what Sizes says (token_bytes * R, or * G * C in the padded
+// layout; scales_bytes, ...).
 std::vector<TensorDesc> dispatch_output_descs(const Config& cfg, const Sizes& sizes);
 
 // The combine output for num_tokens tokens: reduced (router weights given to dispatch or to

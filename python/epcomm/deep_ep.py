@@ -831,8 +831,20 @@ class Buffer:
             _ll_handle_items(src_info, layout_range, max_t, H, num_experts), g, key,
             tuple(topk_idx.shape))
         compute, comm = self._ll_stream_handles(return_recv_hook)
-        g._impl.ll_dispatch(x.data_ptr(), T, ids.data_ptr(), *_ll_pointers(outputs), compute,
-                            comm, not async_finish, return_recv_hook)
+        # The group's last dispatch may change now: its previous handle must not combine, even
+        # if the call fails.
+        self._routing.pop(key, None)
+        try:
+            g._impl.ll_dispatch(x.data_ptr(), T, ids.data_ptr(), *_ll_pointers(outputs), compute,
+                                comm, not async_finish, return_recv_hook)
+        except BaseException:
+            # The kernel may have been launched (a failure after it, e.g. in the join): keep
+            # its inputs and outputs for the comm stream and order the caller's stream after it.
+            if comm != compute:
+                for t in (x, ids) + tuple(t for t in outputs if t is not None):
+                    t.record_stream(self._comm_stream)
+                torch.cuda.current_stream(self.device).wait_stream(self._comm_stream)
+            raise
         self._routing[key] = handle
         stats = cumulative_local_expert_recv_stats
         recv_x = (codes, _ll_returned_scales(scales, ue8m0, dev)) if use_fp8 else codes

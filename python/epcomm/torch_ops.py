@@ -31,7 +31,8 @@ from . import _frameworks as _fw
 from . import DispatchOutput, InvalidArgument
 
 # The dispatch outputs, in the order the operator returns them (DispatchOutput's fields).
-OUTPUT_NAMES = ("tokens", "scales", "row_offsets", "expert_ids", "src_info", "scales_offsets")
+OUTPUT_NAMES = ("tokens", "scales", "row_offsets", "expert_ids", "src_info", "scales_offsets",
+                "counts", "slot_token", "layout_range")
 
 
 @dataclass(frozen=True)

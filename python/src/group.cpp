@@ -72,10 +72,11 @@ class PyGroup {
            (name == "tokens" || name == "scales" || name == "counts" || name == "slot_token" ||
             name == "layout_range");
   }
-  void allocate_lazy(const char* op, uintptr_t stream) {
+  // stream: the call's, checked for capture (none: a buffer view, outside any call).
+  void allocate_lazy(const char* op, std::optional<uintptr_t> stream) {
     if (padded_own_) return;
     cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
-    cuda_check(cudaStreamIsCapturing(as_stream(stream), &st), "cudaStreamIsCapturing");
+    if (stream) cuda_check(cudaStreamIsCapturing(as_stream(*stream), &st), "cudaStreamIsCapturing");
     if (st != cudaStreamCaptureStatusNone)
       invalid(std::string(op) +
               ": the group's own padded-layout outputs are allocated at their first use, which "
@@ -83,8 +84,9 @@ class PyGroup {
               "every output");
     DeviceGuard guard;
     cuda_check(cudaSetDevice(live()->device()), "cudaSetDevice");
-    for (const epcomm::TensorDesc& desc : descs_)
-      if (lazy(desc.name)) dispatch_buffer(desc.name).allocate(live()->device(), desc.bytes());
+    for (const epcomm::TensorDesc& desc : descs_)  // (kept where an earlier try got them)
+      if (lazy(desc.name) && !dispatch_buffer(desc.name).ptr)
+        dispatch_buffer(desc.name).allocate(live()->device(), desc.bytes());
     padded_own_ = true;
   }
 
@@ -384,7 +386,7 @@ class PyGroup {
                    nb::device::cuda::value, live()->device());
     };
     if (const epcomm::TensorDesc* d = epcomm::find_desc(descs_, name)) {
-      if (lazy(name)) allocate_lazy("epcomm buffer", 0);
+      if (lazy(name)) allocate_lazy("epcomm buffer", std::nullopt);
       return make(dispatch_buffer(name), *d);
     }
     if (name == "out")

@@ -439,3 +439,14 @@ def test_low_latency_dispatch_calls_in_order_with_a_fake_group(buf, monkeypatch)
     with pytest.raises(MemoryError):
         buf.low_latency_dispatch(x, idx, 4, 8)
     assert impl.calls == [] and buf._routing == before
+    monkeypatch.undo()
+
+    # A failure in the call itself (it may have launched): the group's old handle is dropped.
+    monkeypatch.setattr(buf, "_on_device", lambda call, **tensors: None)
+    monkeypatch.setattr(buf, "_group", group)
+    monkeypatch.setattr(buf, "_ll_stream_handles", lambda hook: (compute, compute))
+    monkeypatch.setattr(impl, "ll_dispatch", fail, raising=False)
+    with pytest.raises(MemoryError):
+        buf.low_latency_dispatch(x, idx, 4, 8, return_recv_hook=True)
+    key = next(k for k in buf._groups if k[-1] == buf._ll_parity and not k[6])
+    assert key not in buf._routing, "a failed dispatch leaves no handle of its group"

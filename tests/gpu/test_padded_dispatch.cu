@@ -100,3 +100,37 @@ TEST(PaddedDispatch, Edges) {
     }
   }
 }
+
+// The modes: the fused shared expert (group 0 holds this rank's own tokens, so its
+// layout_range is this rank's alone) and skip_a2a (every rank keeps its own tokens: the least
+// capacity is max_tokens_per_rank, and layout_range has an entry only at this rank).
+TEST(PaddedDispatch, Modes) {
+  EPCOMM_REQUIRE_GPU();
+  const int n = suite_ranks();
+  uint64_t seed = 950;
+  for (const Variant& v : {kVariants[0], kVariants[3]}) {
+    for (DispatchPath path : kBothPaths) {
+      for (int mode = 0; mode < 2; ++mode) {
+        Config cfg = padded_cfg(v, path, n, 2048, 64, 0);
+        cfg.shared_expert = mode == 0;
+        cfg.skip_a2a = mode == 1;
+        if (cfg.skip_a2a) cfg.padded_capacity = 64;
+        LocalGroup lg(cfg, n);
+        // skip_a2a: every rank holds the same tokens and routing.
+        const auto p =
+            cfg.skip_a2a ? reference::make_replicated_problem(n, 2048, 8, 8 * n, 50, seed, 0.0, 0.1)
+                         : reference::make_problem(n, 2048, 8, 8 * n, random_counts(n, 64, seed),
+                                                   seed, 0.0, 0.1);
+        for (bool expert_side : {false, true}) {
+          RoundOptions o;
+          o.expert_side = expert_side;
+          EXPECT_EQ(run_round(lg, p, o), "")
+              << v.name << ", " << dispatch_path_name(path)
+              << (cfg.shared_expert ? ", shared expert" : ", skip_a2a")
+              << (expert_side ? ", expert side" : ", token side");
+        }
+        ++seed;
+      }
+    }
+  }
+}

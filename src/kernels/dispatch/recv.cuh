@@ -114,7 +114,7 @@ __device__ void expand_message(const DispatchParams& p, const RecvGroups& rg, in
     if (row >= 0) at = layout.token_row(row, grp, rg.row_offset[grp]);
     if (row >= 0 && unit_begin == 0) {
       p.src_info[row] = SrcInfo{token, int16_t(g.route.caller_rank(src)), int16_t(e.slot())};
-      if (p.slot_token != nullptr && at >= 0) p.slot_token[at] = token;
+      if (g.capacity > 0 && p.slot_token != nullptr && at >= 0) p.slot_token[at] = token;
     }
     // This rank's own token: where its slot's row went, for the fused combine.
     if (src == g.rank && unit_begin == 0 && token >= 0 && token < g.max_tokens && e.slot() >= 0 &&
