@@ -200,5 +200,24 @@ std::string compare_exact_bf16(const std::vector<double>& ref, const uint16_t* o
 void pad_expert_rows(const PadExpertRows& a);
 void unpad_expert_rows(const UnpadExpertRows& a);
 
+// What a group with Config::padded_capacity = capacity writes on `rank` (the padded per-expert
+// layout; bf16 or blockwise FP8): the packed rows with no format padding (`meta`: row_offsets,
+// expert_ids, src_info of reference::dispatch; no tokens), and the data laid out by
+// pad_expert_rows from the packed reference (bf16 rows, or dispatch_quantized's codes and
+// scales, whose padding rows it skips) on arrays that start filled with `untouched`, so slots
+// no row reaches keep it. Throws Error(kInvalidArgument) for another format, a capacity below a
+// group's rows, or ue8m0 without fp8_pow2 and H % 512 == 0.
+struct PaddedDispatchResult {
+  DispatchResult meta;
+  std::vector<uint8_t> codes;         // [G, C, row bytes]
+  std::vector<uint32_t> scales;       // FP8: [G, H/128, C] fp32 bits, or UE8M0 [G, H/512, C]
+  std::vector<int32_t> counts;        // [G]
+  std::vector<int32_t> slot_token;    // [G, C]
+  std::vector<int64_t> layout_range;  // [G, n_ranks]
+};
+PaddedDispatchResult dispatch_padded(const Problem& p, int32_t rank, TokenFormat format,
+                                     int64_t capacity, bool fp8_pow2, bool ue8m0,
+                                     int64_t max_routed_rows, uint8_t untouched = 0xff);
+
 }  // namespace reference
 }  // namespace epcomm

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "epcomm/formats/codecs.h"
+#include "epcomm/formats/reference_codecs.h"
 #include "epcomm/reference.h"
 
 namespace epcomm {
@@ -16,6 +17,10 @@ int64_t used_rows(const DispatchRows& r) {
 
 GroupSlots slots_of(const DispatchRows& r, int64_t capacity) {
   return GroupSlots{r.row_offsets, r.groups, capacity};
+}
+
+[[noreturn]] void invalid(const std::string& msg) {
+  throw Error(ErrorCode::kInvalidArgument, msg);
 }
 
 }  // namespace
@@ -76,6 +81,59 @@ void unpad_expert_rows(const UnpadExpertRows& a) {
       std::memcpy(dst, static_cast<const char*>(a.padded) + gs.slot_row(g, i) * a.row_bytes,
                   size_t(a.row_bytes));
   }
+}
+
+PaddedDispatchResult dispatch_padded(const Problem& p, int32_t rank, TokenFormat format,
+                                     int64_t capacity, bool fp8_pow2, bool ue8m0,
+                                     int64_t max_routed_rows, uint8_t untouched) {
+  const bool fp8 = format == TokenFormat::kFp8Blockwise;
+  if (format != TokenFormat::kBF16 && !fp8)
+    invalid(std::string("dispatch_padded: format ") + token_format_name(format) +
+            " (the padded layout takes bf16 and fp8-blockwise)");
+  if (ue8m0 && !(fp8 && fp8_pow2 && p.hidden % Ue8m0ScaleLayout::kValuesPerWord == 0))
+    invalid("dispatch_padded: ue8m0 needs fp8-blockwise, fp8_pow2 and hidden % 512 == 0");
+  PaddedDispatchResult r;
+  r.meta = dispatch(p, rank);
+  const int32_t G = int32_t(r.meta.row_offsets.size()) - 1;
+  for (int32_t g = 0; g < G; ++g)
+    if (r.meta.row_offsets[size_t(g) + 1] - r.meta.row_offsets[size_t(g)] > capacity)
+      invalid("dispatch_padded: group " + std::to_string(g) + " of rank " + std::to_string(rank) +
+              " has more rows than capacity " + std::to_string(capacity));
+  const int64_t row_bytes = format_row_bytes(format, p.hidden);
+  const size_t slots = size_t(G) * size_t(capacity);
+  const uint32_t word = uint32_t(untouched) * 0x01010101u;
+  r.codes.assign(slots * size_t(row_bytes), untouched);
+  r.counts.assign(size_t(G), int32_t(word));
+  r.slot_token.assign(slots, int32_t(word));
+  r.layout_range.assign(size_t(G) * size_t(p.n_ranks), int64_t(uint64_t(word) << 32 | word));
+  PadExpertRows a;
+  a.row_bytes = row_bytes;
+  a.n_ranks = p.n_ranks;
+  a.capacity = capacity;
+  a.padded_codes = r.codes.data();
+  a.counts = r.counts.data();
+  a.src_token = r.slot_token.data();
+  a.layout_range = r.layout_range.data();
+  QuantDispatchResult q;
+  if (!fp8) {
+    a.rows = DispatchRows{r.meta.row_offsets.data(), r.meta.src_info.data(), G, r.meta.rows()};
+    a.codes = r.meta.tokens.data();
+  } else {
+    q = dispatch_quantized(p, rank, QuantFormat::kFp8Blockwise, 1.0f, max_routed_rows, fp8_pow2);
+    a.rows = DispatchRows{q.row_offsets.data(), q.src_info.data(), G, q.out.shape.rows};
+    a.codes = q.out.codes.data();
+    a.scales = q.out.fp8_scales.data();
+    a.scale_cols = p.hidden / Fp8ScaleLayout::kGroup;
+    const int64_t cols = ue8m0 ? p.hidden / Ue8m0ScaleLayout::kValuesPerWord : a.scale_cols;
+    r.scales.assign(size_t(G) * size_t(cols) * size_t(capacity), word);
+    if (ue8m0)
+      a.padded_ue8m0 = r.scales.data();
+    else
+      a.padded_scales = reinterpret_cast<float*>(r.scales.data());
+  }
+  pad_expert_rows(a);
+  r.meta.tokens.clear();  // the packed rows' data is not the layout's
+  return r;
 }
 
 }  // namespace reference

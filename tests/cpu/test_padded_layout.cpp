@@ -11,6 +11,7 @@
 
 #include "epcomm/error.h"
 #include "epcomm/formats/codecs.h"
+#include "epcomm/formats/reference_codecs.h"
 #include "epcomm/reference.h"
 #include "padded_case.h"
 
@@ -214,6 +215,75 @@ TEST(PaddedLayoutReference, BadArgumentsWriteNothing) {
   EXPECT_NO_THROW(reference::pad_expert_rows(words_only));
   EXPECT_EQ(o.scales, untouched.scales);
   EXPECT_NE(o.ue8m0, untouched.ue8m0);
+}
+
+}  // namespace
+}  // namespace epcomm
+
+namespace epcomm {
+namespace {
+
+// reference::dispatch_padded, what a padded-capacity group writes, against the packed reference
+// it comes from: each group's count, each used slot's codes and source token, untouched slots
+// left as given, the (first slot, rows) of each source, and UE8M0 words against the pow2
+// scales' exponents; refusals.
+TEST(PaddedLayoutReference, DispatchPaddedFollowsThePackedDispatch) {
+  const reference::Problem p = reference::make_problem(3, 1024, 4, 6, {5, 0, 7}, 17, 0.0, 0.2);
+  const int64_t C = 3 * 7;
+  for (int32_t rank = 0; rank < 3; ++rank) {
+    const reference::DispatchResult packed = reference::dispatch(p, rank);
+    const reference::PaddedDispatchResult d =
+        reference::dispatch_padded(p, rank, TokenFormat::kBF16, C, false, false, -1, 0xab);
+    EXPECT_EQ(d.meta.row_offsets, packed.row_offsets);
+    const int32_t G = int32_t(packed.row_offsets.size()) - 1;
+    const int64_t row_bytes = 1024 * 2;
+    for (int32_t g = 0; g < G; ++g) {
+      const int64_t first = packed.row_offsets[size_t(g)];
+      const int64_t n = packed.row_offsets[size_t(g) + 1] - first;
+      ASSERT_EQ(d.counts[size_t(g)], n) << "group " << g;
+      for (int64_t j = 0; j < C; ++j) {
+        const uint8_t* slot = d.codes.data() + (g * C + j) * row_bytes;
+        if (j >= n) {
+          ASSERT_EQ(slot[0], 0xab) << "an unused slot was written";
+          ASSERT_EQ(d.slot_token[size_t(g * C + j)], int32_t(0xabababab));
+          continue;
+        }
+        ASSERT_EQ(0, std::memcmp(slot, packed.tokens.data() + (first + j) * 1024, row_bytes))
+            << "group " << g << " slot " << j;
+        ASSERT_EQ(d.slot_token[size_t(g * C + j)], packed.src_info[size_t(first + j)].token);
+      }
+      for (int32_t s = 0; s < 3; ++s) {  // rows of source s: a run, at its first slot
+        int64_t begin = -1, rows = 0;
+        for (int64_t j = 0; j < n; ++j)
+          if (packed.src_info[size_t(first + j)].rank == s) {
+            if (begin < 0) begin = j;
+            ++rows;
+          }
+        EXPECT_EQ(d.layout_range[size_t(g * 3 + s)], rows ? (begin << 32 | rows) : 0)
+            << "group " << g << " source " << s;
+      }
+    }
+  }
+  // UE8M0 words: byte t of word q of a slot is the biased exponent of its row's scale 4q + t.
+  const reference::QuantDispatchResult q =
+      reference::dispatch_quantized(p, 2, reference::QuantFormat::kFp8Blockwise, 1.0f, -1, true);
+  const reference::PaddedDispatchResult u =
+      reference::dispatch_padded(p, 2, TokenFormat::kFp8Blockwise, C, true, true, -1);
+  const int64_t ld = q.out.shape.rows, words = 1024 / 512;
+  for (int32_t g = 0; g < int32_t(q.row_offsets.size()) - 1; ++g)
+    for (int64_t j = 0; j < u.counts[size_t(g)]; ++j)
+      for (int64_t w = 0; w < words; ++w)
+        for (int t = 0; t < 4; ++t) {
+          const float scale =
+              q.out.fp8_scales[size_t((4 * w + t) * ld + q.row_offsets[size_t(g)] + j)];
+          ASSERT_EQ((u.scales[size_t((g * words + w) * C + j)] >> (8 * t)) & 0xffu,
+                    uint32_t(std::ilogb(scale) + 127))
+              << "group " << g << " slot " << j << " scale " << 4 * w + t;
+        }
+  EXPECT_THROW(reference::dispatch_padded(p, 0, TokenFormat::kNvfp4, C, false, false, -1), Error);
+  EXPECT_THROW(reference::dispatch_padded(p, 2, TokenFormat::kBF16, 2, false, false, -1), Error);
+  EXPECT_THROW(reference::dispatch_padded(p, 0, TokenFormat::kFp8Blockwise, C, false, true, -1),
+               Error);
 }
 
 }  // namespace

@@ -298,51 +298,8 @@ std::string first_difference(const std::vector<T>& got, const std::vector<T>& wa
 }
 }  // namespace
 
-PaddedWant padded_want(const reference::Problem& p, int32_t rank, const Config& cfg,
-                       const Sizes& sizes) {
-  const int64_t C = cfg.padded_capacity;
-  const int32_t G = sizes.num_groups, H = cfg.hidden;
-  const int64_t row_bytes = sizes.token_bytes;
-  PaddedWant w;
-  w.codes.assign(size_t(G) * size_t(C) * size_t(row_bytes), 0xff);
-  w.counts.assign(size_t(G), int32_t(0xffffffff));
-  w.slot_token.assign(size_t(G) * size_t(C), int32_t(0xffffffff));
-  w.layout_range.assign(size_t(G) * size_t(p.n_ranks), -1);
-  PadExpertRows a;
-  a.row_bytes = row_bytes;
-  a.n_ranks = p.n_ranks;
-  a.capacity = C;
-  a.padded_codes = w.codes.data();
-  a.counts = w.counts.data();
-  a.src_token = w.slot_token.data();
-  a.layout_range = w.layout_range.data();
-  reference::DispatchResult bf16;
-  reference::QuantDispatchResult q;
-  if (cfg.format == TokenFormat::kBF16) {
-    bf16 = reference::dispatch(p, rank);
-    a.rows = DispatchRows{bf16.row_offsets.data(), bf16.src_info.data(), G, bf16.rows()};
-    a.codes = bf16.tokens.data();
-  } else {
-    q = reference::dispatch_quantized(p, rank, reference::quant_format(cfg.format),
-                                      cfg.nvfp4_global_scale, sizes.max_routed_rows,
-                                      cfg.fp8_pow2_scales);
-    a.rows = DispatchRows{q.row_offsets.data(), q.src_info.data(), G, q.out.shape.rows};
-    a.codes = q.out.codes.data();
-    a.scales = q.out.fp8_scales.data();
-    a.scale_cols = H / 128;
-    const int64_t cols = cfg.fp8_ue8m0_scales ? H / 512 : H / 128;
-    w.scales.assign(size_t(G) * size_t(cols) * size_t(C), 0xffffffffu);
-    if (cfg.fp8_ue8m0_scales)
-      a.padded_ue8m0 = w.scales.data();
-    else
-      a.padded_scales = reinterpret_cast<float*>(w.scales.data());
-  }
-  reference::pad_expert_rows(a);
-  return w;
-}
-
-std::string RankIO::check_dispatch_padded(const reference::DispatchResult& meta,
-                                          const PaddedWant& want) const {
+std::string RankIO::check_dispatch_padded(const reference::PaddedDispatchResult& want) const {
+  const reference::DispatchResult& meta = want.meta;
   const std::string at = "rank " + std::to_string(rank) + " padded dispatch: ";
   std::vector<uint32_t> ro(static_cast<size_t>(n_groups) + 1);
   std::vector<int32_t> eid(static_cast<size_t>(n_groups));
@@ -607,7 +564,8 @@ std::string run_round(LocalGroup& lg, const reference::Problem& problem, const R
     refs = reference_dispatch_all(p);
     for (int r = 0; r < n; ++r) {
       const std::string e = lg.io[size_t(r)]->check_dispatch_padded(
-          refs[size_t(r)], padded_want(p, r, cfg, lg.groups[0]->sizes()));
+          reference::dispatch_padded(p, r, cfg.format, cfg.padded_capacity, cfg.fp8_pow2_scales,
+                                     cfg.fp8_ue8m0_scales, lg.groups[0]->sizes().max_routed_rows));
       if (!e.empty()) return e;
     }
   } else if (cfg.format == TokenFormat::kBF16) {

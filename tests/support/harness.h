@@ -69,8 +69,6 @@ class DeviceBuffer {
   size_t bytes_ = 0;
 };
 
-struct PaddedWant;
-
 // One rank's buffers, sized for the group's worst case (Group::sizes(), in the group's format).
 struct RankIO {
   RankIO(const Group& g, uint64_t expert_seed = 99);
@@ -130,10 +128,9 @@ struct RankIO {
   // "" = equal, else the first mismatch.
   std::string check_dispatch_quantized(const reference::QuantDispatchResult& ref) const;
   // The padded layout (padded_capacity > 0): downloads every dispatch output and compares it
-  // byte for byte with `meta` (the packed row_offsets, expert_ids and src_info) and `want`
-  // (the padded arrays, untouched slots included: poisoned outputs must stay 0xff there).
-  std::string check_dispatch_padded(const reference::DispatchResult& meta,
-                                    const PaddedWant& want) const;
+  // byte for byte with reference::dispatch_padded (the packed row_offsets, expert_ids and
+  // src_info; the padded arrays, untouched slots included: poisoned outputs must stay 0xff).
+  std::string check_dispatch_padded(const reference::PaddedDispatchResult& want) const;
   // Downloads the combine output and compares it: weighted -> bf16 tolerance, else exact.
   std::string check_combine(const std::vector<double>& ref, bool weighted) const;
   // Downloads the [T, H] combine output and compares it bit for bit with the expert-side
@@ -143,20 +140,6 @@ struct RankIO {
   std::vector<uint16_t> download_dispatch_tokens(int64_t rows) const;
   std::vector<uint16_t> download_combine(bool weighted) const;
 };
-
-// What a group with Config::padded_capacity must write on one rank, from the reference: the
-// packed dispatch (bf16 rows, or for blockwise FP8 reference::dispatch_quantized's codes and
-// scales, whose padding rows pad_expert_rows skips) laid out by reference::pad_expert_rows on
-// arrays that start as the poison (0xff), so slots no row reaches keep it.
-struct PaddedWant {
-  std::vector<uint8_t> codes;         // [G, C, row]
-  std::vector<uint32_t> scales;       // FP8: [G, H/128, C] fp32 bits, or UE8M0 [G, H/512, C]
-  std::vector<int32_t> counts;        // [G]
-  std::vector<int32_t> slot_token;    // [G, C]
-  std::vector<int64_t> layout_range;  // [G, n_ranks]
-};
-PaddedWant padded_want(const reference::Problem& p, int32_t rank, const Config& cfg,
-                       const Sizes& sizes);
 
 // A test configuration (bf16).
 Config make_cfg(int hidden, int top_k, int n_experts, int max_tokens, int num_sms = 24,
