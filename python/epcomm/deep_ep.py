@@ -613,12 +613,13 @@ class Buffer:
             meta = None
             if meta_words:
                 width = -(-meta_words // 4) * 4  # words, so the bf16 row is a multiple of 8
-                m = torch.zeros((T, width), dtype=torch.int32, device=codes.device)
-                if S:
-                    m[:, :S] = scales.view(torch.int32)
-                if K:
-                    m[:, S:S + K] = topk_idx.to(torch.int32)
-                    m[:, S + K:S + 2 * K] = topk_weights.view(torch.int32)
+                # One concatenation (host time: a torch op each): scales, ids, weights, zeros.
+                parts = ([scales.view(torch.int32)] if S else []) + (
+                    [topk_idx.to(torch.int32), topk_weights.view(torch.int32)] if K else [])
+                if width > meta_words:
+                    parts.append(torch.zeros((T, width - meta_words), dtype=torch.int32,
+                                             device=codes.device))
+                m = torch.cat(parts, dim=1)
                 meta_key = ("meta", 2 * width, num_sms, routing.worst)
                 gm = self._dispatch_on(meta_key, m.view(torch.bfloat16), routing, num_sms, stream)
                 meta = gm._dispatch_result("torch", None, stream).tokens.view(torch.int32)
