@@ -272,7 +272,7 @@ class Buffer:
         self._scratch = {}      # key -> tensors a group keeps (combine inputs)
         self._ll_parity = 0
         self._stream = None
-        self._comm_handle = None  # self._stream's CUDA handle
+        self._comm_handle = None  # self._stream's CUDA handle, set where it is made
         self._destroyed = False
         # torch.compile: the operators below find this Buffer by its id, and a traced
         # low-latency combine finds its dispatch's handle by the src_info tensor it returned
@@ -375,6 +375,7 @@ class Buffer:
             if self.device is None:
                 raise Error("epcomm.deep_ep: no CUDA device is visible")
             self._stream = torch.cuda.Stream(device=self.device)
+            self._comm_handle = self._stream.cuda_stream
         return self._stream
 
     def _on_device(self, call: str, **tensors) -> None:
@@ -425,7 +426,7 @@ class Buffer:
         if return_recv_hook:
             return compute, compute
         if self._comm_handle is None:
-            self._comm_handle = self._comm_stream.cuda_stream
+            self._comm_stream  # creates the stream, and its handle with it
         return compute, self._comm_handle
 
     def _ll_finish(self, async_finish, stats, count, tensors) -> EventOverlap:

@@ -39,10 +39,10 @@ void pad_expert_rows(const PadExpertRows& a) {
     std::fill_n(a.layout_range, int64_t(r.groups) * a.n_ranks, int64_t(0));
   const int64_t n = used_rows(r);
   const int32_t words = a.scale_cols / 4;
+  const GroupSlots gs = slots_of(r, a.capacity);
   for (int64_t i = 0; i < n; ++i) {
     const SrcInfo s = r.src_info[i];
     if (s.rank < 0) continue;  // FP8 padding
-    const GroupSlots gs = slots_of(r, a.capacity);
     const int32_t g = gs.group_of(i);
     const int64_t j = gs.slot_in(g, i);
     if (j < 0 || j >= a.capacity) continue;
@@ -70,9 +70,9 @@ void unpad_expert_rows(const UnpadExpertRows& a) {
   check_unpad_expert_rows(a);
   const DispatchRows& r = a.rows;
   const int64_t n = used_rows(r);
+  const GroupSlots gs = slots_of(r, a.capacity);
   for (int64_t i = 0; i < n; ++i) {
     char* dst = static_cast<char*>(a.out) + i * a.row_bytes;
-    const GroupSlots gs = slots_of(r, a.capacity);
     const int32_t g = gs.group_of(i);
     const int64_t j = gs.slot_in(g, i);
     if (r.src_info[i].rank < 0 || j < 0 || j >= a.capacity)
