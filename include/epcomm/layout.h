@@ -108,6 +108,11 @@ struct RouteMap {
     return epcomm::max_routed_rows(max_tokens, view_ranks(), top_k, n_local()) +
            int64_t(shared) * max_tokens;
   }
+  // The most rows one group can receive: a source sends a token to an expert at most once (the
+  // shared expert's group: this rank's own tokens). The least capacity of the padded layout.
+  EPCOMM_HD int64_t max_group_rows(int32_t max_tokens) const {
+    return int64_t(view_ranks()) * max_tokens;
+  }
 };
 
 // What combine needs to send a dispatched row home. One per dispatch output row.

@@ -182,7 +182,7 @@ void Config::validate(int n_ranks) const {
                 token_format_name(format) + ")",
             int(format));
     const RouteMap route = this->route(n_ranks, 0);
-    const int64_t most = int64_t(skip_a2a ? 1 : n_ranks) * max_tokens_per_rank;
+    const int64_t most = route.max_group_rows(max_tokens_per_rank);
     require(padded_capacity >= most && padded_capacity < (int64_t(1) << 31) / route.groups(),
             name(&Config::padded_capacity),
             "0 (packed) or at least the most rows a group can receive, " + std::to_string(most) +

@@ -834,7 +834,7 @@ static detail::CombineParams prepare_combine(detail::GroupState& s, const Combin
     require_ptr(in->expert_out, s.rank, op, "expert_out", true);
     require_ptr(in->row_offsets, s.rank, op, "row_offsets", false);
     require_ptr(in->src_info, s.rank, op, "src_info", false);
-    const int64_t most = int64_t(s.view.n_ranks) * s.cfg.max_tokens_per_rank;
+    const int64_t most = s.view.route.max_group_rows(s.cfg.max_tokens_per_rank);
     const int64_t cap = in->expert_out_capacity;
     require(cap == 0 || (cap >= most && cap < (int64_t(1) << 31) / s.view.n_local()), s.rank, op,
             "expert_out_capacity = " + std::to_string(cap) +
