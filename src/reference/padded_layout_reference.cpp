@@ -120,6 +120,9 @@ PaddedDispatchResult dispatch_padded(const Problem& p, int32_t rank, TokenFormat
     a.codes = r.meta.tokens.data();
   } else {
     q = dispatch_quantized(p, rank, QuantFormat::kFp8Blockwise, 1.0f, max_routed_rows, fp8_pow2);
+    // src_info as the device holds it: max_rows entries (the scales' leading dimension), not
+    // only the used rows, so a rank that receives nothing has an array, not a null pointer.
+    q.src_info.resize(size_t(q.out.shape.rows), SrcInfo{-1, -1, -1});
     a.rows = DispatchRows{q.row_offsets.data(), q.src_info.data(), G, q.out.shape.rows};
     a.codes = q.out.codes.data();
     a.scales = q.out.fp8_scales.data();

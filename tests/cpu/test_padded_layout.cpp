@@ -280,6 +280,16 @@ TEST(PaddedLayoutReference, DispatchPaddedFollowsThePackedDispatch) {
                     uint32_t(std::ilogb(scale) + 127))
               << "group " << g << " slot " << j << " scale " << 4 * w + t;
         }
+  // A rank that receives nothing (a GPU run found this refused in fp8): every count 0, every
+  // slot left as given.
+  const reference::Problem none = reference::make_problem(3, 1024, 4, 6, {0, 0, 0}, 18);
+  for (bool ue8m0 : {false, true}) {
+    const reference::PaddedDispatchResult e = reference::dispatch_padded(
+        none, 1, TokenFormat::kFp8Blockwise, C, true, ue8m0, 3 * 7, 0xab);
+    EXPECT_EQ(e.counts, std::vector<int32_t>(e.counts.size(), 0));
+    for (uint8_t b : e.codes)
+      ASSERT_EQ(b, 0xab);
+  }
   EXPECT_THROW(reference::dispatch_padded(p, 0, TokenFormat::kNvfp4, C, false, false, -1), Error);
   EXPECT_THROW(reference::dispatch_padded(p, 2, TokenFormat::kBF16, 2, false, false, -1), Error);
   EXPECT_THROW(reference::dispatch_padded(p, 0, TokenFormat::kFp8Blockwise, C, false, true, -1),
