@@ -76,8 +76,9 @@ static_assert(fused_senders(24, TokenFormat::kFp8Blockwise, 4096) == 20, "quanti
 static_assert(fused_senders(24, TokenFormat::kFp8Blockwise, 128) == 8, "no more than chunks");
 static_assert(fused_senders(24, TokenFormat::kBF16, 0) == 1, "no tokens: one sender");
 
-// One form of dispatch: the send half, the receive half, or both (the fused form).
-template <bool kSend, bool kRecv, TokenFormat F>
+// One form of dispatch: the send half, the receive half, or both (the fused form); kPadded: the
+// receive writes the padded layout (GroupView::capacity > 0).
+template <bool kSend, bool kRecv, TokenFormat F, bool kPadded>
 __device__ __forceinline__ void dispatch_form(const DispatchParams& p) {
   extern __shared__ __align__(16) char smem[];
   const unsigned long long seq = p.g.state->dispatch_seq + 1;  // in flight with the abort flag
@@ -93,7 +94,7 @@ __device__ __forceinline__ void dispatch_form(const DispatchParams& p) {
     }
     if (block_aborted(p.g)) return;
     if (kSend) trace_mark(p.g, kTraceDispatch, kTraceRecvStart);
-    dispatch_recv<F>(p, seq, smem, b, blocks);
+    dispatch_recv<F, kPadded>(p, seq, smem, b, blocks);
     return;
   }
   if (kSend && !kRecv) {
@@ -102,7 +103,7 @@ __device__ __forceinline__ void dispatch_form(const DispatchParams& p) {
     return;
   }
   if (!kSend) {
-    if (!block_aborted(p.g)) dispatch_recv<F>(p, seq, smem, b, blocks);
+    if (!block_aborted(p.g)) dispatch_recv<F, kPadded>(p, seq, smem, b, blocks);
     return;
   }
   const int32_t senders = fused_senders(blocks, F, p.num_tokens);
@@ -113,34 +114,44 @@ __device__ __forceinline__ void dispatch_form(const DispatchParams& p) {
   // kernel's code, and instruction fetch is part of the latency here.
   trace_mark(p.g, kTraceDispatch, kTraceRecvStart);
   const int32_t first = senders == blocks ? 0 : senders;
-  dispatch_recv<F>(p, seq, smem, b - first, blocks - first);
+  dispatch_recv<F, kPadded>(p, seq, smem, b - first, blocks - first);
 }
 
 // Two kernels per format: the fused form, and one kernel for both halves of a split call
 // (dispatch_async's send, dispatch_wait's receive: `recv_half` picks). A profiler then sees one
 // kernel name per operation and form; DeepEP's test programs and profiling helpers find an
 // operation's kernels by name and expect one name (a hook-mode call counts two launches of it).
-template <bool kFused, TokenFormat F>
+template <bool kFused, TokenFormat F, bool kPadded>
 __global__ void __launch_bounds__(kThreads, 1)
     dispatch_kernel(const __grid_constant__ DispatchParams p, int32_t recv_half) {
   if constexpr (kFused)
-    dispatch_form<true, true, F>(p);
+    dispatch_form<true, true, F, kPadded>(p);
   else if (recv_half)
-    dispatch_form<false, true, F>(p);
+    dispatch_form<false, true, F, kPadded>(p);
   else
-    dispatch_form<true, false, F>(p);
+    dispatch_form<true, false, F, kPadded>(p);
 }
 
-// The two kernels of format F.
-template <TokenFormat F>
+// The two kernels of format F and layout (packed, or padded).
+template <TokenFormat F, bool kPadded = false>
 struct DispatchKernels {
-  static constexpr void (*fused)(DispatchParams, int32_t) = dispatch_kernel<true, F>;
-  static constexpr void (*split)(DispatchParams, int32_t) = dispatch_kernel<false, F>;
+  static constexpr void (*fused)(DispatchParams, int32_t) = dispatch_kernel<true, F, kPadded>;
+  static constexpr void (*split)(DispatchParams, int32_t) = dispatch_kernel<false, F, kPadded>;
 };
 
-// Calls f(DispatchKernels<F>{}) for the group's format.
+// Calls f(DispatchKernels<F, padded>{}) for the group's format and layout: the padded layout
+// has kernels of its own (bf16 and fp8-blockwise, the formats Config allows it), so the packed
+// ones keep none of its branches.
 template <class Fn>
-void with_format(TokenFormat f, Fn fn) {
+void with_format(const GroupView& g, Fn fn) {
+  const TokenFormat f = g.format;
+  if (g.capacity > 0) {
+    if (f == TokenFormat::kBF16) return fn(DispatchKernels<TokenFormat::kBF16, true>{});
+    if (f == TokenFormat::kFp8Blockwise)
+      return fn(DispatchKernels<TokenFormat::kFp8Blockwise, true>{});
+    throw Error(ErrorCode::kInvalidArgument,
+                std::string("dispatch: the padded layout with format ") + token_format_name(f));
+  }
   switch (f) {
     case TokenFormat::kBF16: return fn(DispatchKernels<TokenFormat::kBF16>{});
     case TokenFormat::kFp8Blockwise: return fn(DispatchKernels<TokenFormat::kFp8Blockwise>{});
@@ -166,7 +177,7 @@ int dispatch_unit_tokens() { return kUnitTokens; }
 
 void launch_dispatch(const DispatchParams& p, bool send, bool recv, cudaStream_t stream) {
   const size_t smem = dispatch_smem_bytes(p.g);
-  with_format(p.g.format, [&](auto k) {
+  with_format(p.g, [&](auto k) {
     using K = decltype(k);
     launch_cooperative(send && recv ? K::fused : K::split, p.g.num_blocks, kThreads, smem, stream,
                        p, int32_t(!send));
@@ -181,7 +192,7 @@ int prepare_dispatch_kernels(const GroupView& g) {
   // launches with). The lock makes the read and the write one step.
   static std::mutex attribute_lock;
   std::lock_guard<std::mutex> hold(attribute_lock);
-  with_format(g.format, [&](auto k) {
+  with_format(g, [&](auto k) {
     using K = decltype(k);
     for (auto kernel : {K::fused, K::split}) {
       cudaFuncAttributes attr{};

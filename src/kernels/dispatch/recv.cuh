@@ -24,8 +24,9 @@ namespace {
 
 // Writes scale columns [c_begin, c_end) of one message into output row `row` of group `grp` (the
 // tokens output's row: in the padded layout, the slot's), in the format's output layout (c_end =
-// the row's scale count: the rest of the row too). Called by the whole warp.
-template <TokenFormat F>
+// the row's scale count: the rest of the row too). Called by the whole warp. kPadded: the padded
+// layout (GroupView::capacity > 0), a template argument so the packed kernels carry none of it.
+template <TokenFormat F, bool kPadded>
 __device__ void place_scales(const DispatchParams& p, const RecvGroups& rg, const char* scales,
                              int32_t grp, int64_t row, int32_t c_begin, int32_t c_end) {
   const GroupView& g = p.g;
@@ -35,7 +36,7 @@ __device__ void place_scales(const DispatchParams& p, const RecvGroups& rg, cons
   if constexpr (F == TokenFormat::kFp8Blockwise) {
     const float* src = reinterpret_cast<const float*>(scales);
     const Fp8ScaleLayout l = out.fp8();
-    if (out.capacity > 0) {  // `row` is the slot's: slot j of group grp
+    if constexpr (kPadded) {  // `row` is the slot's: slot j of group grp
       const int64_t j = row - int64_t(grp) * out.capacity;
       if (out.ue8m0) {  // words of 4 scales: c_begin and c_end are multiples of 4 (H % 512)
         const Ue8m0ScaleLayout w = out.ue8m0_words();
@@ -81,7 +82,7 @@ __device__ void place_scales(const DispatchParams& p, const RecvGroups& rg, cons
 // Expands units [unit_begin, unit_end) of message m of source src (8 values each: the whole
 // message, or one part) into its rows: one wire copy, up to K output rows; the part at unit 0
 // also writes the rows' src_info. Called by the whole warp.
-template <TokenFormat F>
+template <TokenFormat F, bool kPadded>
 __device__ void expand_message(const DispatchParams& p, const RecvGroups& rg, int32_t src,
                                int32_t m, int32_t unit_begin, int32_t unit_end) {
   const GroupView& g = p.g;
@@ -111,10 +112,15 @@ __device__ void expand_message(const DispatchParams& p, const RecvGroups& rg, in
     grp = e.group();
     if (grp < n_local) row = int64_t(rg.base[src * n_local + grp]) + e.pos;
     if (row >= row_limit) row = -1;  // never write outside the output
-    if (row >= 0) at = layout.token_row(row, grp, rg.row_offset[grp]);
+    if constexpr (kPadded) {
+      if (row >= 0) at = layout.token_row(row, grp, rg.row_offset[grp]);
+    } else {
+      at = row;
+    }
     if (row >= 0 && unit_begin == 0) {
       p.src_info[row] = SrcInfo{token, int16_t(g.route.caller_rank(src)), int16_t(e.slot())};
-      if (g.capacity > 0 && p.slot_token != nullptr && at >= 0) p.slot_token[at] = token;
+      if constexpr (kPadded)
+        if (p.slot_token != nullptr && at >= 0) p.slot_token[at] = token;
     }
     // This rank's own token: where its slot's row went, for the fused combine.
     if (src == g.rank && unit_begin == 0 && token >= 0 && token < g.max_tokens && e.slot() >= 0 &&
@@ -138,8 +144,8 @@ __device__ void expand_message(const DispatchParams& p, const RecvGroups& rg, in
       const int64_t r = __shfl_sync(0xffffffffu, at, j);
       const int32_t gj = __shfl_sync(0xffffffffu, grp, j);
       if (r >= 0)
-        place_scales<F>(p, rg, msg + ml.scales_offset(), gj, r, unit_begin / kUnitsPerScale,
-                        unit_end / kUnitsPerScale);
+        place_scales<F, kPadded>(p, rg, msg + ml.scales_offset(), gj, r,
+                                 unit_begin / kUnitsPerScale, unit_end / kUnitsPerScale);
     }
   }
 }
@@ -148,7 +154,7 @@ __device__ void expand_message(const DispatchParams& p, const RecvGroups& rg, in
 // counts): FP8's padding rows (src_info {-1,-1,-1}, zero codes, zero scales), and the swizzled
 // layouts' unused scale slots (the rest of each group's last tile, and the tiles no group uses).
 // Spread over every warp of the grid.
-template <TokenFormat F>
+template <TokenFormat F, bool kPadded>
 __device__ void fill_padding(const DispatchParams& p, const RecvGroups& rg, int32_t rb,
                              int32_t n_rb) {
   const GroupView& g = p.g;
@@ -158,7 +164,7 @@ __device__ void fill_padding(const DispatchParams& p, const RecvGroups& rg, int3
   const int64_t warp = int64_t(rb) * kWarps + threadIdx.x / kWarpSize;
   const int64_t warps = int64_t(n_rb) * kWarps;
   if constexpr (F == TokenFormat::kFp8Blockwise) {
-    if (out.capacity > 0) return;  // no padding rows; unused slots keep what they held
+    if constexpr (kPadded) return;  // no padding rows; unused slots keep what they held
     constexpr int32_t kPad = Fp8ScaleLayout::kRowAlign - 1;  // padding rows per group, at most
     const Fp8ScaleLayout l = out.fp8();
     const int64_t row_bytes = out.row_bytes();
@@ -240,7 +246,7 @@ __device__ inline bool warp_wait_part(const GroupView& g, int32_t src, int32_t m
 // The low-latency path's receive: items (message, source, part), message-major, dealt to the
 // grid's warps in turn; a warp waits for its part's flag (and part 0's, which carries the
 // header), then expands it.
-template <TokenFormat F>
+template <TokenFormat F, bool kPadded>
 __device__ void expand_parts(const DispatchParams& p, const RecvGroups& rg, unsigned long long seq,
                              int32_t rb, int32_t n_rb) {
   const GroupView& g = p.g;
@@ -262,14 +268,15 @@ __device__ void expand_parts(const DispatchParams& p, const RecvGroups& rg, unsi
     const int32_t m = int32_t(i / (int64_t(n_parts) * n_ranks));
     if (m >= rg.stream_count[s]) continue;
     if (!warp_wait_part(g, s, m, part, seq)) break;
-    expand_message<F>(p, rg, s, m, part * kPartUnits, (part + 1) * kPartUnits);
+    expand_message<F, kPadded>(p, rg, s, m, part * kPartUnits, (part + 1) * kPartUnits);
   }
 }
 
 // The throughput path's receive: work items (chunk, source, message slot) of the chunks'
 // messages.
-template <TokenFormat F>
-__device__ void expand_chunks(const DispatchParams& p, const RecvGroups& rg, unsigned long long seq) {
+template <TokenFormat F, bool kPadded>
+__device__ void expand_chunks(const DispatchParams& p, const RecvGroups& rg,
+                              unsigned long long seq) {
   const GroupView& g = p.g;
   const int32_t n_ranks = g.n_ranks;
   const MetaLayout ml = g.layout().meta();
@@ -304,16 +311,16 @@ __device__ void expand_chunks(const DispatchParams& p, const RecvGroups& rg, uns
     const int32_t m = starts[c] + slot;
     if (m >= end) continue;  // no message in this slot: nothing to wait for
     if (!warp_wait_chunk(g, s, c, seq)) break;
-    expand_message<F>(p, rg, s, m, 0, g.hidden / kLaneValues);
+    expand_message<F, kPadded>(p, rg, s, m, 0, g.hidden / kLaneValues);
   }
 }
 
 // Receiver block rb of n_rb (all blocks of dispatch_wait; the non-senders of the fused kernel),
 // or a sender of the fused kernel that has sent its chunks and joins in (rb < 0: it takes work
 // items only; the receivers write the padding and the combine's bookkeeping).
-template <TokenFormat F>
-__device__ __noinline__ void dispatch_recv(const DispatchParams& p, unsigned long long seq, char* smem,
-                              int32_t rb, int32_t n_rb) {
+template <TokenFormat F, bool kPadded>
+__device__ __noinline__ void dispatch_recv(const DispatchParams& p, unsigned long long seq,
+                                           char* smem, int32_t rb, int32_t n_rb) {
   const GroupView& g = p.g;
   if (rb == 0 && threadIdx.x == 0) g.state->recv_item[(seq + 1) & 1] = 0;  // the next call's
   const WindowLayout wl = g.layout();
@@ -348,9 +355,9 @@ __device__ __noinline__ void dispatch_recv(const DispatchParams& p, unsigned lon
         p.row_offsets[grp] = 0;
         if (grp < n_local) p.expert_ids[grp] = g.route.group_expert(grp);
         if (format_swizzled(F) && grp < n_local) p.scales_offsets[grp] = 0;
-        if (g.capacity > 0 && grp < n_local) p.counts[grp] = 0;  // no stale counts for a GEMM
+        if (kPadded && grp < n_local) p.counts[grp] = 0;  // no stale counts for a GEMM
       }
-      if (g.capacity > 0 && p.layout_range != nullptr)
+      if (kPadded && p.layout_range != nullptr)
         for (int32_t i = threadIdx.x; i < n_local * g.route.n_ranks; i += kThreads)
           p.layout_range[i] = 0;
       if (threadIdx.x < n_ranks) p.scratch.recv_count[threadIdx.x] = 0;
@@ -362,7 +369,7 @@ __device__ __noinline__ void dispatch_recv(const DispatchParams& p, unsigned lon
   // row_offsets: exclusive scan of the group totals, each padded to the format's row alignment;
   // the swizzled formats also scan each group's scale tiles (n_local <= 1024 = 2 per thread).
   const GroupRows rows{rg.counts, n_ranks, n_local};
-  const int32_t align = g.output().row_align();  // the format's, or 1 in the padded layout
+  constexpr int32_t kAlign = kPadded ? 1 : format_row_align(F);  // the padded layout: none
   constexpr int32_t kTileRows = SwizzledScaleLayout::kTileRows;
   using Scan = cub::BlockScan<int32_t, kThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
@@ -371,7 +378,7 @@ __device__ __noinline__ void dispatch_recv(const DispatchParams& p, unsigned lon
     const int32_t grp = threadIdx.x * 2 + i;
     const int32_t m = grp < n_local ? rows.group_total(grp) : 0;
     if (grp < n_local) rg.rows[grp] = m;
-    item[i] = int32_t(align_up(m, align));
+    item[i] = int32_t(align_up(m, kAlign));
     tiles[i] = (m + kTileRows - 1) / kTileRows;
   }
   Scan(scan_tmp).ExclusiveSum(item, item, total);
@@ -411,7 +418,7 @@ __device__ __noinline__ void dispatch_recv(const DispatchParams& p, unsigned lon
   __syncthreads();
   // The padded layout's per-group outputs (block 0, after every base is known): counts, and
   // layout_range by caller rank, (first slot << 32) | rows, 0 for a source that sent none.
-  if (rb == 0 && g.capacity > 0) {
+  if (kPadded && rb == 0) {
     for (int32_t grp = threadIdx.x; grp < n_local; grp += kThreads)
       p.counts[grp] = rg.rows[grp];
     if (p.layout_range != nullptr) {
@@ -424,12 +431,12 @@ __device__ __noinline__ void dispatch_recv(const DispatchParams& p, unsigned lon
       }
     }
   }
-  if (rb >= 0) fill_padding<F>(p, rg, rb, n_rb);
+  if (rb >= 0) fill_padding<F, kPadded>(p, rg, rb, n_rb);
   trace_mark(g, kTraceDispatch, kTraceReady);
   if (g.low_latency)
-    expand_parts<F>(p, rg, seq, rb, n_rb);
+    expand_parts<F, kPadded>(p, rg, seq, rb, n_rb);
   else
-    expand_chunks<F>(p, rg, seq);
+    expand_chunks<F, kPadded>(p, rg, seq);
   // A warp that gave up has set the abort flag (or found it set): the block stops here.
   if (block_aborted(g)) return;
   dispatch_done(g, seq);
