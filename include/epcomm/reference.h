@@ -10,6 +10,7 @@
 #include "epcomm/error.h"
 #include "epcomm/layout.h"
 #include "epcomm/padded_layout.h"
+#include "epcomm/routing_layout.h"
 #include "epcomm/token_format.h"
 
 namespace epcomm {
@@ -199,6 +200,10 @@ std::string compare_exact_bf16(const std::vector<double>& ref, const uint16_t* o
 // anything), and every byte the kernels write written alike; what they leave, left.
 void pad_expert_rows(const PadExpertRows& a);
 void unpad_expert_rows(const UnpadExpertRows& a);
+
+// routing_layout (epcomm/routing_layout.h) on host memory: the same arguments, checks and
+// outputs (the counts written outright).
+void routing_layout(const RoutingLayout& a);
 
 // What a group with Config::padded_capacity = capacity writes on `rank` (the padded per-expert
 // layout; bf16 or blockwise FP8): the packed rows with no format padding (`meta`: row_offsets,

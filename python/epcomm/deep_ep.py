@@ -273,6 +273,10 @@ class Buffer:
         self._ll_parity = 0
         self._stream = None
         self._comm_handle = None  # self._stream's CUDA handle, set where it is made
+        # The last get_dispatch_layout: (is_token_in_rank, its version, rank_ids [T, R] int32,
+        # tokens per rank): a dispatch given that is_token_in_rank, unchanged, takes its rank ids
+        # from here instead of computing them again.
+        self._layout = None
         self._destroyed = False
         # torch.compile: the operators below find this Buffer by its id, and a traced
         # low-latency combine finds its dispatch's handle by the src_info tensor it returned
@@ -495,21 +499,19 @@ class Buffer:
         # allocations are on the stream the caller asked for; they launch nothing).
         with torch.cuda.stream(comm if allocate_on_comm_stream else compute):
             T = topk_idx.size(0)
-            per_expert = torch.empty(num_experts + 1, dtype=torch.int32, device=self.device)
-            in_rank = torch.empty((T, R + 1), dtype=torch.bool, device=self.device)
+            per_rank = torch.empty(R, dtype=torch.int32, device=self.device)
+            per_expert = torch.empty(num_experts, dtype=torch.int32, device=self.device)
+            is_token_in_rank = torch.empty((T, R), dtype=torch.bool, device=self.device)
+            rank_ids = torch.empty((T, R), dtype=torch.int32, device=self.device)
         with torch.cuda.stream(comm):
-            per_expert.zero_()
-            in_rank.zero_()
-            valid = (topk_idx >= 0) & (topk_idx < num_experts)
-            e = torch.where(valid, topk_idx, num_experts)
-            per_expert.index_add_(0, e.flatten(), torch.ones_like(e.flatten(), dtype=torch.int32))
-            r = torch.where(valid, topk_idx // (num_experts // R), R)
-            in_rank.scatter_(1, r, True)
-            is_token_in_rank = in_rank[:, :R].contiguous()
-            per_rank = is_token_in_rank.sum(0, dtype=torch.int32)
-            per_expert = per_expert[:num_experts]
+            ids = topk_idx if topk_idx.is_contiguous() else topk_idx.contiguous()
+        # One launch (epcomm/routing_layout.h) writes all four; an id outside [0, num_experts)
+        # masks its slot, as -1 does.
+        _C.routing_layout(ids, num_experts, R, per_rank, per_expert, is_token_in_rank, rank_ids,
+                          comm.cuda_stream)
+        self._layout = (is_token_in_rank, is_token_in_rank._version, rank_ids, per_rank)
         event = self._finish(compute, comm, async_finish,
-                             (topk_idx, per_rank, per_expert, is_token_in_rank))
+                             (topk_idx, ids, per_rank, per_expert, is_token_in_rank, rank_ids))
         return per_rank, None, per_expert, is_token_in_rank, event
 
     # ---- normal mode ----------------------------------------------------------------------
@@ -600,10 +602,16 @@ class Buffer:
         with torch.cuda.stream(comm):
             stream = comm.cuda_stream
             if routing.rank_ids is None:  # on the comm stream: after previous_event
-                routing.rank_ids = torch.where(
-                    is_token_in_rank, torch.arange(R, dtype=torch.int32, device=codes.device),
-                    torch.full((), -1, dtype=torch.int32, device=codes.device))
-                routing.tokens_to_rank = is_token_in_rank.sum(0, dtype=torch.int32)
+                lay = self._layout
+                if lay is not None and lay[0] is is_token_in_rank and \
+                        lay[1] == is_token_in_rank._version:
+                    # get_dispatch_layout's own (written on this stream before)
+                    routing.rank_ids, routing.tokens_to_rank = lay[2], lay[3]
+                else:
+                    routing.rank_ids = torch.where(
+                        is_token_in_rank, torch.arange(R, dtype=torch.int32, device=codes.device),
+                        torch.full((), -1, dtype=torch.int32, device=codes.device))
+                    routing.tokens_to_rank = is_token_in_rank.sum(0, dtype=torch.int32)
                 routing.tokens_ready = torch.cuda.Event()
                 routing.tokens_ready.record(comm)
             payload = codes if scales is None and codes.dtype == torch.bfloat16 else \

@@ -12,6 +12,7 @@
 #include "bindings.h"
 #include "epcomm/formats/scale_layouts.h"
 #include "epcomm/padded_layout.h"
+#include "epcomm/routing_layout.h"
 #include "epcomm/silu.h"
 
 namespace epcomm_py {
@@ -170,6 +171,50 @@ void bind_silu(nb::module_& m) {
       },
       "padded"_a, "row_offsets"_a, "src_info"_a, "out"_a, "stream"_a,
       "Brings padded per-expert rows back to dispatch row order (epcomm/padded_layout.h).");
+  m.def(
+      "routing_layout",
+      [](const Array& topk_ids, int32_t num_experts, int32_t n_ranks,
+         const std::optional<Array>& tokens_per_rank, const std::optional<Array>& tokens_per_expert,
+         const std::optional<Array>& token_in_rank, const std::optional<Array>& rank_ids,
+         uintptr_t stream) {
+        const Ctx c{"epcomm routing_layout", topk_ids.device_id()};
+        const bool wide = topk_ids.dtype().bits == 64;
+        check_array(c, "topk_ids", topk_ids, wide ? Elem::kI64 : Elem::kI32, {-1, -1},
+                    "[T, K] (int32 or int64)");
+        epcomm::RoutingLayout a;
+        a.topk_ids = topk_ids.data();
+        a.id_bytes = wide ? 8 : 4;
+        a.num_tokens = int64_t(topk_ids.shape(0));
+        a.top_k = int32_t(topk_ids.shape(1));
+        a.ids_stride = a.top_k;
+        a.num_experts = num_experts;
+        a.n_ranks = n_ranks;
+        const int64_t T = a.num_tokens;
+        if (tokens_per_rank) {
+          check_array(c, "tokens_per_rank", *tokens_per_rank, Elem::kI32, {n_ranks}, "[R]");
+          a.tokens_per_rank = static_cast<int32_t*>(tokens_per_rank->data());
+        }
+        if (tokens_per_expert) {
+          check_array(c, "tokens_per_expert", *tokens_per_expert, Elem::kI32, {num_experts}, "[E]");
+          a.tokens_per_expert = static_cast<int32_t*>(tokens_per_expert->data());
+        }
+        if (token_in_rank) {
+          check_array(c, "token_in_rank", *token_in_rank, Elem::kBytes, {T, n_ranks},
+                      "[T, R] bool");
+          a.token_in_rank = static_cast<bool*>(token_in_rank->data());
+        }
+        if (rank_ids) {
+          check_array(c, "rank_ids", *rank_ids, Elem::kI32, {T, n_ranks}, "[T, R]");
+          a.rank_ids = static_cast<int32_t*>(rank_ids->data());
+        }
+        DeviceGuard guard;
+        cuda_check(cudaSetDevice(c.device), "cudaSetDevice");
+        epcomm::routing_layout(a, as_stream(stream));
+      },
+      "topk_ids"_a, "num_experts"_a, "n_ranks"_a, "tokens_per_rank"_a.none(),
+      "tokens_per_expert"_a.none(), "token_in_rank"_a.none(), "rank_ids"_a.none(), "stream"_a,
+      "Tokens per rank and per expert, and the ranks each token goes to, from top-k ids "
+      "(epcomm/routing_layout.h).");
   m.def(
       "silu_bf16",
       [](const Array& x, const Array& row_offsets, int32_t intermediate, const Array& out,

@@ -308,10 +308,12 @@ def case_normal(buf, me, n, dev):
                     check_normal(buf, p, me, fp8, weights, worst, async_mode, cases)
                     cases += 1
     # Two dispatches, then their combines in the same order (a second Buffer is not needed).
+    # Both layouts come first: the first dispatch's is_token_in_rank is then not the Buffer's
+    # last layout (it computes its rank ids itself), the second's is (it takes the layout's).
     pa, pb = Problem(n, T, 7, dev), Problem(n, T, 8, dev)
+    layouts = [buf.get_dispatch_layout(p.idx[me], E) for p in (pa, pb)]
     outs = []
-    for p in (pa, pb):
-        pr, _, pe, ir, _ = buf.get_dispatch_layout(p.idx[me], E)
+    for p, (pr, _, pe, ir, _) in zip((pa, pb), layouts):
         rx, ri, rw, _, h, _ = buf.dispatch(p.x[me], num_tokens_per_rank=pr, is_token_in_rank=ir,
                                            num_tokens_per_expert=pe, topk_idx=p.idx[me],
                                            topk_weights=p.w[me])

@@ -293,6 +293,18 @@ def test_array_checks_name_the_argument():
         C.silu_bf16(x, ro, inter, out, 0)
 
 
+def test_routing_layout_checks_its_arrays():
+    C = epcomm._epcomm
+    ids = np.zeros((4, 2), dtype=np.int64)
+    per_rank = np.zeros(2, dtype=np.int32)
+    with pytest.raises(epcomm.InvalidArgument,
+                       match=r"epcomm routing_layout: topk_ids must be int32; got int16"):
+        C.routing_layout(ids.astype(np.int16), 8, 2, per_rank, None, None, None, 0)
+    with pytest.raises(epcomm.InvalidArgument,
+                       match=r"topk_ids must be a CUDA tensor on cuda:0; got cpu memory"):
+        C.routing_layout(ids, 8, 2, per_rank, None, None, None, 0)
+
+
 def test_silu_wrapper_arguments():
     x, ro, _ = _silu_args()
     with pytest.raises(epcomm.InvalidArgument, match="clamp is only for format='mxfp4'"):

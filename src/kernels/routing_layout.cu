@@ -1,0 +1,134 @@
+// routing_layout (epcomm/routing_layout.h).
+//
+// One thread a token, in a grid-stride loop: it reads the token's top-k ids once, counts each
+// valid slot for its expert, and builds the set of ranks the token goes to as a 64-bit mask (in
+// blocks of 64 ranks for larger groups), which it writes as the token's token_in_rank and
+// rank_ids rows and counts once per rank. Counts gather in shared memory and go out once a
+// block. A call of up to kThreads * kTokensPerThread tokens runs as one block, which writes the
+// counts outright (no clearing launch before it); a larger one clears them on the stream and its
+// blocks add theirs in.
+#include <algorithm>
+#include <string>
+
+#include "epcomm/detail/device.cuh"
+#include "epcomm/detail/launch.h"
+#include "epcomm/routing_layout.h"
+
+namespace epcomm {
+namespace detail {
+namespace {
+
+constexpr int kThreads = 1024;
+constexpr int64_t kTokensPerThread = 8;
+constexpr int32_t kMaskRanks = 64;
+
+template <class Id>
+__global__ void __launch_bounds__(kThreads) routing_layout_kernel(RoutingLayout a) {
+  extern __shared__ int32_t hist[];  // [num_experts] experts, then [n_ranks] ranks
+  const int32_t E = a.num_experts, R = a.n_ranks, per_rank = E / R;
+  int32_t* experts = hist;
+  int32_t* ranks = hist + E;
+  for (int32_t i = threadIdx.x; i < E + R; i += kThreads)
+    hist[i] = 0;
+  __syncthreads();
+  const Id* ids = static_cast<const Id*>(a.topk_ids);
+  for (int64_t t = int64_t(blockIdx.x) * kThreads + threadIdx.x; t < a.num_tokens;
+       t += int64_t(gridDim.x) * kThreads) {
+    const Id* row = ids + t * a.ids_stride;
+    for (int32_t base = 0; base < R; base += kMaskRanks) {
+      uint64_t mask = 0;
+      for (int32_t k = 0; k < a.top_k; ++k) {
+        const int64_t e = int64_t(row[k]);
+        if (e < 0 || e >= E) continue;  // a masked slot
+        if (base == 0) atomicAdd(&experts[e], 1);
+        const int32_t r = int32_t(e / per_rank) - base;
+        if (r >= 0 && r < kMaskRanks) mask |= uint64_t(1) << r;
+      }
+      const int32_t n = min(kMaskRanks, R - base);
+      for (int32_t j = 0; j < n; ++j) {
+        const bool in = ((mask >> j) & 1u) != 0;
+        const int64_t at = t * R + base + j;
+        if (a.token_in_rank != nullptr) a.token_in_rank[at] = in;
+        if (a.rank_ids != nullptr) a.rank_ids[at] = in ? base + j : -1;
+        if (in) atomicAdd(&ranks[base + j], 1);
+      }
+    }
+  }
+  __syncthreads();
+  const bool one_block = gridDim.x == 1;  // else the counts were cleared before the launch
+  for (int32_t i = threadIdx.x; i < E + R; i += kThreads) {
+    int32_t* out = i < E ? a.tokens_per_expert : a.tokens_per_rank;
+    if (out == nullptr) continue;
+    const int32_t j = i < E ? i : i - E;
+    if (one_block)
+      out[j] = hist[i];
+    else if (hist[i] != 0)
+      atomicAdd(&out[j], hist[i]);
+  }
+}
+
+size_t hist_bytes(const RoutingLayout& a) {
+  return size_t(a.num_experts + a.n_ranks) * sizeof(int32_t);
+}
+
+}  // namespace
+}  // namespace detail
+
+void check_routing_layout(const RoutingLayout& a) {
+  using namespace detail;
+  const char* op = "routing_layout";
+  if (a.id_bytes != 4 && a.id_bytes != 8)
+    invalid(op, "id_bytes = " + std::to_string(a.id_bytes) + " (4 for int32 ids, 8 for int64)");
+  if (a.num_tokens < 0 || a.num_tokens >= (int64_t(1) << 31))
+    invalid(op, "num_tokens = " + std::to_string(a.num_tokens) + " is outside [0, 2^31)");
+  if (a.top_k < 0 || a.top_k > 1024)
+    invalid(op, "top_k = " + std::to_string(a.top_k) + " is outside [0, 1024]");
+  if (a.ids_stride < a.top_k)
+    invalid(op, "ids_stride = " + std::to_string(a.ids_stride) +
+                    " is less than top_k = " + std::to_string(a.top_k));
+  if (a.n_ranks < 1 || a.num_experts < 1 || a.num_experts % a.n_ranks != 0)
+    invalid(op, "num_experts = " + std::to_string(a.num_experts) +
+                    " must be a positive multiple of n_ranks = " + std::to_string(a.n_ranks));
+  // The counts gather in one block's shared memory (48 KB without opting in).
+  if (int64_t(a.num_experts) + a.n_ranks > 12288)
+    invalid(op, "num_experts + n_ranks = " + std::to_string(int64_t(a.num_experts) + a.n_ranks) +
+                    " is more than 12288");
+  if (a.num_tokens > 0 && a.top_k > 0)
+    check_pointer(op, "topk_ids", a.topk_ids, size_t(a.id_bytes));
+  if (a.tokens_per_rank == nullptr && a.tokens_per_expert == nullptr &&
+      a.token_in_rank == nullptr && a.rank_ids == nullptr)
+    invalid(op, "no output given");
+  if (a.tokens_per_rank != nullptr) check_pointer(op, "tokens_per_rank", a.tokens_per_rank, 4);
+  if (a.tokens_per_expert != nullptr)
+    check_pointer(op, "tokens_per_expert", a.tokens_per_expert, 4);
+  if (a.rank_ids != nullptr) check_pointer(op, "rank_ids", a.rank_ids, 4);
+}
+
+void routing_layout(const RoutingLayout& a, cudaStream_t stream) {
+  using namespace detail;
+  const char* op = "routing_layout";
+  check_routing_layout(a);
+  const int64_t need =
+      (a.num_tokens + kThreads * kTokensPerThread - 1) / (kThreads * kTokensPerThread);
+  int device = 0, sms = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
+             "cudaDeviceGetAttribute");
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(need, sms));
+  if (blocks > 1) {
+    if (a.tokens_per_rank != nullptr)
+      check_cuda(cudaMemsetAsync(a.tokens_per_rank, 0, size_t(a.n_ranks) * 4, stream),
+                 "cudaMemsetAsync");
+    if (a.tokens_per_expert != nullptr)
+      check_cuda(cudaMemsetAsync(a.tokens_per_expert, 0, size_t(a.num_experts) * 4, stream),
+                 "cudaMemsetAsync");
+  }
+  const size_t smem = hist_bytes(a);
+  if (a.id_bytes == 8)
+    routing_layout_kernel<int64_t><<<unsigned(blocks), kThreads, smem, stream>>>(a);
+  else
+    routing_layout_kernel<int32_t><<<unsigned(blocks), kThreads, smem, stream>>>(a);
+  check_cuda(cudaGetLastError(), op);
+}
+
+}  // namespace epcomm

@@ -1,0 +1,132 @@
+// routing_layout (epcomm/routing_layout.h) on the GPU against reference::routing_layout: random
+// top-k ids (masked and out-of-range slots among them), int32 and int64, a row stride past top_k,
+// one block and many (a call past one block's tokens clears the counts and adds into them),
+// more than 64 ranks, no tokens; every output poisoned first, compared element for element. And
+// bad arguments refused before anything is written. Skips without a GPU.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <random>
+#include <string>
+#include <vector>
+
+#include "epcomm/error.h"
+#include "epcomm/reference.h"
+#include "harness.h"
+
+namespace epcomm {
+namespace {
+
+using testing::DeviceBuffer;
+
+struct Case {
+  int64_t tokens;
+  int32_t top_k, experts, ranks, extra_cols, id_bytes;
+};
+
+std::string name(const Case& c) {
+  return "T " + std::to_string(c.tokens) + ", K " + std::to_string(c.top_k) + ", E " +
+         std::to_string(c.experts) + ", R " + std::to_string(c.ranks) + ", int" +
+         std::to_string(8 * c.id_bytes);
+}
+
+template <class Id>
+void check_case(const Case& c, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  const int64_t stride = c.top_k + c.extra_cols;
+  std::vector<Id> ids(size_t(std::max<int64_t>(1, c.tokens * stride)));
+  // Mostly real experts; some slots masked (-1) and some out of range (ignored alike).
+  std::uniform_int_distribution<int32_t> expert(0, c.experts - 1), pick(0, 19);
+  for (auto& v : ids) {
+    const int32_t p = pick(rng);
+    v = Id(p == 0 ? -1 : p == 1 ? c.experts + p : expert(rng));
+  }
+  const int64_t cells = c.tokens * c.ranks;
+  std::vector<int32_t> want_rank(static_cast<size_t>(c.ranks)),
+      want_expert(static_cast<size_t>(c.experts)), want_ids(static_cast<size_t>(cells));
+  std::vector<char> want_in(static_cast<size_t>(cells));
+  RoutingLayout a;
+  a.topk_ids = ids.data();
+  a.id_bytes = int32_t(sizeof(Id));
+  a.ids_stride = stride;
+  a.num_tokens = c.tokens;
+  a.top_k = c.top_k;
+  a.num_experts = c.experts;
+  a.n_ranks = c.ranks;
+  a.tokens_per_rank = want_rank.data();
+  a.tokens_per_expert = want_expert.data();
+  a.rank_ids = want_ids.data();
+  a.token_in_rank = reinterpret_cast<bool*>(want_in.data());
+  reference::routing_layout(a);
+
+  DeviceBuffer d_ids(0, ids.size() * sizeof(Id)), d_rank(0, want_rank.size() * 4),
+      d_expert(0, want_expert.size() * 4), d_rank_ids(0, std::max<size_t>(4, want_ids.size() * 4)),
+      d_in(0, std::max<size_t>(1, want_in.size()));
+  d_ids.upload(ids.data(), ids.size() * sizeof(Id));
+  for (DeviceBuffer* b : {&d_rank, &d_expert, &d_rank_ids, &d_in})
+    b->fill(0x5a);
+  a.topk_ids = d_ids.get();
+  a.tokens_per_rank = d_rank.get<int32_t>();
+  a.tokens_per_expert = d_expert.get<int32_t>();
+  a.rank_ids = d_rank_ids.get<int32_t>();
+  a.token_in_rank = d_in.get<bool>();
+  routing_layout(a, nullptr);
+  EPCOMM_CUDA_OK(cudaDeviceSynchronize());
+  std::vector<int32_t> got_rank(want_rank.size()), got_expert(want_expert.size()),
+      got_ids(want_ids.size());
+  std::vector<char> got_in(want_in.size());
+  d_rank.download(got_rank.data(), got_rank.size() * 4);
+  d_expert.download(got_expert.data(), got_expert.size() * 4);
+  d_rank_ids.download(got_ids.data(), got_ids.size() * 4);
+  d_in.download(got_in.data(), got_in.size());
+  EXPECT_EQ(got_rank, want_rank) << name(c);
+  EXPECT_EQ(got_expert, want_expert) << name(c);
+  EXPECT_EQ(got_ids, want_ids) << name(c);
+  EXPECT_EQ(got_in, want_in) << name(c);
+}
+
+TEST(RoutingLayout, MatchesTheReference) {
+  EPCOMM_REQUIRE_GPU();
+  const Case cases[] = {
+      {4096, 8, 256, 8, 0, 8},    // DeepSeek-V3 prefill on 8 ranks: one block
+      {4096, 8, 256, 8, 3, 4},    // int32 ids, a row stride past top_k
+      {5, 8, 256, 1, 0, 8},       // few tokens, one rank
+      {50000, 8, 256, 8, 0, 8},   // many blocks: counts cleared, then added into
+      {20000, 4, 140, 70, 1, 4},  // more than 64 ranks
+      {9000, 1, 12, 3, 0, 8},     // top-1
+      {0, 8, 256, 8, 0, 8},       // no tokens: the counts written as zero
+  };
+  uint64_t seed = 300;
+  for (const Case& c : cases) {
+    if (c.id_bytes == 8)
+      check_case<int64_t>(c, seed++);
+    else
+      check_case<int32_t>(c, seed++);
+  }
+}
+
+TEST(RoutingLayout, RefusesBadArgumentsBeforeLaunching) {
+  EPCOMM_REQUIRE_GPU();
+  DeviceBuffer d_ids(0, 64), d_rank(0, 64);
+  d_rank.fill(0x5a);
+  RoutingLayout a;
+  a.topk_ids = d_ids.get();
+  a.ids_stride = 2;
+  a.num_tokens = 4;
+  a.top_k = 2;
+  a.num_experts = 6;
+  a.n_ranks = 4;  // 6 experts do not split over 4 ranks
+  a.tokens_per_rank = d_rank.get<int32_t>();
+  EXPECT_THROW(routing_layout(a, nullptr), Error);
+  a.n_ranks = 3;
+  a.tokens_per_rank = reinterpret_cast<int32_t*>(d_rank.get<char>() + 2);
+  EXPECT_THROW(routing_layout(a, nullptr), Error) << "a misaligned output";
+  EPCOMM_CUDA_OK(cudaDeviceSynchronize());
+  std::vector<uint8_t> got(64);
+  d_rank.download(got.data(), got.size());
+  for (uint8_t b : got)
+    ASSERT_EQ(b, 0x5a) << "written before the refusal";
+}
+
+}  // namespace
+}  // namespace epcomm
