@@ -273,10 +273,6 @@ class Buffer:
         self._ll_parity = 0
         self._stream = None
         self._comm_handle = None  # self._stream's CUDA handle, set where it is made
-        # The last get_dispatch_layout: (is_token_in_rank, its version, rank_ids [T, R] int32,
-        # tokens per rank): a dispatch given that is_token_in_rank, unchanged, takes its rank ids
-        # from here instead of computing them again.
-        self._layout = None
         self._destroyed = False
         # torch.compile: the operators below find this Buffer by its id, and a traced
         # low-latency combine finds its dispatch's handle by the src_info tensor it returned
@@ -502,16 +498,14 @@ class Buffer:
             per_rank = torch.empty(R, dtype=torch.int32, device=self.device)
             per_expert = torch.empty(num_experts, dtype=torch.int32, device=self.device)
             is_token_in_rank = torch.empty((T, R), dtype=torch.bool, device=self.device)
-            rank_ids = torch.empty((T, R), dtype=torch.int32, device=self.device)
-        with torch.cuda.stream(comm):
-            ids = topk_idx if topk_idx.is_contiguous() else topk_idx.contiguous()
-        # One launch (epcomm/routing_layout.h) writes all four; an id outside [0, num_experts)
-        # masks its slot, as -1 does.
-        _C.routing_layout(ids, num_experts, R, per_rank, per_expert, is_token_in_rank, rank_ids,
+        # One launch (epcomm/routing_layout.h) writes all three; an id outside [0, num_experts)
+        # masks its slot, as -1 does. (topk_idx is contiguous: _check.) The dispatch computes
+        # its own rank ids from the is_token_in_rank it is given: the caller may change it, and
+        # tensors made under inference_mode have no version counter to tell.
+        _C.routing_layout(topk_idx, num_experts, R, per_rank, per_expert, is_token_in_rank, None,
                           comm.cuda_stream)
-        self._layout = (is_token_in_rank, is_token_in_rank._version, rank_ids, per_rank)
         event = self._finish(compute, comm, async_finish,
-                             (topk_idx, ids, per_rank, per_expert, is_token_in_rank, rank_ids))
+                             (topk_idx, per_rank, per_expert, is_token_in_rank))
         return per_rank, None, per_expert, is_token_in_rank, event
 
     # ---- normal mode ----------------------------------------------------------------------
@@ -602,16 +596,10 @@ class Buffer:
         with torch.cuda.stream(comm):
             stream = comm.cuda_stream
             if routing.rank_ids is None:  # on the comm stream: after previous_event
-                lay = self._layout
-                if lay is not None and lay[0] is is_token_in_rank and \
-                        lay[1] == is_token_in_rank._version:
-                    # get_dispatch_layout's own (written on this stream before)
-                    routing.rank_ids, routing.tokens_to_rank = lay[2], lay[3]
-                else:
-                    routing.rank_ids = torch.where(
-                        is_token_in_rank, torch.arange(R, dtype=torch.int32, device=codes.device),
-                        torch.full((), -1, dtype=torch.int32, device=codes.device))
-                    routing.tokens_to_rank = is_token_in_rank.sum(0, dtype=torch.int32)
+                routing.rank_ids = torch.where(
+                    is_token_in_rank, torch.arange(R, dtype=torch.int32, device=codes.device),
+                    torch.full((), -1, dtype=torch.int32, device=codes.device))
+                routing.tokens_to_rank = is_token_in_rank.sum(0, dtype=torch.int32)
                 routing.tokens_ready = torch.cuda.Event()
                 routing.tokens_ready.record(comm)
             payload = codes if scales is None and codes.dtype == torch.bfloat16 else \

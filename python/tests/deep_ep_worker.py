@@ -307,9 +307,8 @@ def case_normal(buf, me, n, dev):
                     p = Problem(n, T, seed, dev, masked=3)
                     check_normal(buf, p, me, fp8, weights, worst, async_mode, cases)
                     cases += 1
-    # Two dispatches, then their combines in the same order (a second Buffer is not needed).
-    # Both layouts come first: the first dispatch's is_token_in_rank is then not the Buffer's
-    # last layout (it computes its rank ids itself), the second's is (it takes the layout's).
+    # Two layouts, then two dispatches, then their combines in the same order (a second Buffer
+    # is not needed): nothing a layout call leaves behind may steer a later dispatch.
     pa, pb = Problem(n, T, 7, dev), Problem(n, T, 8, dev)
     layouts = [buf.get_dispatch_layout(p.idx[me], E) for p in (pa, pb)]
     outs = []

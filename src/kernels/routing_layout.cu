@@ -83,6 +83,9 @@ void check_routing_layout(const RoutingLayout& a) {
     invalid(op, "num_tokens = " + std::to_string(a.num_tokens) + " is outside [0, 2^31)");
   if (a.top_k < 0 || a.top_k > 1024)
     invalid(op, "top_k = " + std::to_string(a.top_k) + " is outside [0, 1024]");
+  if (a.num_tokens * a.top_k >= (int64_t(1) << 31))
+    invalid(op, "num_tokens * top_k = " + std::to_string(a.num_tokens * a.top_k) +
+                    " slots: the int32 counts could overflow");
   if (a.ids_stride < a.top_k)
     invalid(op, "ids_stride = " + std::to_string(a.ids_stride) +
                     " is less than top_k = " + std::to_string(a.top_k));

@@ -103,6 +103,10 @@ TEST(RoutingLayoutReference, RefusesBadArgumentsAndTakesAnyOutputs) {
   a = make(o);
   a.num_experts = 12288;
   refused(a);
+  a = make(o);  // 2^31 slots: an expert's int32 count could overflow
+  a.num_tokens = int64_t(1) << 21;
+  a.top_k = a.ids_stride = 1024;
+  refused(a);
   a = make(o);
   a.tokens_per_rank = nullptr;
   a.tokens_per_expert = nullptr;
