@@ -319,12 +319,28 @@ def case_normal(buf, me, n, dev):
         outs.append((p, rx, h))
     for p, rx, h in outs:
         out, _, _ = buf.combine(rx, h)
-        acc = torch.zeros((p.T[me], H), device=dev)
-        for r in range(n):
-            sel = p.in_rank(me)[:, r]
-            acc[sel] += p.x[me][sel].float()
-        same(out, acc.to(torch.bfloat16), "combine after another dispatch")
-    return cases + 1
+        same(out, rank_sum(p, me), "combine after another dispatch")
+    # Under torch.inference_mode, as vLLM and SGLang run the model (its tensors have no version
+    # counter): layout, dispatch and combine.
+    with torch.inference_mode():
+        p = Problem(n, T, 9, dev)
+        pr, _, pe, ir, _ = buf.get_dispatch_layout(p.idx[me], E)
+        rx, _, _, _, h, _ = buf.dispatch(p.x[me], num_tokens_per_rank=pr, is_token_in_rank=ir,
+                                         num_tokens_per_expert=pe, topk_idx=p.idx[me],
+                                         topk_weights=p.w[me])
+        out, _, _ = buf.combine(rx, h)
+        same(out, rank_sum(p, me), "combine under inference_mode")
+    return cases + 2
+
+
+def rank_sum(p, me):
+    """What combine returns for rows sent back unchanged: each token's row once per rank it
+    went to, summed in fp32 in rank order, rounded once to bf16."""
+    acc = torch.zeros((p.T[me], H), device=p.x[me].device)
+    for r in range(p.n):
+        sel = p.in_rank(me)[:, r]
+        acc[sel] += p.x[me][sel].float()
+    return acc.to(torch.bfloat16)
 
 
 # ---- low-latency mode --------------------------------------------------------------------------
