@@ -667,9 +667,13 @@ class Buffer:
                 w = meta[:N, S + K:S + 2 * K].view(torch.float32)
                 recv_topk_weights = torch.where(ok[:N], w, 0.0)
         out_x = recv_x if scales is None else (recv_x, recv_scales)
+        # Every caller tensor the comm stream reads is kept for it (an async call returns
+        # before the stream has read them): is_token_in_rank gives the rank ids, and
+        # num_tokens_per_expert the per-expert list where no top-k travels.
         event = self._finish(compute, comm, async_finish,
                              (codes, scales, recv_x, recv_scales, recv_topk_idx,
-                              recv_topk_weights, topk_idx, topk_weights, routing.rank_ids))
+                              recv_topk_weights, topk_idx, topk_weights, routing.rank_ids,
+                              is_token_in_rank, num_tokens_per_expert))
         if cached:
             return out_x, None, None, None, None, event
         a = int(expert_alignment)
@@ -742,7 +746,8 @@ class Buffer:
                 w = un.view(torch.int32)[:, :, :K].view(torch.float32)
                 w = torch.where(handle.rank_ids.unsqueeze(2) >= 0, w, 0.0)
                 combined_w = w.sum(1)
-        event = self._finish(compute, comm, async_finish, (x, out, topk_weights, combined_w))
+        event = self._finish(compute, comm, async_finish,
+                             (x, out, topk_weights, combined_w) + tuple(biases))
         return out, combined_w, event
 
     # ---- low-latency mode -----------------------------------------------------------------
