@@ -9,7 +9,10 @@ after a warm-up, over three rotating input sets, and prints median (min, max) in
   layer    the DeepEP calls: decode = low_latency_dispatch / low_latency_combine (FP8),
            prefill = get_dispatch_layout + dispatch / combine (bf16, top-k and weights)
   epcomm   epcomm.Group.dispatch / combine of the same tokens, routing and format from Python
-and their difference, the layer's cost. Each layer result is checked once against the epcomm
+and their difference, the layer's cost. Decode also times epcomm's own call writing the layer's
+padded per-expert layout (`epcomm padded`: Config.padded_capacity, UE8M0 words for
+decode-ue8m0; combine reading [E_l, R * T, H] expert outputs), checked against what the layer
+returns, so the layer's cost over it is its host work alone. Each layer result is checked once against the epcomm
 result of the same inputs (decode: every combined row; prefill: every received and combined
 row). Processes sharing one GPU measure fixed costs, not links: the script says so.
 --profile CALLS also runs that many calls of each layer side under torch.profiler and prints
@@ -168,6 +171,13 @@ def main():
             E_l = E // n
             y_pad = torch.randn((E_l, n * T, H), device=dev).to(torch.bfloat16)
             state = {}
+            # epcomm's own call writing DeepEP's padded layout, as the layer's group does
+            # (Config.padded_capacity; UE8M0 words for decode-ue8m0): what the layout costs the
+            # kernel, apart from the layer's host work.
+            grp_p = epcomm.Group.from_torch(
+                hidden=H, top_k=K, n_experts=E, max_tokens_per_rank=T, format=form,
+                num_sms=args.sms, share_gpus=per_gpu > 1, padded_capacity=n * T,
+                **({"fp8_pow2_scales": True, "fp8_ue8m0_scales": True} if ue8m0 else {}))
 
             def layer_d(i):
                 x, idx, _ = sets[i]
@@ -183,8 +193,14 @@ def main():
             def native_c(i):
                 grp.combine(y_native, sets[i][2])
 
+            def padded_d(i):
+                grp_p.dispatch(sets[i][0], ids32[i])
+
+            def padded_c(i):
+                grp_p.combine(y_pad, sets[i][2])
+
             for _ in range(args.warmup):
-                layer_d(0), layer_c(0), native_d(0), native_c(0)
+                layer_d(0), layer_c(0), native_d(0), native_c(0), padded_d(0), padded_c(0)
             # Check: the layer's combine of expert rows (y = the dispatched values) equals
             # epcomm's combine of the same values.
             x, idx, w = sets[1]
@@ -197,8 +213,21 @@ def main():
             deq_n = (d.tokens.float() * sc).to(torch.bfloat16)
             want = grp.combine(deq_n, w)
             assert torch.equal(got.view(torch.int16), want.view(torch.int16)), "decode check"
-            res["dispatch"] = (timed(layer_d, args.iters, sets), timed(native_d, args.iters, sets))
-            res["combine"] = (timed(layer_c, args.iters, sets), timed(native_c, args.iters, sets))
+            # The padded group writes what the layer returns: each expert's counted rows (codes
+            # and scales or UE8M0 words), the same counts.
+            p = grp_p.dispatch(x, ids32[1])
+            assert torch.equal(p.counts, count), "decode check: padded counts"
+            words = p.scales.transpose(1, 2)  # [E_l, cols, S] -> DeepEP's [E_l, S, cols] view
+            for e in range(E_l):
+                c = int(count[e])
+                assert torch.equal(p.tokens[e, :c].view(torch.uint8),
+                                   recv[0][e, :c].view(torch.uint8)), "decode check: padded codes"
+                assert torch.equal(words[e, :c].view(torch.int32),
+                                   recv[1][e, :c].view(torch.int32)), "decode check: padded scales"
+            res["dispatch"] = (timed(layer_d, args.iters, sets), timed(native_d, args.iters, sets),
+                               timed(padded_d, args.iters, sets))
+            res["combine"] = (timed(layer_c, args.iters, sets), timed(native_c, args.iters, sets),
+                              timed(padded_c, args.iters, sets))
         else:
             state = {}
 
@@ -241,11 +270,15 @@ def main():
             host_profiled((("layer combine", layer_c), ("epcomm combine", native_c)),
                           args.host_profile, name, me == 0)
         if me == 0:
-            for side, (lay, nat) in res.items():
+            for side, (lay, nat, *pad) in res.items():
                 print(f"{name:8s} {side:8s} layer {fmt(lay)}  epcomm {fmt(nat)}  "
-                      f"layer cost {lay[0] - nat[0]:7.1f}")
+                      f"layer cost {lay[0] - nat[0]:7.1f}" +
+                      (f"  epcomm padded {fmt(pad[0])}  layer cost over it "
+                       f"{lay[0] - pad[0][0]:7.1f}" if pad else ""))
         buf.destroy()
         grp.close()
+        if name.startswith("decode"):
+            grp_p.close()
     if me == 0:
         print("check: every layer result equals epcomm's")
     dist.destroy_process_group()
