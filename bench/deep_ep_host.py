@@ -1,0 +1,103 @@
+"""The DeepEP layer's host time per low-latency call, without a GPU: epcomm.deep_ep's Python
+path (argument checks, output allocation, handle, the call into C++) runs against a fake group
+that takes its calls instead of launching kernels, on tensors of torch's "meta" device (shapes,
+no memory: an allocation costs its Python and dispatch work, about what the CUDA caching
+allocator's does). On a GPU machine the
+layer's decode cost over epcomm's own call (bench/deep_ep_bench.py) is mostly this host time,
+so a change to the layer's Python can be weighed here first:
+
+    python bench/deep_ep_host.py [--calls 2000] [--profile 500]
+
+The figures are host work on this machine's CPU: compare them with each other, on one machine,
+not with a GPU machine's."""
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+
+import torch
+import torch.distributed as dist
+
+import epcomm
+from epcomm import deep_ep
+from epcomm.deep_ep import Buffer, EventOverlap
+
+
+class _FakeImpl:
+    """Stands for the C++ group: takes the calls the layer makes and does nothing (each call
+    checked against the real binding's argument count)."""
+
+    def __getattr__(self, name):
+        doc = getattr(epcomm._epcomm.Group, name).__doc__.splitlines()[0]
+        n = len(doc[doc.index("(") + 1:doc.index(")")].split(", ")) - 1
+
+        def call(*args):
+            assert len(args) == n, f"{name}: {len(args)} arguments, the binding takes {n}"
+        setattr(self, name, call)  # found once: the lookup is not the layer's time
+        return call
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--profile", type=int, default=0, metavar="CALLS",
+                    help="also run CALLS calls of each side under cProfile and print where the "
+                         "time goes")
+    args = ap.parse_args()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    T, H, K, E = 128, 7168, 8, 256  # the benchmark's decode
+    buf = Buffer(dist.group.WORLD, low_latency_mode=True, explicitly_destroy=True,
+                 max_tokens_per_rank=T)
+    impl = _FakeImpl()
+
+    class FakeGroup:
+        _impl = impl
+
+        def close(self):
+            pass
+
+    buf._on_device = lambda call, **tensors: None
+    buf._group = lambda key, **config: buf._groups.setdefault(key, FakeGroup())
+    buf._ll_stream_handles = lambda hook: (1, 2)
+    buf._ll_finish = lambda async_finish, stats, count, tensors: EventOverlap()
+    deep_ep._current_stream_handle = lambda device: 3
+    meta = torch.device("meta")
+    x = torch.empty((T, H), dtype=torch.bfloat16, device=meta)
+    idx = torch.empty((T, K), dtype=torch.int64, device=meta)
+    w = torch.empty((T, K), dtype=torch.float32, device=meta)
+    y = torch.empty((E, T, H), dtype=torch.bfloat16, device=meta)
+    state = {}
+
+    def dispatch():
+        state["h"] = buf.low_latency_dispatch(x, idx, T, E)[2]
+
+    def combine():
+        buf.low_latency_combine(y, idx, w, state["h"])
+
+    for name, fn in (("dispatch", dispatch), ("combine", combine)):
+        dispatch()  # combine's handle: the last dispatch
+        for _ in range(100):
+            fn()
+        t0 = time.perf_counter()
+        for _ in range(args.calls):
+            fn()
+        us = (time.perf_counter() - t0) / args.calls * 1e6
+        print(f"low_latency_{name}: {us:.1f} µs of host time a call ({args.calls} calls, CPU, "
+              "fake group)")
+        if args.profile:
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(args.profile):
+                fn()
+            prof.disable()
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(10)
+            print("\n".join(out.getvalue().strip().splitlines()[2:]))
+    buf.destroy()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
