@@ -669,11 +669,12 @@ class Buffer:
         out_x = recv_x if scales is None else (recv_x, recv_scales)
         # Every caller tensor the comm stream reads is kept for it (an async call returns
         # before the stream has read them): is_token_in_rank gives the rank ids, and
-        # num_tokens_per_expert the per-expert list where no top-k travels.
+        # num_tokens_per_expert the per-expert list where no top-k travels (a cached dispatch
+        # reads neither, and does not check them).
+        read = () if cached else (is_token_in_rank, num_tokens_per_expert)
         event = self._finish(compute, comm, async_finish,
                              (codes, scales, recv_x, recv_scales, recv_topk_idx,
-                              recv_topk_weights, topk_idx, topk_weights, routing.rank_ids,
-                              is_token_in_rank, num_tokens_per_expert))
+                              recv_topk_weights, topk_idx, topk_weights, routing.rank_ids) + read)
         if cached:
             return out_x, None, None, None, None, event
         a = int(expert_alignment)
