@@ -20,23 +20,20 @@ import time
 import torch
 import torch.distributed as dist
 
-import epcomm
 from epcomm import deep_ep
 from epcomm.deep_ep import Buffer, EventOverlap
 
 
 class _FakeImpl:
-    """Stands for the C++ group: takes the calls the layer makes and does nothing (each call
-    checked against the real binding's argument count)."""
+    """Stands for the C++ group: takes the calls the layer makes and does nothing. (Whether the
+    layer calls it with the binding's arguments is python/tests/test_deep_ep.py's check.)"""
 
     def __getattr__(self, name):
-        doc = getattr(epcomm._epcomm.Group, name).__doc__.splitlines()[0]
-        n = len(doc[doc.index("(") + 1:doc.index(")")].split(", ")) - 1
+        return _nothing
 
-        def call(*args):
-            assert len(args) == n, f"{name}: {len(args)} arguments, the binding takes {n}"
-        setattr(self, name, call)  # found once: the lookup is not the layer's time
-        return call
+
+def _nothing(*args):
+    pass
 
 
 def main():

@@ -421,16 +421,9 @@ class PyGroup {
     in.topk_ids = reinterpret_cast<const int32_t*>(ids ? ids : uintptr_t(out_.ptr));
     in.num_tokens = int32_t(T);
     in.hidden = cfg.hidden;
-    DeviceGuard guard;
-    nb::gil_scoped_release nogil;
-    cuda_check(cudaSetDevice(live()->device()), "cudaSetDevice");
-    fork(compute, comm);
-    if (send_only) {
-      live()->dispatch_async(in, as_stream(comm));
-      return;
-    }
-    live()->dispatch(in, ll_output(o), as_stream(comm));
-    if (join) fork(comm, compute);  // (a stream handle of 0 is the default stream: a flag)
+    on_comm(
+        compute, comm, join, send_only, [&](cudaStream_t s) { live()->dispatch_async(in, s); },
+        [&](cudaStream_t s) { live()->dispatch(in, ll_output(o), s); });
   }
 
   // The receive half of a send_only ll_dispatch, on `stream`.
@@ -450,16 +443,9 @@ class PyGroup {
     in.row_offsets = static_cast<const uint32_t*>(row_offsets_.ptr);
     in.src_info = static_cast<const epcomm::SrcInfo*>(src_info_.ptr);
     in.hidden = live()->config().hidden;
-    DeviceGuard guard;
-    nb::gil_scoped_release nogil;
-    cuda_check(cudaSetDevice(live()->device()), "cudaSetDevice");
-    fork(compute, comm);
-    if (send_only) {
-      live()->combine_async(in, as_stream(comm));
-      return;
-    }
-    live()->combine(in, ll_combine_output(weights, out), as_stream(comm));
-    if (join) fork(comm, compute);
+    on_comm(
+        compute, comm, join, send_only, [&](cudaStream_t s) { live()->combine_async(in, s); },
+        [&](cudaStream_t s) { live()->combine(in, ll_combine_output(weights, out), s); });
   }
 
   void ll_combine_wait(uintptr_t weights, uintptr_t out, uintptr_t stream) {
@@ -517,6 +503,24 @@ class PyGroup {
     return g_.get();
   }
 
+  // A low-latency call's work on `comm`, after what `compute` has queued: its send half alone
+  // (send_only), or the whole call, which `compute` then waits for with `join` (a flag: a stream
+  // handle of 0 is the default stream).
+  template <class Half, class Whole>
+  void on_comm(uintptr_t compute, uintptr_t comm, bool join, bool send_only, Half half,
+               Whole whole) {
+    DeviceGuard guard;
+    nb::gil_scoped_release nogil;
+    cuda_check(cudaSetDevice(live()->device()), "cudaSetDevice");
+    fork(compute, comm);
+    if (send_only) {
+      half(as_stream(comm));
+      return;
+    }
+    whole(as_stream(comm));
+    if (join) fork(comm, compute);
+  }
+
   // `to` waits for the work queued on `from` so far (nothing where they are one stream). One
   // event serves every call: a wait takes the event's state when it is queued.
   void fork(uintptr_t from, uintptr_t to) {
@@ -534,11 +538,8 @@ class PyGroup {
   // and layout_range; the group's own packed rows (row_offsets, expert_ids, src_info: what its
   // combine reads).
   epcomm::DispatchOutput ll_output(const LlOutputs& o) const {
-    epcomm::DispatchOutput d;
+    epcomm::DispatchOutput d = own_dispatch_output();
     d.tokens = reinterpret_cast<void*>(o.codes);
-    d.row_offsets = static_cast<uint32_t*>(row_offsets_.ptr);
-    d.expert_ids = static_cast<int32_t*>(expert_ids_.ptr);
-    d.src_info = static_cast<epcomm::SrcInfo*>(src_info_.ptr);
     d.scales = reinterpret_cast<void*>(o.scales);
     d.counts = reinterpret_cast<int32_t*>(o.count);
     d.slot_token = reinterpret_cast<int32_t*>(o.slot_token);

@@ -193,10 +193,6 @@ struct DispatchOutputLayout {
     return DispatchOutputLayout{f, hidden, groups, routed_rows, rows, capacity, ue8m0};
   }
   EPCOMM_HD int64_t row_bytes() const { return format_row_bytes(format, hidden); }
-  // Each group's rows are padded to a multiple of this in row_offsets (1 in the padded layout).
-  EPCOMM_HD int32_t row_align() const { return capacity > 0 ? 1 : format_row_align(format); }
-  // Rows of the tokens output: the packed rows, or every group's slots.
-  EPCOMM_HD int64_t token_rows() const { return capacity > 0 ? groups * capacity : rows; }
   // The tokens output's row of dispatch row `row` of group `grp` (row_offset: row_offsets[grp]):
   // the row itself when packed, else its slot's, -1 past the group's capacity.
   EPCOMM_HD int64_t token_row(int64_t row, int32_t grp, int64_t row_offset) const {
