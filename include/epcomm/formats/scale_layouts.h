@@ -193,13 +193,6 @@ struct DispatchOutputLayout {
     return DispatchOutputLayout{f, hidden, groups, routed_rows, rows, capacity, ue8m0};
   }
   EPCOMM_HD int64_t row_bytes() const { return format_row_bytes(format, hidden); }
-  // The tokens output's row of dispatch row `row` of group `grp` (row_offset: row_offsets[grp]):
-  // the row itself when packed, else its slot's, -1 past the group's capacity.
-  EPCOMM_HD int64_t token_row(int64_t row, int32_t grp, int64_t row_offset) const {
-    if (capacity == 0) return row;
-    const int64_t j = row - row_offset;
-    return j >= 0 && j < capacity ? int64_t(grp) * capacity + j : -1;
-  }
   // Blockwise FP8's fp32 scales. Packed: [H/128, rows], scale k of row r at offset(r, k).
   // Padded: group g's block [H/128, C] at g * fp8().size(), slot j's scale k at offset(j, k)
   // in it.

@@ -93,6 +93,10 @@ __device__ void expand_message(const DispatchParams& p, const RecvGroups& rg, in
   const int64_t row_bytes = format_row_bytes(F, g.hidden);  // a multiple of 16 (Config)
   const DispatchOutputLayout layout = g.output();
   const int64_t row_limit = layout.rows;
+  // In the padded layout the tokens output's row of a dispatch row is its slot's (GroupSlots,
+  // over this call's row_offsets in shared memory).
+  const GroupSlots slots{reinterpret_cast<const uint32_t*>(rg.row_offset), n_local,
+                         layout.capacity};
   char* out = static_cast<char*>(p.out_tokens);
 
   const char* msg = window_at(g, g.rank, wl.dispatch_recv_offset() + wl.dispatch_recv().offset(src, m));
@@ -113,7 +117,7 @@ __device__ void expand_message(const DispatchParams& p, const RecvGroups& rg, in
     if (grp < n_local) row = int64_t(rg.base[src * n_local + grp]) + e.pos;
     if (row >= row_limit) row = -1;  // never write outside the output
     if constexpr (kPadded) {
-      if (row >= 0) at = layout.token_row(row, grp, rg.row_offset[grp]);
+      if (row >= 0) at = slots.slot_row(grp, row);
     } else {
       at = row;
     }
