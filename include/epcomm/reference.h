@@ -129,7 +129,7 @@ struct CrossNodeSizes {
   int64_t message = 0;          // a dispatch message (detail::MessageLayout::bytes())
   int64_t forward_message = 0;  // a forwarded one (detail::forward_message_bytes)
   int64_t combine_row = 0;      // a combine row (detail::CombineRecvLayout::row_bytes())
-  int64_t meta_record = 0;      // a meta record (detail::MetaLayout::bytes())
+  int64_t meta_record = 0;      // a meta record's put (detail::MetaLayout::payload_bytes())
 };
 // The sizes of a group running `p` in `format` with max_tokens_per_rank = max_tokens, as the
 // window lays them out (the modes' view: the shared expert's slot and group counted).

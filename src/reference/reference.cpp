@@ -323,7 +323,7 @@ CrossNodeSizes cross_node_sizes(const Problem& p, TokenFormat format, int32_t ma
   s.message = w.msg().bytes();
   s.forward_message = detail::forward_message_bytes(w.msg(), ranks_per_node);
   s.combine_row = w.combine_recv().row_bytes();
-  s.meta_record = w.meta().bytes();
+  s.meta_record = w.meta().payload_bytes();
   return s;
 }
 

@@ -349,7 +349,9 @@ TEST(Forwarding, SizesAreTheWindowsOwn) {
   EXPECT_EQ(bf16.message, 14464);
   EXPECT_EQ(bf16.forward_message, 14592);
   EXPECT_EQ(bf16.combine_row, 14336);
-  EXPECT_EQ(bf16.meta_record, (detail::MetaLayout{16, detail::num_chunks(4096), 16}.bytes()));
+  // A meta record's put carries the record less its 8-byte seq word, which goes as the put's
+  // signal (signal words are not data).
+  EXPECT_EQ(bf16.meta_record, (detail::MetaLayout{16, detail::num_chunks(4096), 16}.bytes()) - 8);
   const CrossNodeSizes fp8 = cross_node_sizes(p, TokenFormat::kFp8Blockwise, 128, 8);
   EXPECT_EQ(fp8.message, 7552);
   EXPECT_EQ(fp8.forward_message, 7680);

@@ -144,6 +144,9 @@ struct MetaLayout {
   EPCOMM_HD int64_t bytes() const {
     return align_up(rows_to_offset() + 4 * int64_t(n_ranks), 16);
   }
+  // What a put to another node carries: the record after its seq word (the seq goes last, as
+  // the put's signal, and is counted as a signal, not as data).
+  EPCOMM_HD int64_t payload_bytes() const { return bytes() - stream_count_offset(); }
   EPCOMM_HD int64_t rows_to_offset() const {
     return 16 + 4 * int64_t(n_local) + 4 * (int64_t(max_chunks) + 1);
   }

@@ -76,7 +76,7 @@ __device__ void write_meta(const GroupView& g, unsigned long long seq, int32_t d
   __syncwarp();
   // The record after its seq word, then seq as the signal.
   warp_put_signal(g, d, at + ml.stream_count_offset(), meta + ml.stream_count_offset(),
-                  ml.bytes() - ml.stream_count_offset(), at + ml.seq_offset(), seq);
+                  ml.payload_bytes(), at + ml.seq_offset(), seq);
 }
 
 __device__ void send_meta(const DispatchParams& p, unsigned long long seq, bool bad) {
