@@ -20,7 +20,8 @@ constexpr int kMaxRanks = 64;  // EP64: 8 nodes of 8 GPUs (WindowLayout::kMaxPee
 
 // Which dispatch kernels a group runs (docs/design.md "Modes"). Both give the same outputs, bit for bit.
 enum class DispatchPath : int32_t {
-  // kLowLatency where max_tokens_per_rank <= kLowLatencyMaxTokens, else kThroughput.
+  // kLowLatency where max_tokens_per_rank <= kLowLatencyMaxTokens and num_sms >=
+  // kLowLatencyMinSms, else kThroughput.
   kAuto = 0,
   // Prefill: tokens ranked over the whole grid (two grid barriers), sent in 16-token chunks by
   // a share of the blocks while the others expand the chunks that have arrived.
@@ -32,6 +33,14 @@ enum class DispatchPath : int32_t {
   kLowLatency = 2,
 };
 constexpr int32_t kLowLatencyMaxTokens = 512;
+// The fewest SMs with which kAuto takes the low-latency path. Across real links it wins only
+// when given nearly the whole GPU: on 4 x H200 over NVLink (4 ranks, 128 tokens a rank,
+// 2026-11-26, docs/performance.md) its dispatch took 120.9 / 99.0 / 73.6 / 63.9 us at 24 / 32 /
+// 64 / 132 SMs against the throughput path's 78.3 / 77.7 / 70.2 / 68.1 (FP8 `decode`; bf16 and
+// `small` alike, level at 132). Each of its blocks fences and flags its pieces round by round,
+// and with few blocks those rounds queue behind the link. With no link it was the faster one
+// at 24 SMs too (one H100, one rank, 2026-11-24: 72.4 against 101.2 us): ask for it there.
+constexpr int32_t kLowLatencyMinSms = 128;
 constexpr int32_t kNumDispatchPaths = 3;
 // "auto", "throughput", "low-latency".
 const char* dispatch_path_name(DispatchPath p);
@@ -133,8 +142,9 @@ struct Config {
   // The path the group runs: dispatch_path with kAuto resolved.
   DispatchPath resolved_path() const {
     if (dispatch_path != DispatchPath::kAuto) return dispatch_path;
-    return max_tokens_per_rank <= kLowLatencyMaxTokens ? DispatchPath::kLowLatency
-                                                       : DispatchPath::kThroughput;
+    return max_tokens_per_rank <= kLowLatencyMaxTokens && num_sms >= kLowLatencyMinSms
+               ? DispatchPath::kLowLatency
+               : DispatchPath::kThroughput;
   }
 
   // Throws Error(kInvalidArgument) naming the first bad field. n_ranks is the group size.

@@ -198,7 +198,9 @@ TEST(Config, EveryFieldIsCompared) {
     T& v = cs[2].*field.member;
     if constexpr (std::is_same_v<T, bool>)
       v = !v;
-    else if constexpr (std::is_enum_v<T>)  // kAuto -> kThroughput: good() resolves to kLowLatency
+    else if constexpr (std::is_same_v<T, DispatchPath>)  // good() resolves kAuto to kThroughput
+      v = DispatchPath::kLowLatency;
+    else if constexpr (std::is_enum_v<T>)
       v = T(int32_t(v) + 1);
     else
       v = T(v + 1);
@@ -293,10 +295,16 @@ TEST(Config, ReceiveCapSizesTheOutputs) {
   EXPECT_THROW(check_configs_match(cs, 2), Error);
 }
 
-// kAuto takes the low-latency path up to kLowLatencyMaxTokens tokens per rank; asking for it
-// above that is an error naming the field; the path is compared across ranks.
+// kAuto takes the low-latency path up to kLowLatencyMaxTokens tokens per rank with at least
+// kLowLatencyMinSms SMs; asking for it above that many tokens is an error naming the field; the
+// path is compared across ranks.
 TEST(Config, DispatchPathResolvesAndIsChecked) {
   Config c = good();
+  EXPECT_EQ(c.num_sms, 24);
+  EXPECT_EQ(c.resolved_path(), DispatchPath::kThroughput);  // decode-sized, but 24 SMs
+  c.num_sms = kLowLatencyMinSms - 1;
+  EXPECT_EQ(c.resolved_path(), DispatchPath::kThroughput);
+  c.num_sms = kLowLatencyMinSms;
   EXPECT_EQ(c.resolved_path(), DispatchPath::kLowLatency);
   c.max_tokens_per_rank = kLowLatencyMaxTokens + 1;
   EXPECT_EQ(c.resolved_path(), DispatchPath::kThroughput);
@@ -312,9 +320,9 @@ TEST(Config, DispatchPathResolvesAndIsChecked) {
   expect_bad(c, 8, "dispatch_path");
 
   Config cs[2] = {good(), good()};
-  cs[1].dispatch_path = DispatchPath::kLowLatency;  // what kAuto resolves to here: no mismatch
+  cs[1].dispatch_path = DispatchPath::kThroughput;  // what kAuto resolves to here: no mismatch
   EXPECT_NO_THROW(check_configs_match(cs, 2));
-  cs[1].dispatch_path = DispatchPath::kThroughput;
+  cs[1].dispatch_path = DispatchPath::kLowLatency;
   EXPECT_EQ(expect_mismatch(cs, 2, "dispatch_path"), ErrorCode::kConfigMismatch);
 }
 
