@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The benchmark on a device machine (after scripts/device_suite.sh built build-device): every
 # workload with the NCCL baseline at the default 24 SMs, then `prefill` against the number of SMs
-# (SMS_CURVE) and the decode path (`decode`, `decode-bf16`) against the number of SMs
-# (DECODE_SMS_CURVE), then the plot. BENCH_ARGS go to every run (e.g. "--ranks 8": 8 ranks
+# (SMS_CURVE) and `decode` and `decode-bf16` against the number of SMs (DECODE_SMS_CURVE) on each
+# dispatch path (the SM count from which the low-latency path wins decides what `auto` takes:
+# kLowLatencyMinSms, epcomm/config.h), then the plot. BENCH_ARGS go to every run (e.g. "--ranks 8": 8 ranks
 # sharing the GPUs there are; no NCCL baseline then, and the timings measure the protocol's fixed
 # costs, not links). Results under $OUT.
 set -uo pipefail
@@ -13,15 +14,21 @@ export EPCOMM_COMMIT=${EPCOMM_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null |
 timeout ${BENCH_TIMEOUT:-200} $BENCH $ARGS --json "$OUT/bench.json" >"$OUT/bench.txt" 2>"$OUT/bench.err"
 echo "bench rc=$?"
 grep -vE "^\s*$" "$OUT/bench.txt" | tail -40
-curve() {  # curve WORKLOAD SMS...: one run per SM count, no baseline, no check (checked above)
-  local w=$1; shift
+curve() {  # curve WORKLOAD PATH SMS...: one run per SM count, no baseline, no check (checked above)
+  local w=$1 path=$2; shift 2
   for s in "$@"; do
-    timeout ${CURVE_TIMEOUT:-60} $BENCH $ARGS --workload "$w" --sms "$s" --no-nccl --no-check \
-      --json "$OUT/${w}_sms$s.json" 2>>"$OUT/curve.err" | grep -E "^$w " | sed "s/^/sms=$s /"
+    timeout ${CURVE_TIMEOUT:-60} $BENCH $ARGS --workload "$w" --path "$path" --sms "$s" --no-nccl \
+      --no-check --json "$OUT/curves/${w}_${path}_sms$s.json" 2>>"$OUT/curve.err" | grep -E "^$w " |
+      sed "s/^/sms=$s $path /"
   done
 }
-curve prefill ${SMS_CURVE:-8 16 32 64}
-for w in decode decode-bf16; do curve $w ${DECODE_SMS_CURVE:-16 24 32 64 132}; done
+mkdir -p "$OUT/curves"
+curve prefill auto ${SMS_CURVE:-8 16 32 64}
+for w in decode decode-bf16; do
+  for path in throughput low-latency; do curve $w $path ${DECODE_SMS_CURVE:-16 24 32 64 132}; done
+done
+# One file for the curves' JSON: the device tool brings back at most 8 files.
+tar czf "$OUT/curves.tgz" -C "$OUT" curves && rm -rf "$OUT/curves"
 python3 bench/plot.py "$OUT/bench.png" "$OUT/bench.json" >/dev/null 2>>"$OUT/bench.err" &&
   echo "plot: bench.png" || echo "plot failed: $(tail -1 "$OUT/bench.err")"
 # The fused SiLU kernels on GPU 0 against their memory floor (bench/silu_bench.cpp).
