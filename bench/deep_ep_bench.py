@@ -5,7 +5,10 @@
                                                        [--host-profile 50]
 
 For each workload and each side (dispatch, combine) it times, with CUDA events around each call
-after a warm-up, over three rotating input sets, and prints median (min, max) in µs:
+after a warm-up, over three rotating input sets, and prints median (min, max) in µs, then
+[host h / H]: h the median host time of rank 0's calls (from the call to its return; a call
+that synchronises, as the layer's prefill dispatch does, counts its wait) and H the largest
+such median over the ranks (every call waits in its kernel for the slowest rank's launch):
   layer    the DeepEP calls: decode = low_latency_dispatch / low_latency_combine (FP8),
            prefill = get_dispatch_layout + dispatch / combine (bf16, top-k and weights)
   epcomm   epcomm.Group.dispatch / combine of the same tokens, routing and format from Python
@@ -23,6 +26,7 @@ Python functions it goes to.
 
 import argparse
 import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -56,18 +60,25 @@ def inputs(T, H, K, E, seed, dev):
 
 
 def timed(fn, iters, sets):
-    """Median, min, max µs of fn(i) (input set i) with events around each call."""
-    times = []
+    """Median, min, max µs of fn(i) (input set i) with events around each call; then the
+    median host µs from the call to its return, on this rank and the largest over the ranks
+    (a collective: every rank calls timed alike)."""
+    times, host = [], []
     for i in range(iters):
         dist.barrier()
         torch.cuda.synchronize()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
+        t0 = time.perf_counter()
         fn(i % len(sets))
+        host.append((time.perf_counter() - t0) * 1e6)
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b) * 1000.0)
-    return statistics.median(times), min(times), max(times)
+    h = statistics.median(host)
+    worst = torch.tensor([h], dtype=torch.float64)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return statistics.median(times), min(times), max(times), h, float(worst[0])
 
 
 def profiled(fn, calls, label, show):
@@ -124,7 +135,7 @@ def host_profiled(fns, calls, label, show):
 
 
 def fmt(t):
-    return f"{t[0]:8.1f} ({t[1]:.1f}, {t[2]:.1f})"
+    return f"{t[0]:8.1f} ({t[1]:.1f}, {t[2]:.1f}) [host {t[3]:.1f} / {t[4]:.1f}]"
 
 
 def main():
