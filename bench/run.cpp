@@ -184,7 +184,8 @@ class WorkloadRun {
         const ref::Problem& p = problems_.back();
         traffic_.push_back(ref::cross_node_traffic(
             p, cfg_.ranks_per_node,
-            ref::cross_node_sizes(p, cfg_.format, cfg_.max_tokens_per_rank, cfg_.ranks_per_node)));
+            ref::cross_node_sizes(p, cfg_.format, cfg_.max_tokens_per_rank, cfg_.ranks_per_node,
+                                  cfg_.resolved_path() == epcomm::DispatchPath::kLowLatency)));
         const std::vector<ref::CrossNodeTraffic>& traffic = traffic_.back();
         for (int r = 0; r < n; ++r) {
           result_.cross_node_direct[size_t(r)] +=

@@ -24,7 +24,7 @@ send/recv baseline, timed and checked against the CPU reference.
                           fits: max_resident_blocks / ranks per GPU)
   --path auto|throughput|low-latency
                           Config::dispatch_path (default auto: low-latency up to 512 tokens
-                          per rank, throughput above)
+                          per rank with --sms 128 or more, throughput otherwise)
   --ranks N               one process, N ranks, rank r on GPU r % GPUs; more ranks than GPUs
                           share them (Config::share_gpus; no NCCL baseline: it needs a GPU per
                           rank). Timings then measure the protocol's fixed costs, not links

@@ -126,15 +126,16 @@ uint64_t destination_ranks(const Problem& p, int32_t rank, int32_t t);
 // (validate_topk) send nothing; skip_a2a moves nothing, meta records included. Signal words
 // (chunk flags, arrival counters, acknowledgements) are not counted.
 struct CrossNodeSizes {
-  int64_t message = 0;          // a dispatch message (detail::MessageLayout::bytes())
+  int64_t message = 0;          // a dispatch message's puts (detail::MessageLayout::put_bytes)
   int64_t forward_message = 0;  // a forwarded one (detail::forward_message_bytes)
   int64_t combine_row = 0;      // a combine row (detail::CombineRecvLayout::row_bytes())
   int64_t meta_record = 0;      // a meta record's put (detail::MetaLayout::payload_bytes())
 };
 // The sizes of a group running `p` in `format` with max_tokens_per_rank = max_tokens, as the
-// window lays them out (the modes' view: the shared expert's slot and group counted).
+// window lays them out (the modes' view: the shared expert's slot and group counted), on the
+// low-latency dispatch path or the throughput path (Config::resolved_path).
 CrossNodeSizes cross_node_sizes(const Problem& p, TokenFormat format, int32_t max_tokens,
-                                int32_t ranks_per_node);
+                                int32_t ranks_per_node, bool low_latency);
 struct CrossNodePuts {
   int64_t dispatch_messages = 0;
   int64_t meta_records = 0;

@@ -29,6 +29,7 @@ from . import _frameworks as _fw
 from ._epcomm import (  # noqa: F401  (re-exported)
     FORMATS,
     LOW_LATENCY_MAX_TOKENS,
+    LOW_LATENCY_MIN_SMS,
     MAX_EXPERTS,
     MAX_RANKS,
     MAX_TOP_K,
@@ -70,6 +71,7 @@ __all__ = [
     "MAX_EXPERTS",
     "MAX_RANKS",
     "LOW_LATENCY_MAX_TOKENS",
+    "LOW_LATENCY_MIN_SMS",
     "SHARED_EXPERT_ID",
     "spans_nodes_supported",
 ]

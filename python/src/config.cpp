@@ -42,6 +42,7 @@ void bind_config(nb::module_& m) {
   m.attr("MAX_EXPERTS") = epcomm::kMaxExperts;
   m.attr("MAX_RANKS") = epcomm::kMaxRanks;
   m.attr("LOW_LATENCY_MAX_TOKENS") = epcomm::kLowLatencyMaxTokens;
+  m.attr("LOW_LATENCY_MIN_SMS") = epcomm::kLowLatencyMinSms;
   m.attr("SHARED_EXPERT_ID") = epcomm::kSharedExpertId;
   {
     std::vector<std::string> formats;

@@ -42,6 +42,16 @@ def test_config_keywords_round_trip():
     cfg.validate(4)
 
 
+def test_dispatch_path_limits():
+    # `auto` takes the low-latency path up to LOW_LATENCY_MAX_TOKENS tokens a rank with at least
+    # LOW_LATENCY_MIN_SMS SMs (epcomm/config.h); asking for it past the token limit is refused.
+    assert epcomm.LOW_LATENCY_MAX_TOKENS == 512 and epcomm.LOW_LATENCY_MIN_SMS == 128
+    over = dict(BASE, max_tokens_per_rank=epcomm.LOW_LATENCY_MAX_TOKENS + 1)
+    epcomm.make_config(**over).validate(4)
+    with pytest.raises(epcomm.InvalidArgument, match="max_tokens_per_rank"):
+        epcomm.make_config(**over, dispatch_path="low-latency").validate(4)
+
+
 def test_config_unknown_and_mistyped_fields():
     with pytest.raises(TypeError, match="unknown field 'hiden'"):
         epcomm.make_config(hiden=7168)

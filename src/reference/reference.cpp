@@ -313,14 +313,14 @@ uint64_t destination_ranks(const Problem& p, int32_t rank, int32_t t) {
 }
 
 CrossNodeSizes cross_node_sizes(const Problem& p, TokenFormat format, int32_t max_tokens,
-                                int32_t ranks_per_node) {
+                                int32_t ranks_per_node, bool low_latency) {
   check_problem(p);
   const RouteMap rm = p.route(0);
   // The window the group would have (its view: GroupView::layout()).
   const detail::WindowLayout w{rm.view_ranks(), p.hidden, rm.slots(), rm.view_experts(),
                                max_tokens,      format,   0};
   CrossNodeSizes s;
-  s.message = w.msg().bytes();
+  s.message = w.msg().put_bytes(low_latency);
   s.forward_message = detail::forward_message_bytes(w.msg(), ranks_per_node);
   s.combine_row = w.combine_recv().row_bytes();
   s.meta_record = w.meta().payload_bytes();

@@ -345,16 +345,42 @@ TEST(Forwarding, ByteModelMatchesTheClosedFormOnLargeUniformRoutings) {
 
 TEST(Forwarding, SizesAreTheWindowsOwn) {
   const Problem p = make_problem(16, 7168, 8, 256, std::vector<int32_t>(16, 1), 1);
-  const CrossNodeSizes bf16 = cross_node_sizes(p, TokenFormat::kBF16, 4096, 8);
-  EXPECT_EQ(bf16.message, 14464);
-  EXPECT_EQ(bf16.forward_message, 14592);
-  EXPECT_EQ(bf16.combine_row, 14336);
-  // A meta record's put carries the record less its 8-byte seq word, which goes as the put's
-  // signal (signal words are not data).
-  EXPECT_EQ(bf16.meta_record, (detail::MetaLayout{16, detail::num_chunks(4096), 16}.bytes()) - 8);
-  const CrossNodeSizes fp8 = cross_node_sizes(p, TokenFormat::kFp8Blockwise, 128, 8);
-  EXPECT_EQ(fp8.message, 7552);
-  EXPECT_EQ(fp8.forward_message, 7680);
+  for (bool ll : {false, true}) {
+    SCOPED_TRACE(ll ? "low-latency path" : "throughput path");
+    const CrossNodeSizes bf16 = cross_node_sizes(p, TokenFormat::kBF16, 4096, 8, ll);
+    EXPECT_EQ(bf16.message, 14464);  // 128-byte header + 2 H: no padding on either path
+    EXPECT_EQ(bf16.forward_message, 14592);
+    EXPECT_EQ(bf16.combine_row, 14336);
+    // A meta record's put carries the record less its 8-byte seq word, which goes as the put's
+    // signal (signal words are not data).
+    EXPECT_EQ(bf16.meta_record, (detail::MetaLayout{16, detail::num_chunks(4096), 16}.bytes()) - 8);
+  }
+  // FP8: the throughput path puts the whole message (header 128 + codes 7168 + scales 224,
+  // padded to 128 bytes); the low-latency path puts the header and each part's codes and
+  // scales, without the padding.
+  EXPECT_EQ(cross_node_sizes(p, TokenFormat::kFp8Blockwise, 128, 8, false).message, 7552);
+  EXPECT_EQ(cross_node_sizes(p, TokenFormat::kFp8Blockwise, 128, 8, true).message, 7520);
+  EXPECT_EQ(cross_node_sizes(p, TokenFormat::kFp8Blockwise, 128, 8, false).forward_message, 7680);
+}
+
+// The low-latency path's puts of one message (ll_send.cuh put_part: the header with part 0,
+// then each part's codes and scales) add up to MessageLayout::put_bytes(true), for every format
+// and hiddens that end a part early.
+TEST(Forwarding, LowLatencyPutsAddUp) {
+  for (int32_t f = 0; f < kNumTokenFormats; ++f) {
+    const TokenFormat format = TokenFormat(f);
+    for (int32_t hidden : {2048, 2880, 7168}) {
+      if (hidden % format_hidden_multiple(format)) continue;
+      SCOPED_TRACE(std::string(token_format_name(format)) + ", H = " + std::to_string(hidden));
+      const detail::MessageLayout ml{hidden, 8, format};
+      int64_t sum = ml.header_bytes();
+      for (int32_t part = 0; part < detail::num_parts(hidden); ++part)
+        sum += ml.part_codes_bytes(part) + ml.part_scales_bytes(part);
+      EXPECT_EQ(ml.put_bytes(true), sum);
+      EXPECT_EQ(ml.put_bytes(false), ml.bytes());
+      EXPECT_LE(ml.put_bytes(true), ml.bytes());
+    }
+  }
 }
 
 // The forwarded combine order, by hand: 4 ranks as 2 nodes of 2, one expert per rank; rank 0's

@@ -73,6 +73,15 @@ struct MessageLayout {
   EPCOMM_HD int64_t scales_offset() const { return header_bytes() + codes_bytes(); }
   EPCOMM_HD int64_t payload_bytes() const { return codes_bytes() + scales_bytes(); }
   EPCOMM_HD int64_t bytes() const { return align_up(header_bytes() + payload_bytes(), kAlign); }
+  // What the puts of one message to a rank of another node carry: the whole message on the
+  // throughput path (one put); on the low-latency path the header and each part's codes and
+  // scales (one put each, so the sum of part_codes_bytes and part_scales_bytes: no padding).
+  EPCOMM_HD int64_t put_bytes(bool low_latency) const {
+    return low_latency
+               ? header_bytes() + format_row_bytes(format, hidden) +
+                     int64_t(format_scales_per_row(format, hidden)) * format_scale_bytes(format)
+               : bytes();
+  }
   // Byte ranges of the low-latency path's part p (values [p * kPartValues, ...), see below)
   // inside a message: its codes and its scales (empty for bf16).
   EPCOMM_HD int64_t part_codes_offset(int32_t p) const;
