@@ -113,6 +113,12 @@ struct RouteMap {
   EPCOMM_HD int64_t max_group_rows(int32_t max_tokens) const {
     return int64_t(view_ranks()) * max_tokens;
   }
+  // Whether a padded layout of `capacity` slots a group holds every group's rows, with its
+  // groups * capacity slots below 2^31 (Config::padded_capacity, CombineInput::
+  // expert_out_capacity).
+  EPCOMM_HD bool padded_capacity_fits(int32_t max_tokens, int64_t capacity) const {
+    return capacity >= max_group_rows(max_tokens) && capacity < (int64_t(1) << 31) / groups();
+  }
 };
 
 // What combine needs to send a dispatched row home. One per dispatch output row.

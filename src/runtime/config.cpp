@@ -183,7 +183,7 @@ void Config::validate(int n_ranks) const {
             int(format));
     const RouteMap route = this->route(n_ranks, 0);
     const int64_t most = route.max_group_rows(max_tokens_per_rank);
-    require(padded_capacity >= most && padded_capacity < (int64_t(1) << 31) / route.groups(),
+    require(route.padded_capacity_fits(max_tokens_per_rank, padded_capacity),
             name(&Config::padded_capacity),
             "0 (packed) or at least the most rows a group can receive, " + std::to_string(most) +
                 ", with padded_capacity * " + std::to_string(route.groups()) + " groups below 2^31",

@@ -836,7 +836,8 @@ static detail::CombineParams prepare_combine(detail::GroupState& s, const Combin
     require_ptr(in->src_info, s.rank, op, "src_info", false);
     const int64_t most = s.view.route.max_group_rows(s.cfg.max_tokens_per_rank);
     const int64_t cap = in->expert_out_capacity;
-    require(cap == 0 || (cap >= most && cap < (int64_t(1) << 31) / s.view.n_local()), s.rank, op,
+    require(cap == 0 || s.view.route.padded_capacity_fits(s.cfg.max_tokens_per_rank, cap), s.rank,
+            op,
             "expert_out_capacity = " + std::to_string(cap) +
                 ": 0 (dispatch row order), or a padded layout of at least " + std::to_string(most) +
                 " slots a group (the most rows a group can receive: the group's ranks, 1 with "

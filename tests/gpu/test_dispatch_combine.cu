@@ -160,10 +160,7 @@ TEST(Combine, ReadsThePaddedLayout) {
           for (int64_t extra : {0, 5}) {
             const auto p = reference::make_problem(n, 2048, 8, 8 * n, random_counts(n, 96, seed),
                                                    seed, 0.0, 0.1);
-            RoundOptions o;
-            o.form = form;
-            o.unreduced = true;
-            o.expert_side = expert_side;
+            RoundOptions o = every_combine(form, expert_side);
             o.padded_extra_slots = extra;
             EXPECT_EQ(run_round(lg, p, o), "")
                 << token_format_name(format) << ", " << dispatch_path_name(path) << ", "

@@ -55,10 +55,7 @@ TEST(PaddedDispatch, MatchesThePaddedReference) {
           for (bool expert_side : {false, true}) {
             const auto p = reference::make_problem(n, 2048, 8, 8 * n, random_counts(n, 96, seed),
                                                    seed, 0.0, 0.1);
-            RoundOptions o;
-            o.form = form;
-            o.unreduced = true;
-            o.expert_side = expert_side;
+            RoundOptions o = every_combine(form, expert_side);
             // The masked-GEMM flow on the expert side: combine reads the expert outputs in the
             // padded layout, at the dispatch's capacity.
             if (expert_side) o.padded_extra_slots = extra;

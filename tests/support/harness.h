@@ -231,6 +231,15 @@ struct RoundOptions {
   int64_t padded_extra_slots = -1;
 };
 std::string run_round(LocalGroup& lg, const reference::Problem& p, const RoundOptions& o);
+// A round in `form` that checks every combine of its dispatch: the expert side's (expert_side),
+// or the token side's weighted and un-reduced ones.
+inline RoundOptions every_combine(Form form, bool expert_side) {
+  RoundOptions o;
+  o.form = form;
+  o.unreduced = true;
+  o.expert_side = expert_side;
+  return o;
+}
 
 }  // namespace testing
 }  // namespace epcomm
