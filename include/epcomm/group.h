@@ -105,7 +105,10 @@ struct CombineInput {
   const void* expert_out = nullptr;        // expert_out_desc(); rows past row_offsets[G] unread
   const uint32_t* row_offsets = nullptr;   // from dispatch
   const SrcInfo* src_info = nullptr;       // from dispatch
-  int32_t hidden = 0;                      // must equal Config::hidden
+  // The columns combined: Config::hidden, or fewer (a multiple of 8): expert_out's rows and
+  // the output then hold `hidden` columns, e.g. when the dispatched rows carried data of the
+  // caller's after the values the experts transform (the DeepEP layer's top-k ids and weights).
+  int32_t hidden = 0;
   // 0: expert_out is [max_recv_rows, H] in dispatch row order. > 0: expert_out is the padded
   // per-expert layout [G, capacity, H] (epcomm/padded_layout.h; what a masked grouped GEMM
   // writes): row i of group g is read at slot (g, i - row_offsets[g]), and no unpad copy is

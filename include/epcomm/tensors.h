@@ -66,8 +66,11 @@ struct TensorDesc {
 std::vector<TensorDesc> dispatch_output_descs(const Config& cfg, const Sizes& sizes);
 
 // The combine output for num_tokens tokens: reduced (router weights given to dispatch or to
-// combine) bf16 [T, H]; un-reduced bf16 [T, K, H] (row k of token t: its top-k slot k).
-TensorDesc combine_output_desc(const Config& cfg, int32_t num_tokens, bool reduced);
+// combine) bf16 [T, H]; un-reduced bf16 [T, K, H] (row k of token t: its top-k slot k). H is
+// `hidden` where given (> 0: a combine of fewer columns, CombineInput::hidden), else the
+// config's.
+TensorDesc combine_output_desc(const Config& cfg, int32_t num_tokens, bool reduced,
+                               int32_t hidden = 0);
 
 // What combine reads on the expert side: bf16 [R, H], the expert output of each row of a
 // dispatch output (rows past row_offsets[G] are not read).

@@ -151,6 +151,7 @@ class _Routing:
         self.num_experts = num_experts
         self.num_rows = 0                 # rows of recv_x (num_worst_tokens where given)
         self.worst = worst                # the recv row cap (num_worst_tokens) or 0
+        self.data_key = None              # the group the rows went through (last dispatch)
         self.meta_key = None              # the group the top-k and weights went through
         self.is_token_in_rank = None      # bool [T, R], the dispatch's
         self.tokens_to_rank = None        # int32 [R]: this rank's tokens sent to each rank
@@ -590,7 +591,8 @@ class Buffer:
             routing.is_token_in_rank = is_token_in_rank
         self._on_device(call, x=codes, scales=scales)
         S = 0 if scales is None else scales.size(1)
-        meta_words = S + 2 * K  # int32 words: scales, then topk_idx, then weights
+        meta_words = S + 2 * K  # int32 words after the codes: scales, topk_idx, weights
+        cw = row_bytes // 4     # the codes' int32 words (row_bytes is a multiple of 16)
         compute, comm = self._streams(call, previous_event, async_finish, allocate_on_comm_stream)
         alloc = comm if allocate_on_comm_stream else compute
         with torch.cuda.stream(comm):
@@ -602,26 +604,29 @@ class Buffer:
                 routing.tokens_to_rank = is_token_in_rank.sum(0, dtype=torch.int32)
                 routing.tokens_ready = torch.cuda.Event()
                 routing.tokens_ready.record(comm)
-            payload = codes if scales is None and codes.dtype == torch.bfloat16 else \
-                codes.view(torch.uint8).view(torch.bfloat16)
+            if meta_words:
+                # One dispatch: each row carries the codes, then the scales, top-k ids and
+                # weights (one concatenation), padded to a multiple of 16 bytes. Combine brings
+                # back only the first columns of such rows (a combine of fewer columns).
+                width = -(-(cw + meta_words) // 4) * 4  # int32 words
+                parts = [codes.view(torch.uint8).view(torch.int32)] + (
+                    [scales.view(torch.int32)] if S else []) + (
+                    [topk_idx.to(torch.int32), topk_weights.view(torch.int32)] if K else [])
+                if width > cw + meta_words:
+                    parts.append(torch.zeros((T, width - cw - meta_words), dtype=torch.int32,
+                                             device=codes.device))
+                payload = torch.cat(parts, dim=1).view(torch.bfloat16)
+            else:
+                payload = codes if codes.dtype == torch.bfloat16 else \
+                    codes.view(torch.uint8).view(torch.bfloat16)
             data_key = ("data", payload.size(1), num_sms, routing.worst)
             g = self._dispatch_on(data_key, payload, routing, num_sms, stream)
+            routing.data_key = data_key
             d = g._dispatch_result("torch", None, stream)
-            meta = None
-            if meta_words:
-                width = -(-meta_words // 4) * 4  # words, so the bf16 row is a multiple of 8
-                # One concatenation (host time: a torch op each): scales, ids, weights, zeros.
-                parts = ([scales.view(torch.int32)] if S else []) + (
-                    [topk_idx.to(torch.int32), topk_weights.view(torch.int32)] if K else [])
-                if width > meta_words:
-                    parts.append(torch.zeros((T, width - meta_words), dtype=torch.int32,
-                                             device=codes.device))
-                m = torch.cat(parts, dim=1)
-                meta_key = ("meta", 2 * width, num_sms, routing.worst)
-                gm = self._dispatch_on(meta_key, m.view(torch.bfloat16), routing, num_sms, stream)
-                meta = gm._dispatch_result("torch", None, stream).tokens.view(torch.int32)
-                if not cached:
-                    routing.meta_key = meta_key
+            rows = d.tokens.view(torch.int32)  # [max rows, width]: codes, then the rest
+            meta = rows[:, cw:] if meta_words else None
+            if K and not cached:
+                routing.meta_key = data_key
             n_local = routing.num_experts // R
             recv_dev = d.row_offsets[1:2]
             if K:  # local ids of the rows that arrived; -1 elsewhere and past the last row
@@ -657,8 +662,7 @@ class Buffer:
                 recv_x = torch.empty((N, codes.size(1)), dtype=codes.dtype, device=codes.device)
                 recv_scales = None if scales is None else torch.empty(
                     (N, S), dtype=scales.dtype, device=codes.device)
-            recv_x.view(torch.uint8).copy_(d.tokens[:N].view(torch.uint8).view(
-                N, row_bytes))
+            recv_x.view(torch.uint8).copy_(d.tokens[:N].view(torch.uint8)[:, :row_bytes])
             if S:
                 recv_scales.view(torch.int32).copy_(meta[:N, :S])
             recv_topk_idx = recv_topk_weights = None
@@ -713,11 +717,15 @@ class Buffer:
         with torch.cuda.stream(comm):
             stream = comm.cuda_stream
             ones = torch.ones((T, R), dtype=torch.float32, device=x.device)
-            half_key = ("data", H // 2, num_sms, handle.worst)
-            if self._routing.get(half_key) is handle and self._routing.get(
-                    ("data", H, num_sms, handle.worst)) is not handle and H % 16 == 0:
-                # After an FP8 dispatch: the codes group (H / 2 words) reduces each half.
-                g = self._groups[half_key]
+            # The group the dispatch's rows went through, if nothing has dispatched on it since:
+            # it brings back x's H columns, or (rows narrower than H: FP8 codes and the rest)
+            # each half of them.
+            key = handle.data_key
+            routed = key is not None and key[2] == num_sms and self._routing.get(key) is handle
+            if routed and key[1] >= H:
+                self._groups[key]._impl.combine(x, ones, stream, out, None, None, N)
+            elif routed and key[1] >= H // 2 and H % 16 == 0:
+                g = self._groups[key]
                 for lo in (0, H // 2):
                     part = x[:, lo:lo + H // 2].contiguous()
                     o = torch.empty((T, H // 2), dtype=torch.bfloat16, device=x.device)
@@ -735,14 +743,15 @@ class Buffer:
             combined_w = None
             if topk_weights is not None:
                 K = topk_weights.size(1)
-                width = -(-K // 4) * 4
+                width = -(-K // 4) * 4  # int32 words: a bf16 row of a multiple of 8 columns
                 meta_key = handle.meta_key  # the dispatch's top-k group, where it fits
                 if meta_key is None or meta_key[1] < 2 * width or meta_key[2] != num_sms:
                     meta_key = ("meta", 2 * width, num_sms, handle.worst)
-                gm = self._routed_group(meta_key, 2 * width, handle, num_sms, stream)
-                mw = torch.zeros((N, meta_key[1] // 2), dtype=torch.int32, device=x.device)
+                gm = self._routed_group(meta_key, meta_key[1], handle, num_sms, stream)
+                # The weights' columns only (a combine of fewer columns than the group's rows).
+                mw = torch.zeros((N, width), dtype=torch.int32, device=x.device)
                 mw[:, :K] = topk_weights.view(torch.int32)
-                un = torch.empty((T, R, meta_key[1]), dtype=torch.bfloat16, device=x.device)
+                un = torch.empty((T, R, 2 * width), dtype=torch.bfloat16, device=x.device)
                 gm._impl.combine(mw.view(torch.bfloat16), None, stream, un, None, None, N)
                 w = un.view(torch.int32)[:, :, :K].view(torch.float32)
                 w = torch.where(handle.rank_ids.unsqueeze(2) >= 0, w, 0.0)

@@ -121,7 +121,9 @@ void bind_config(nb::module_& m) {
         "The dispatch outputs of a group with this config and sizes: tokens, row_offsets, "
         "expert_ids, src_info, scales, scales_offsets (shape [0] where the format has none).");
   m.def("combine_output_desc", &epcomm::combine_output_desc, "config"_a, "num_tokens"_a,
-        "reduced"_a, "The combine output: [T, H] bf16 reduced, else [T, top_k, H].");
+        "reduced"_a, "hidden"_a = 0,
+        "The combine output: [T, H] bf16 reduced, else [T, top_k, H]; H = hidden where given "
+        "(a combine of fewer columns), else the config's.");
   m.def("expert_out_desc", &epcomm::expert_out_desc, "config"_a, "sizes"_a,
         "What combine reads on the expert side: [max_recv_rows, H] bf16.");
 }

@@ -248,7 +248,7 @@ class PyGroup {
     if (expert_out.ndim() == 3) {
       // The padded per-expert layout [G, capacity, hidden] (CombineInput::expert_out_capacity;
       // set-up checks the capacity).
-      check_array(c, "expert_out", expert_out, Elem::kBf16, {s.num_groups, -1, cfg.hidden},
+      check_array(c, "expert_out", expert_out, Elem::kBf16, {s.num_groups, -1, -1},
                   "[G, capacity, hidden]: the padded per-expert layout");
       in.expert_out_capacity = int64_t(expert_out.shape(1));
       if (in.expert_out_capacity == 0)
@@ -256,10 +256,16 @@ class PyGroup {
                 " has no slots: the padded layout needs a capacity of at least the most rows "
                 "a group can receive");
     } else {
-      check_array(c, "expert_out", expert_out, Elem::kBf16, {-1, cfg.hidden},
+      check_array(c, "expert_out", expert_out, Elem::kBf16, {-1, -1},
                   "[rows, hidden], rows >= the dispatch output's rows (sizes.max_recv_rows); "
                   "or [G, capacity, hidden], the padded per-expert layout");
     }
+    // The columns combined: the group's hidden, or fewer (CombineInput::hidden).
+    const int64_t h = int64_t(expert_out.shape(expert_out.ndim() - 1));
+    if (h < 8 || h > cfg.hidden || h % 8)
+      invalid(c.op + ": expert_out " + shape_str(expert_out) + " has " + std::to_string(h) +
+              " columns: the group's hidden (" + std::to_string(cfg.hidden) +
+              ") or fewer, a positive multiple of 8");
     const int64_t need = used_rows >= 0 ? std::min(used_rows, s.max_recv_rows) : s.max_recv_rows;
     if (in.expert_out_capacity == 0 && int64_t(expert_out.shape(0)) < need)
       invalid(c.op + ": expert_out has " + std::to_string(expert_out.shape(0)) +
@@ -273,7 +279,7 @@ class PyGroup {
               ": give both row_offsets and src_info (the dispatch output's), or neither "
               "(the group's own dispatch output)");
     in.expert_out = present(expert_out);
-    in.hidden = cfg.hidden;
+    in.hidden = int32_t(h);
     if (row_offsets) {
       check_array(c, "row_offsets", *row_offsets, Elem::kI32,
                   epcomm::find_desc(descs_, "row_offsets")->shape, "[G + 1]");
@@ -287,9 +293,11 @@ class PyGroup {
     return in;
   }
 
-  // The combine output for the last dispatch: the caller's `out` or the group's buffer.
+  // The combine output for the last dispatch, of `hidden` columns: the caller's `out` or the
+  // group's buffer (which a combine of fewer columns than the group's does not take).
   epcomm::CombineOutput combine_output(const Ctx& c, const std::optional<Array>& weights,
-                                       const std::optional<Array>& out, uintptr_t stream) {
+                                       const std::optional<Array>& out, uintptr_t stream,
+                                       int32_t hidden) {
     const epcomm::Config& cfg = live()->config();
     const epcomm::DispatchRecord last = live()->last_dispatch();
     if (last.num_tokens < 0) invalid(c.op + ": no dispatch has completed on this group yet");
@@ -305,10 +313,16 @@ class PyGroup {
       o.weights = static_cast<const float*>(present(*weights));
     }
     const bool reduced = weights || last.weights;
+    if (hidden <= 0) hidden = cfg.hidden;
+    if (!out && hidden != cfg.hidden)
+      invalid(c.op + ": a combine of " + std::to_string(hidden) +
+              " columns, fewer than the group's hidden (" + std::to_string(cfg.hidden) +
+              "), needs out= (its group buffer is the group's width)");
     if (out) {
       check_array(c, "out", *out, Elem::kBf16,
-                  epcomm::combine_output_desc(cfg, int32_t(T), reduced).shape,
-                  reduced ? "[T, hidden] for the T tokens of the last dispatch"
+                  epcomm::combine_output_desc(cfg, int32_t(T), reduced, hidden).shape,
+                  reduced ? "[T, hidden] for the T tokens of the last dispatch (hidden: "
+                            "expert_out's columns)"
                           : "[T, top_k, hidden] (no router weights: the un-reduced rows)");
       o.out = const_cast<void*>(present(*out));  // T = 0: a null tensor is fine
     } else if (reduced) {
@@ -343,7 +357,7 @@ class PyGroup {
                     const std::optional<Array>& src_info, int64_t used_rows) {
     const Ctx c = ctx("combine");
     const epcomm::CombineInput in = combine_input(c, expert_out, row_offsets, src_info, used_rows);
-    const epcomm::CombineOutput o = combine_output(c, weights, out, stream);
+    const epcomm::CombineOutput o = combine_output(c, weights, out, stream, in.hidden);
     DeviceGuard guard;
     {
       nb::gil_scoped_release nogil;
@@ -358,14 +372,17 @@ class PyGroup {
     const Ctx c = ctx("combine_async");
     const epcomm::CombineInput in = combine_input(c, expert_out, row_offsets, src_info, used_rows);
     DeviceGuard guard;
-    nb::gil_scoped_release nogil;
-    live()->combine_async(in, as_stream(stream));
+    {
+      nb::gil_scoped_release nogil;
+      live()->combine_async(in, as_stream(stream));
+    }
+    async_combine_hidden_ = in.hidden;  // combine_wait's output width
   }
 
   nb::tuple combine_wait(const std::optional<Array>& weights, uintptr_t stream,
                          const std::optional<Array>& out) {
     const Ctx c = ctx("combine_wait");
-    const epcomm::CombineOutput o = combine_output(c, weights, out, stream);
+    const epcomm::CombineOutput o = combine_output(c, weights, out, stream, async_combine_hidden_);
     DeviceGuard guard;
     {
       nb::gil_scoped_release nogil;
@@ -559,6 +576,7 @@ class PyGroup {
   int event_device_ = 0;
   std::unique_ptr<epcomm::Group> g_;
   std::vector<epcomm::TensorDesc> descs_;  // the dispatch outputs (epcomm/tensors.h)
+  int32_t async_combine_hidden_ = 0;       // the last combine_async's columns (0: the group's)
   DeviceBuffer tokens_, scales_, row_offsets_, expert_ids_, src_info_, scales_offsets_, counts_,
       slot_token_, layout_range_, out_, unreduced_;
   bool padded_own_ = false;  // allocate_lazy has run

@@ -102,6 +102,58 @@ def test_one_process_several_ranks(padded):
         assert epcomm.reference.compare_combine_expert_side(ref, got) == ""
 
 
+@pytest.mark.parametrize("side", ["expert", "token"])
+def test_combine_of_fewer_columns(side):
+    """Combine of expert outputs narrower than the dispatched rows (CombineInput::hidden): the
+    result equals the first columns of the full-width combine of the same rows, bit for bit
+    (each column is summed on its own, in the same order); it needs out=."""
+    n = 2
+    ngpu = torch.cuda.device_count()
+    H, K, E, T, h = 256, 2, 8, 24, 72
+    groups = epcomm.Group.create_local([r % ngpu for r in range(n)], hidden=H, top_k=K,
+                                       n_experts=E, max_tokens_per_rank=T,
+                                       share_gpus=ngpu < n, num_sms=8)
+    p = epcomm.reference.make_problem(n, H, K, E, [T, 11], seed=5)
+    streams = [torch.cuda.Stream(g.device) for g in groups]
+    inputs = []
+    for r, g in enumerate(groups):
+        with torch.cuda.device(g.device):
+            inputs.append((torch.from_numpy(p.tokens(r)).to(g.device).view(torch.bfloat16),
+                           torch.from_numpy(p.topk_ids(r)).to(g.device),
+                           torch.from_numpy(p.weights(r)).to(g.device)))
+            streams[r].wait_stream(torch.cuda.current_stream(g.device))
+
+    def round_trip(cols):
+        outs = []
+        for r, g in enumerate(groups):  # every rank's dispatch before any synchronisation
+            x, ids, w = inputs[r]
+            outs.append(g.dispatch(x, ids, w if side == "expert" else None, stream=streams[r]))
+        results = []
+        for r, g in enumerate(groups):
+            with torch.cuda.device(g.device):
+                y = outs[r].tokens[:, :cols].contiguous()  # expert outputs: the rows' columns
+                out = torch.full((inputs[r][0].size(0), cols), float("nan"),
+                                 dtype=torch.bfloat16, device=g.device)
+                streams[r].wait_stream(torch.cuda.current_stream(g.device))
+                w = inputs[r][2] if side == "token" else None
+                results.append(g.combine(y, w, out=out, stream=streams[r]))
+        for r, g in enumerate(groups):
+            g.synchronize(streams[r])
+        return [t.cpu() for t in results]
+
+    full = round_trip(H)
+    narrow = round_trip(h)
+    for r in range(n):
+        assert torch.equal(narrow[r].view(torch.int16), full[r][:, :h].view(torch.int16))
+    # Without out= a narrower combine is refused (the group's buffer is the group's width).
+    for r, g in enumerate(groups):
+        x, ids, w = inputs[r]
+        g.dispatch(x, ids, w, stream=streams[r])
+    with pytest.raises(epcomm.InvalidArgument, match="needs out="):
+        groups[0].combine(torch.zeros((groups[0].sizes.max_recv_rows, h), dtype=torch.bfloat16,
+                                      device=groups[0].device), stream=streams[0])
+
+
 def test_cupy_tensors_in_and_out():
     cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
     H, K, E, T = 256, 2, 4, 16

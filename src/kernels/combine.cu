@@ -20,7 +20,7 @@ int load_combine_kernels_default() {
 }
 
 void launch_combine_default(const CombineParams& p, bool send, bool recv, cudaStream_t stream) {
-  const StoreBf16 store{static_cast<uint16_t*>(p.out), p.g.hidden};
+  const StoreBf16 store{static_cast<uint16_t*>(p.out), p.hidden};
   launch_combine(p, store, send, recv, stream);
 }
 

@@ -67,6 +67,7 @@ struct GroupState {
   DispatchRecord pending;  // the dispatch_async waiting for its dispatch_wait
   bool async_dispatch_pending = false;
   bool async_combine_pending = false;
+  int32_t async_combine_hidden = 0;  // the combine_async's CombineInput::hidden
 
   ~GroupState();
   void setup(const Config& config, Bootstrap& bs, int dev);
@@ -816,21 +817,21 @@ static detail::CombineParams prepare_combine(detail::GroupState& s, const Combin
     require(!s.async_combine_pending, s.rank, op,
             "a combine_async is waiting for its combine_wait");
   }
+  if (in)
+    require(in->hidden > 0 && in->hidden <= s.cfg.hidden && in->hidden % 8 == 0, s.rank, op,
+            "hidden = " + std::to_string(in->hidden) + ": the group's hidden (" +
+                std::to_string(s.cfg.hidden) + ") or fewer columns, a positive multiple of 8");
   detail::CombineParams p{};
   p.g = s.view;
   p.topk = s.scratch.topk;
   p.expert_side = s.last.weights ? 1 : 0;
-  p.whole_rows = detail::combine_whole_rows(s.last.num_tokens, s.cfg.hidden,
-                                            s.view.num_blocks)
-                     ? 1
-                     : 0;
+  // The columns: this call's, or (combine_wait) its combine_async's.
+  p.hidden = in ? in->hidden : s.async_combine_hidden;
+  p.whole_rows = detail::combine_whole_rows(s.last.num_tokens, p.hidden, s.view.num_blocks) ? 1 : 0;
   p.recv_base = s.scratch.recv_base;
   p.recv_count = s.scratch.recv_count;
   p.self_row = s.scratch.self_row;
   if (in) {
-    require(in->hidden == s.cfg.hidden, s.rank, op,
-            "hidden = " + std::to_string(in->hidden) + " but the group was set up with hidden = " +
-                std::to_string(s.cfg.hidden));
     require_ptr(in->expert_out, s.rank, op, "expert_out", true);
     require_ptr(in->row_offsets, s.rank, op, "row_offsets", false);
     require_ptr(in->src_info, s.rank, op, "src_info", false);
@@ -863,6 +864,7 @@ static detail::CombineParams prepare_combine(detail::GroupState& s, const Combin
     p.weights = out->weights;
   }
   s.async_combine_pending = in && !out;
+  if (in && !out) s.async_combine_hidden = in->hidden;
   return p;
 }
 

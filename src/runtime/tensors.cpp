@@ -105,9 +105,11 @@ std::vector<TensorDesc> dispatch_output_descs(const Config& cfg, const Sizes& si
   return d;
 }
 
-TensorDesc combine_output_desc(const Config& cfg, int32_t num_tokens, bool reduced) {
-  if (reduced) return contiguous("out", DType::kBF16, {num_tokens, cfg.hidden});
-  return contiguous("out", DType::kBF16, {num_tokens, cfg.top_k, cfg.hidden});
+TensorDesc combine_output_desc(const Config& cfg, int32_t num_tokens, bool reduced,
+                               int32_t hidden) {
+  const int64_t H = hidden > 0 ? hidden : cfg.hidden;
+  if (reduced) return contiguous("out", DType::kBF16, {num_tokens, H});
+  return contiguous("out", DType::kBF16, {num_tokens, cfg.top_k, H});
 }
 
 TensorDesc expert_out_desc(const Config& cfg, const Sizes& sizes) {

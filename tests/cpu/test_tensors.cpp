@@ -154,6 +154,9 @@ TEST(Tensors, CombineOutput) {
   EXPECT_EQ(unreduced.shape, (Shape{100, 8, 7168}));
   EXPECT_EQ(unreduced.strides, (Shape{8 * 7168, 7168, 1}));
   EXPECT_EQ(combine_output_desc(c, 0, true).bytes(), 0);
+  // A combine of fewer columns (CombineInput::hidden) gives rows that wide.
+  EXPECT_EQ(combine_output_desc(c, 100, true, 1024).shape, (Shape{100, 1024}));
+  EXPECT_EQ(combine_output_desc(c, 100, false, 16).strides, (Shape{8 * 16, 16, 1}));
 }
 
 TEST(Tensors, NamesAndLookup) {

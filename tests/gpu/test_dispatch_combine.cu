@@ -2,6 +2,7 @@
 // checked against the CPU reference model with outputs poisoned before each run.
 #include <gtest/gtest.h>
 
+#include <initializer_list>
 #include <random>
 
 #include "epcomm/bf16.h"
@@ -24,6 +25,49 @@ std::string case_name(const ::testing::TestParamInfo<Case>& info) {
 }
 
 class Sweep : public ::testing::TestWithParam<Case> {};
+
+// Rounds of every combine case (bf16 and blockwise FP8 on both paths; fused and async + wait;
+// token and expert side, un-reduced too) for each of `variants`, which `vary` sets in the round's
+// options; `what` names the variant in a failure.
+template <class Vary>
+void combine_cases(uint64_t seed, const char* what, std::initializer_list<int64_t> variants,
+                   Vary vary) {
+  const int n = suite_ranks();
+  for (TokenFormat format : {TokenFormat::kBF16, TokenFormat::kFp8Blockwise}) {
+    for (DispatchPath path : kBothPaths) {
+      Config cfg = with_path(make_cfg(2048, 8, 8 * n, 96), path);
+      cfg.format = format;
+      LocalGroup lg(cfg, n);
+      for (int64_t v : variants)
+        for (Form form : {Form::kFused, Form::kAsyncWait})
+          for (bool expert_side : {false, true}) {
+            const auto p = reference::make_problem(n, 2048, 8, 8 * n, random_counts(n, 96, seed),
+                                                   seed, 0.0, 0.1);
+            RoundOptions o = every_combine(form, expert_side);
+            vary(o, v);
+            EXPECT_EQ(run_round(lg, p, o), "")
+                << token_format_name(format) << ", " << dispatch_path_name(path) << ", "
+                << (form == Form::kFused ? "fused" : "async+wait")
+                << (expert_side ? ", expert side, " : ", token side, ") << what << " " << v;
+            ++seed;
+          }
+    }
+  }
+}
+
+// Expects rank 0's combine of `in` (the last round's input with one field made bad) to be
+// refused before anything is launched: kInvalidArgument naming `field`.
+void expect_combine_refused(LocalGroup& lg, const CombineInput& in, const char* field,
+                            int64_t value) {
+  RankIO& io = *lg.io[0];
+  try {
+    lg.groups[0]->combine(in, io.combine_output(true), io.stream);
+    ADD_FAILURE() << field << " = " << value << " accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+    EXPECT_NE(std::string(e.what()).find(field), std::string::npos) << e.what();
+  }
+}
 
 }  // namespace
 
@@ -149,30 +193,8 @@ TEST(Edge, EveryTokenToOneExpert) {
 TEST(Combine, ReadsThePaddedLayout) {
   EPCOMM_REQUIRE_GPU();
   const int n = suite_ranks();
-  uint64_t seed = 700;
-  for (TokenFormat format : {TokenFormat::kBF16, TokenFormat::kFp8Blockwise}) {
-    for (DispatchPath path : kBothPaths) {
-      Config cfg = with_path(make_cfg(2048, 8, 8 * n, 96), path);
-      cfg.format = format;
-      LocalGroup lg(cfg, n);
-      for (Form form : {Form::kFused, Form::kAsyncWait}) {
-        for (bool expert_side : {false, true}) {
-          for (int64_t extra : {0, 5}) {
-            const auto p = reference::make_problem(n, 2048, 8, 8 * n, random_counts(n, 96, seed),
-                                                   seed, 0.0, 0.1);
-            RoundOptions o = every_combine(form, expert_side);
-            o.padded_extra_slots = extra;
-            EXPECT_EQ(run_round(lg, p, o), "")
-                << token_format_name(format) << ", " << dispatch_path_name(path) << ", "
-                << (form == Form::kFused ? "fused" : "async+wait")
-                << (expert_side ? ", expert side" : ", token side") << ", capacity + "
-                << o.padded_extra_slots;
-            ++seed;
-          }
-        }
-      }
-    }
-  }
+  combine_cases(700, "capacity +", {0, 5},
+                [](RoundOptions& o, int64_t extra) { o.padded_extra_slots = extra; });
   // A capacity below n_ranks * max_tokens_per_rank (a group could overflow it) is refused
   // before anything is launched, and the group goes on.
   LocalGroup lg(make_cfg(2048, 8, 8 * n, 96), n);
@@ -182,13 +204,32 @@ TEST(Combine, ReadsThePaddedLayout) {
   for (int64_t bad : {int64_t(n) * 96 - 1, int64_t(-1), int64_t(1) << 40, int64_t(1) << 61}) {
     CombineInput in = io.combine_input();
     in.expert_out_capacity = bad;
-    try {
-      lg.groups[0]->combine(in, io.combine_output(true), io.stream);
-      ADD_FAILURE() << "expert_out_capacity = " << bad << " accepted";
-    } catch (const Error& e) {
-      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
-      EXPECT_NE(std::string(e.what()).find("expert_out_capacity"), std::string::npos) << e.what();
-    }
+    expect_combine_refused(lg, in, "expert_out_capacity", bad);
+  }
+  EXPECT_EQ(run_round(lg, p, RoundOptions{}), "");
+}
+
+// Combine brings back fewer columns than the dispatch carried (CombineInput::hidden below the
+// group's): the expert outputs and the output are that wide, and each equals the reference's
+// combine of a problem that wide, on both paths, in both forms and reductions, un-reduced too,
+// in dispatch row order and in the padded layout; with 8 columns, with a width that ends a
+// 256-column step early, and with half. Widths that are not a positive multiple of 8 at most
+// the group's are refused before anything is launched, and the group goes on.
+TEST(Combine, FewerColumnsThanDispatched) {
+  EPCOMM_REQUIRE_GPU();
+  const int n = suite_ranks();
+  combine_cases(900, "columns", {1024, 2048 - 8, 8}, [](RoundOptions& o, int64_t cols) {
+    o.combine_hidden = int32_t(cols);
+    o.padded_extra_slots = cols == 1024 ? 0 : -1;  // one width in the padded layout too
+  });
+  LocalGroup lg(make_cfg(2048, 8, 8 * n, 96), n);
+  const auto p = reference::make_problem(n, 2048, 8, 8 * n, random_counts(n, 96, 3), 3);
+  ASSERT_EQ(run_round(lg, p, RoundOptions{}), "");
+  RankIO& io = *lg.io[0];
+  for (int32_t bad : {0, -8, 12, 2048 + 8}) {
+    CombineInput in = io.combine_input();
+    in.hidden = bad;
+    expect_combine_refused(lg, in, "hidden", bad);
   }
   EXPECT_EQ(run_round(lg, p, RoundOptions{}), "");
 }

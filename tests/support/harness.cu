@@ -173,9 +173,9 @@ DispatchOutput RankIO::dispatch_output() const {
 CombineInput RankIO::combine_input() const {
   if (expert_capacity > 0)
     return CombineInput{padded_expert_out.get(), row_offsets.get<uint32_t>(),
-                        src_info.get<SrcInfo>(), hidden, expert_capacity};
+                        src_info.get<SrcInfo>(), combine_cols(), expert_capacity};
   return CombineInput{expert_out.get(), row_offsets.get<uint32_t>(), src_info.get<SrcInfo>(),
-                      hidden};
+                      combine_cols()};
 }
 CombineOutput RankIO::combine_output(bool weighted) const {
   return CombineOutput{combine_out.get(), weighted ? weights.get<float>() : nullptr};
@@ -256,7 +256,7 @@ std::vector<double> layer_output(const reference::RankInput& in, int32_t top_k, 
 }
 
 void RankIO::make_expert_out(int64_t rows) {
-  set_expert_out(expert_outputs(rank, expert_seed++, rows, hidden));
+  set_expert_out(expert_outputs(rank, expert_seed++, rows, combine_cols()));
 }
 
 void RankIO::set_padded_expert_out(const reference::DispatchResult& ref, int64_t capacity) {
@@ -264,12 +264,12 @@ void RankIO::set_padded_expert_out(const reference::DispatchResult& ref, int64_t
   if (capacity == 0) return;
   const int32_t groups = int32_t(ref.row_offsets.size()) - 1;
   const size_t slots = size_t(groups) * size_t(capacity);
-  std::vector<uint16_t> padded(slots * size_t(hidden), 0xffff);  // bf16 NaN: a stray read shows
+  std::vector<uint16_t> padded(slots * size_t(combine_cols()), 0xffff);  // NaN: a stray read shows
   std::vector<int32_t> counts(static_cast<size_t>(groups));
   PadExpertRows a;
   a.rows = DispatchRows{ref.row_offsets.data(), ref.src_info.data(), groups, ref.rows()};
   a.codes = expert_out_host.data();
-  a.row_bytes = int64_t(hidden) * 2;
+  a.row_bytes = int64_t(combine_cols()) * 2;
   a.capacity = capacity;
   a.padded_codes = padded.data();
   a.counts = counts.data();
@@ -406,7 +406,8 @@ std::vector<uint16_t> RankIO::download_dispatch_tokens(int64_t rows) const {
 }
 
 std::vector<uint16_t> RankIO::download_combine(bool weighted) const {
-  std::vector<uint16_t> out(static_cast<size_t>(num_tokens) * size_t(hidden) * (weighted ? 1 : size_t(top_k)));
+  std::vector<uint16_t> out(static_cast<size_t>(num_tokens) * size_t(combine_cols()) *
+                            (weighted ? 1 : size_t(top_k)));
   combine_out.download(out.data(), out.size() * 2);
   return out;
 }
@@ -583,12 +584,16 @@ std::string run_round(LocalGroup& lg, const reference::Problem& problem, const R
     }
     for (const auto& q : qrefs) refs.push_back(combine_layout(q));
   }
+  // The combine's problem: the dispatch's, or as wide as the columns combine brings back.
+  reference::Problem pc = p;
+  if (o.combine_hidden > 0) pc.hidden = o.combine_hidden;
   std::vector<std::vector<uint16_t>> y(static_cast<size_t>(n));
   for (int r = 0; r < n; ++r) {
     RankIO& io = *lg.io[size_t(r)];
+    io.combine_hidden = o.combine_hidden;
     if (o.function_outputs)
       io.set_expert_out(
-          function_expert_outputs(refs[size_t(r)], r, p.n_experts / p.n_ranks, p.hidden));
+          function_expert_outputs(refs[size_t(r)], r, p.n_experts / p.n_ranks, pc.hidden));
     else
       io.make_expert_out(refs[size_t(r)].rows());
     y[size_t(r)] = lg.io[size_t(r)]->expert_out_host;
@@ -635,11 +640,11 @@ std::string run_round(LocalGroup& lg, const reference::Problem& problem, const R
     for (int r = 0; r < n; ++r) {
       if (o.expert_side) {
         const std::string e = lg.io[size_t(r)]->check_combine_expert_side(
-            reference::combine_expert_side(p, refs, y, r));
+            reference::combine_expert_side(pc, refs, y, r));
         if (!e.empty()) return e;
         continue;
       }
-      const std::vector<double> ref = reference::combine(p, refs, y, r, weighted);
+      const std::vector<double> ref = reference::combine(pc, refs, y, r, weighted);
       const std::string e = lg.io[size_t(r)]->check_combine(ref, weighted);
       if (!e.empty()) return std::string(weighted ? "weighted " : "un-reduced ") + e;
     }

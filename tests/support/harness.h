@@ -100,6 +100,10 @@ struct RankIO {
   int32_t num_tokens = 0;
   std::vector<uint16_t> expert_out_host;  // what expert_out holds (rows of the reference)
   uint64_t expert_seed;
+  // The columns combine brings back (CombineInput::hidden; RoundOptions::combine_hidden): the
+  // expert outputs' and the combine output's row width. 0: hidden.
+  int32_t combine_hidden = 0;
+  int32_t combine_cols() const { return combine_hidden > 0 ? combine_hidden : hidden; }
 
   void upload(const reference::RankInput& in);
   // Every output byte 0xff: bf16 / e4m3 / e8m0 / fp32 NaN, src_info rank -1, row_offsets 2^32-1.
@@ -229,6 +233,9 @@ struct RoundOptions {
   // set_padded_expert_out) with n_ranks * max_tokens + this many slots a group; < 0: in dispatch
   // row order.
   int64_t padded_extra_slots = -1;
+  // > 0: combine brings back only this many columns (CombineInput::hidden, fewer than the
+  // dispatched rows'): expert outputs and the output are that wide.
+  int32_t combine_hidden = 0;
 };
 std::string run_round(LocalGroup& lg, const reference::Problem& p, const RoundOptions& o);
 // A round in `form` that checks every combine of its dispatch: the expert side's (expert_side),

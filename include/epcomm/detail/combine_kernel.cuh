@@ -55,12 +55,14 @@ __device__ __forceinline__ void emit8(StoreBf16& epi, int32_t token, int32_t col
   st_v4(epi.out + int64_t(token) * epi.hidden + col, pack_bf16x8(v));
 }
 
-// Rows of H columns handed to the grid's warps as (row, part) items (combine_split).
+// Rows of the call's H columns (CombineParams::hidden) handed to the grid's warps as (row,
+// part) items (combine_split).
 struct WorkSplit {
   int32_t split;
   int64_t items;
-  __device__ static WorkSplit make(const GroupView& g, int64_t rows) {
-    const int32_t split = combine_split(rows, g.hidden, stride(g));
+  __device__ static WorkSplit make(const CombineParams& p, int64_t rows) {
+    const GroupView& g = p.g;
+    const int32_t split = combine_split(rows, p.hidden, stride(g));
     return WorkSplit{split, rows * split};
   }
   __device__ static int64_t first_item() {
@@ -171,7 +173,7 @@ __device__ inline void combine_send_expert_side(const CombineParams& p, const in
   const WindowLayout wl = g.layout();
   const CombineRecvLayout cl = wl.combine_recv();
   const DispatchRecvLayout rl = wl.dispatch_recv();
-  const int32_t n_local = g.n_local(), K = g.top_k, H = g.hidden;
+  const int32_t n_local = g.n_local(), K = g.top_k, H = p.hidden;
   const int64_t row_limit = g.output().rows;
   const int lane = threadIdx.x % kWarpSize;
   const char* in = static_cast<const char*>(p.expert_out);
@@ -191,7 +193,7 @@ __device__ inline void combine_send_expert_side(const CombineParams& p, const in
     most = count[s] > most ? count[s] : most;
   // A row for a rank of another node is put whole, once summed: one item per row there.
   const WorkSplit ws = any_remote(g) ? WorkSplit{1, int64_t(most) * g.n_ranks}
-                                     : WorkSplit::make(g, int64_t(most) * g.n_ranks);
+                                     : WorkSplit::make(p, int64_t(most) * g.n_ranks);
   for (int64_t item = WorkSplit::first_item(); item < ws.items; item += WorkSplit::stride(g)) {
     const int64_t slot_item = item / ws.split;
     const int32_t part = int32_t(item % ws.split);
@@ -262,7 +264,7 @@ __device__ inline void combine_send(const CombineParams& p, unsigned long long s
   }
   const WindowLayout wl = g.layout();
   const CombineRecvLayout cl = wl.combine_recv();
-  const int32_t n_vec = g.hidden / 8;
+  const int32_t n_vec = p.hidden / 8;
   const int64_t row_limit = g.output().rows;  // padding rows included
   int64_t rows = int64_t(p.row_offsets[g.n_local()]);
   if (rows > row_limit) rows = row_limit;
@@ -311,7 +313,7 @@ __device__ inline void combine_send(const CombineParams& p, unsigned long long s
         return outbox_at(g, g.outbox_layout().combine_offset(r)) + int64_t(v0) * 16;
       });
       const int32_t n = min(kPiece, n_vec - v0);
-      copy_vectors(in + (src * g.hidden + int64_t(v0) * 8) * 2, n, 1, LoadNc{},
+      copy_vectors(in + (src * p.hidden + int64_t(v0) * 8) * 2, n, 1, LoadNc{},
                    [&](int32_t) { return dst; });
       warp_put(g, owner, at, dst, int64_t(n) * 16);
     }
@@ -331,12 +333,12 @@ __device__ void combine_recv(const CombineParams& p, unsigned long long seq, Epi
   const WindowLayout wl = g.layout();
   const CombineRecvLayout cl = wl.combine_recv();
   const int lane = threadIdx.x % kWarpSize;
-  const int32_t K = g.top_k, H = g.hidden;
+  const int32_t K = g.top_k, H = p.hidden;
   const int32_t num_tokens = *reinterpret_cast<volatile int32_t*>(&g.state->num_tokens);
   const char* recv = window_at(g, g.rank, wl.combine_recv_offset());
 
   // Work items are (token, part) (WorkSplit).
-  const WorkSplit ws = WorkSplit::make(g, num_tokens);
+  const WorkSplit ws = WorkSplit::make(p, num_tokens);
   const int32_t split = ws.split;
   const ExpertMap em = g.experts();
   // kDirectSelf: this rank's own expert rows are read in expert_out, at rows below what the

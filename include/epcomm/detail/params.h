@@ -210,6 +210,9 @@ struct CombineParams {
   // 1: the kernel whose sums load several 256-column steps of a few rows at once, for items of
   // whole rows; 0: one step of up to 8 rows (combine_whole_rows; speed only, both are exact).
   int32_t whole_rows;
+  // The call's columns (CombineInput::hidden, at most g.hidden): expert_out's and the output's
+  // rows; the combine buffer keeps the group's layout (slots of g.hidden columns).
+  int32_t hidden;
   const int32_t* recv_base;   // scratch.recv_base
   const int32_t* recv_count;  // scratch.recv_count
   const int32_t* self_row;    // scratch.self_row
