@@ -620,6 +620,14 @@ class Buffer:
                 payload = codes if codes.dtype == torch.bfloat16 else \
                     codes.view(torch.uint8).view(torch.bfloat16)
             data_key = ("data", payload.size(1), num_sms, routing.worst)
+            wide = routing.data_key
+            if cached and wide is not None and wide[2] == num_sms and wide[1] > payload.size(1):
+                # A cached dispatch goes through its handle's group, its rows padded to that
+                # width: one copy of x, against a second group of the full size.
+                payload = torch.cat([payload, torch.zeros((T, wide[1] - payload.size(1)),
+                                                          dtype=torch.bfloat16,
+                                                          device=codes.device)], dim=1)
+                data_key = wide
             g = self._dispatch_on(data_key, payload, routing, num_sms, stream)
             routing.data_key = data_key
             d = g._dispatch_result("torch", None, stream)
@@ -721,20 +729,20 @@ class Buffer:
             # it brings back x's H columns, or (rows narrower than H: FP8 codes and the rest)
             # each half of them.
             key = handle.data_key
-            routed = key is not None and key[2] == num_sms and self._routing.get(key) is handle
-            if routed and key[1] >= H:
-                self._groups[key]._impl.combine(x, ones, stream, out, None, None, N)
-            elif routed and key[1] >= H // 2 and H % 16 == 0:
-                g = self._groups[key]
+            if key is None or key[2] != num_sms or not (
+                    key[1] >= H or (key[1] >= H // 2 and H % 16 == 0)):
+                key = ("data", H, num_sms, handle.worst)
+            # Dispatches a payload of no interest first only where another dispatch has gone
+            # through the group since the handle's.
+            g = self._routed_group(key, key[1], handle, num_sms, stream)
+            if key[1] >= H:
+                g._impl.combine(x, ones, stream, out, None, None, N)
+            else:
                 for lo in (0, H // 2):
                     part = x[:, lo:lo + H // 2].contiguous()
                     o = torch.empty((T, H // 2), dtype=torch.bfloat16, device=x.device)
                     g._impl.combine(part, ones, stream, o, None, None, N)
                     out[:, lo:lo + H // 2] = o
-            else:
-                g = self._routed_group(("data", H, num_sms, handle.worst), H, handle, num_sms,
-                                       stream)
-                g._impl.combine(x, ones, stream, out, None, None, N)
             if biases:
                 acc = out.float()
                 for b in biases:
@@ -744,8 +752,11 @@ class Buffer:
             if topk_weights is not None:
                 K = topk_weights.size(1)
                 width = -(-K // 4) * 4  # int32 words: a bf16 row of a multiple of 8 columns
-                meta_key = handle.meta_key  # the dispatch's top-k group, where it fits
-                if meta_key is None or meta_key[1] < 2 * width or meta_key[2] != num_sms:
+                # The dispatch's group (routed again just above where it had to be), else a
+                # small one of the weights' width.
+                meta_key = handle.meta_key
+                if meta_key is None or meta_key[1] < 2 * width or meta_key[2] != num_sms or \
+                        self._routing.get(meta_key) is not handle:
                     meta_key = ("meta", 2 * width, num_sms, handle.worst)
                 gm = self._routed_group(meta_key, meta_key[1], handle, num_sms, stream)
                 # The weights' columns only (a combine of fewer columns than the group's rows).

@@ -150,8 +150,11 @@ class _Layout:  # what Group.combine reads of a DispatchOutput given as layout=
     src_info: torch.Tensor
 
 
-def _combine_shape(group_id: int, num_tokens: int, reduced: bool):
-    desc = _C.combine_output_desc(_entry(group_id).config, int(num_tokens), bool(reduced))
+def _combine_shape(group_id: int, num_tokens: int, reduced: bool, expert_out: torch.Tensor):
+    # As wide as the expert outputs' rows: the group's hidden, or fewer (a combine of fewer
+    # columns than the dispatch carried).
+    desc = _C.combine_output_desc(_entry(group_id).config, int(num_tokens), bool(reduced),
+                                  int(expert_out.size(-1)))
     return tuple(desc.shape)
 
 
@@ -160,15 +163,15 @@ def _combine_op(group_id: int, expert_out: torch.Tensor, row_offsets: torch.Tens
                 src_info: torch.Tensor, weights: Optional[torch.Tensor], num_tokens: int,
                 reduced: bool) -> torch.Tensor:
     g = _running(group_id)
-    out = torch.empty(_combine_shape(group_id, num_tokens, reduced), dtype=torch.bfloat16,
-                      device=expert_out.device)
+    out = torch.empty(_combine_shape(group_id, num_tokens, reduced, expert_out),
+                      dtype=torch.bfloat16, device=expert_out.device)
     g.combine(expert_out, weights, out=out, layout=_Layout(row_offsets, src_info))
     return out
 
 
 @_combine_op.register_fake
 def _combine_fake(group_id, expert_out, row_offsets, src_info, weights, num_tokens, reduced):
-    return expert_out.new_empty(_combine_shape(group_id, num_tokens, reduced))
+    return expert_out.new_empty(_combine_shape(group_id, num_tokens, reduced, expert_out))
 
 
 _keep(torch.ops.epcomm.combine.default)

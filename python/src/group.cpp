@@ -371,12 +371,12 @@ class PyGroup {
                      const std::optional<Array>& src_info, int64_t used_rows) {
     const Ctx c = ctx("combine_async");
     const epcomm::CombineInput in = combine_input(c, expert_out, row_offsets, src_info, used_rows);
+    // combine_wait's output width, set first: the core keeps the call pending (with this width)
+    // even where a CUDA error surfaces after its launch and this call throws.
+    async_combine_hidden_ = in.hidden;
     DeviceGuard guard;
-    {
-      nb::gil_scoped_release nogil;
-      live()->combine_async(in, as_stream(stream));
-    }
-    async_combine_hidden_ = in.hidden;  // combine_wait's output width
+    nb::gil_scoped_release nogil;
+    live()->combine_async(in, as_stream(stream));
   }
 
   nb::tuple combine_wait(const std::optional<Array>& weights, uintptr_t stream,
@@ -460,6 +460,7 @@ class PyGroup {
     in.row_offsets = static_cast<const uint32_t*>(row_offsets_.ptr);
     in.src_info = static_cast<const epcomm::SrcInfo*>(src_info_.ptr);
     in.hidden = live()->config().hidden;
+    async_combine_hidden_ = in.hidden;  // a send_only call's wait is the group's width
     on_comm(
         compute, comm, join, send_only, [&](cudaStream_t s) { live()->combine_async(in, s); },
         [&](cudaStream_t s) { live()->combine(in, ll_combine_output(weights, out), s); });

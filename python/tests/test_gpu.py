@@ -131,6 +131,7 @@ def test_combine_of_fewer_columns(side):
         results = []
         for r, g in enumerate(groups):
             with torch.cuda.device(g.device):
+                torch.cuda.current_stream(g.device).wait_stream(streams[r])  # the dispatch's rows
                 y = outs[r].tokens[:, :cols].contiguous()  # expert outputs: the rows' columns
                 out = torch.full((inputs[r][0].size(0), cols), float("nan"),
                                  dtype=torch.bfloat16, device=g.device)

@@ -412,7 +412,22 @@ std::vector<uint16_t> RankIO::download_combine(bool weighted) const {
   return out;
 }
 
+// A combine of fewer columns than the group's (combine_hidden) writes nothing past its output:
+// the rest of what a full-width one would write still holds run_round's poison.
+std::string RankIO::check_combine_tail(bool weighted) const {
+  if (combine_cols() == hidden) return "";
+  const size_t per = weighted ? 1 : size_t(top_k);
+  std::vector<uint16_t> all(static_cast<size_t>(num_tokens) * size_t(hidden) * per);
+  combine_out.download(all.data(), all.size() * 2);
+  for (size_t i = size_t(num_tokens) * size_t(combine_cols()) * per; i < all.size(); ++i)
+    if (all[i] != 0xffff)
+      return "rank " + std::to_string(rank) + " combine of " + std::to_string(combine_cols()) +
+             " columns wrote past its output, at value " + std::to_string(i);
+  return "";
+}
+
 std::string RankIO::check_combine(const std::vector<double>& ref, bool weighted) const {
+  if (std::string e = check_combine_tail(weighted); !e.empty()) return e;
   const std::vector<uint16_t> out = download_combine(weighted);
   if (ref.size() != out.size())
     return "rank " + std::to_string(rank) + " combine: reference has " +
@@ -424,6 +439,7 @@ std::string RankIO::check_combine(const std::vector<double>& ref, bool weighted)
 }
 
 std::string RankIO::check_combine_expert_side(const std::vector<float>& ref) const {
+  if (std::string e = check_combine_tail(true); !e.empty()) return e;
   const std::vector<uint16_t> out = download_combine(true);
   const std::string err =
       reference::compare_combine_expert_side(ref, out.data(), int64_t(out.size()));
@@ -586,7 +602,11 @@ std::string run_round(LocalGroup& lg, const reference::Problem& problem, const R
   }
   // The combine's problem: the dispatch's, or as wide as the columns combine brings back.
   reference::Problem pc = p;
-  if (o.combine_hidden > 0) pc.hidden = o.combine_hidden;
+  if (o.combine_hidden > 0) {
+    pc.hidden = o.combine_hidden;
+    for (reference::RankInput& in : pc.ranks)  // (combine's reference reads no token)
+      in.tokens.resize(size_t(in.num_tokens) * size_t(pc.hidden));
+  }
   std::vector<std::vector<uint16_t>> y(static_cast<size_t>(n));
   for (int r = 0; r < n; ++r) {
     RankIO& io = *lg.io[size_t(r)];

@@ -137,6 +137,8 @@ struct RankIO {
   std::string check_dispatch_padded(const reference::PaddedDispatchResult& want) const;
   // Downloads the combine output and compares it: weighted -> bf16 tolerance, else exact.
   std::string check_combine(const std::vector<double>& ref, bool weighted) const;
+  // With combine_hidden, that nothing was written past the narrower output ("" = nothing).
+  std::string check_combine_tail(bool weighted) const;
   // Downloads the [T, H] combine output and compares it bit for bit with the expert-side
   // reduction's reference (reference::combine_expert_side).
   std::string check_combine_expert_side(const std::vector<float>& ref) const;
