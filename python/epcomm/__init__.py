@@ -385,6 +385,9 @@ class Group:
         per-expert layout (group g's rows at [g, 0 .. count), capacity at least n_ranks *
         max_tokens_per_rank), as a masked grouped GEMM writes it. Returns [T, H] bf16 (router weights
         given to dispatch, or here as weights [T, K] float32) or the un-reduced [T, K, H].
+        expert_out may be narrower than the dispatched rows (h columns, a multiple of 8, fewer
+        than H): the output then has h columns, the first h of a full-width combine, and must
+        be given as out=.
         layout: the DispatchOutput the rows came from when it was dispatched into out=."""
         fw = _fw.framework_of(expert_out)
         if fw == _fw.DLPACK:
