@@ -642,6 +642,12 @@ class Buffer:
                 ok = (ids >= 0) & (ids < n_local)
                 ok &= torch.arange(ids.size(0), device=ids.device).unsqueeze(1) < recv_dev
                 ids = torch.where(ok, ids, -1)
+                # The returned top-k, for every row the rank can receive, before the host waits
+                # for the row count (the caller gets the first N rows, views): after the wait
+                # the GPU idles while the host launches.
+                all_topk_idx = ids.to(topk_idx_t)
+                all_topk_weights = torch.where(ok, meta[:, S + K:S + 2 * K].view(torch.float32),
+                                               0.0)
             counts = None  # per local expert, where the host learns them
             if cached:
                 N = routing.num_rows
@@ -675,9 +681,8 @@ class Buffer:
                 recv_scales.view(torch.int32).copy_(meta[:N, :S])
             recv_topk_idx = recv_topk_weights = None
             if K:
-                recv_topk_idx = ids[:N].to(topk_idx_t)
-                w = meta[:N, S + K:S + 2 * K].view(torch.float32)
-                recv_topk_weights = torch.where(ok[:N], w, 0.0)
+                recv_topk_idx = all_topk_idx[:N]
+                recv_topk_weights = all_topk_weights[:N]
         out_x = recv_x if scales is None else (recv_x, recv_scales)
         # Every caller tensor the comm stream reads is kept for it (an async call returns
         # before the stream has read them): is_token_in_rank gives the rank ids, and
