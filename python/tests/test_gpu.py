@@ -128,11 +128,16 @@ def test_combine_of_fewer_columns(side):
         for r, g in enumerate(groups):  # every rank's dispatch before any synchronisation
             x, ids, w = inputs[r]
             outs.append(g.dispatch(x, ids, w if side == "expert" else None, stream=streams[r]))
-        results = []
+        results, ys = [], []
         for r, g in enumerate(groups):
             with torch.cuda.device(g.device):
                 torch.cuda.current_stream(g.device).wait_stream(streams[r])  # the dispatch's rows
                 y = outs[r].tokens[:, :cols].contiguous()  # expert outputs: the rows' columns
+                # Kept alive until the combines are done: y was allocated on the current stream
+                # and is read on streams[r], so once freed the next rank's torch.full could take
+                # its memory while this rank's combine still reads it (the fused token side
+                # reads its own rows in place, late in the kernel).
+                ys.append(y)
                 out = torch.full((inputs[r][0].size(0), cols), float("nan"),
                                  dtype=torch.bfloat16, device=g.device)
                 streams[r].wait_stream(torch.cuda.current_stream(g.device))
