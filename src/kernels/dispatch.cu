@@ -94,27 +94,28 @@ __device__ __forceinline__ void dispatch_form(const DispatchParams& p) {
     }
     if (block_aborted(p.g)) return;
     if (kSend) trace_mark(p.g, kTraceDispatch, kTraceRecvStart);
-    dispatch_recv<F, kPadded>(p, seq, smem, b, blocks);
+    dispatch_recv<F, kPadded>(p, seq, smem, b, blocks, false);
     return;
   }
   if (kSend && !kRecv) {
-    dispatch_send<F>(p, seq, smem, blocks);
+    dispatch_send<F>(p, seq, smem, blocks, false);
     trace_mark(p.g, kTraceDispatch, kTraceDone);
     return;
   }
   if (!kSend) {
-    if (!block_aborted(p.g)) dispatch_recv<F, kPadded>(p, seq, smem, b, blocks);
+    if (!block_aborted(p.g)) dispatch_recv<F, kPadded>(p, seq, smem, b, blocks, false);
     return;
   }
   const int32_t senders = fused_senders(blocks, F, p.num_tokens);
-  if (!dispatch_send<F>(p, seq, smem, senders)) return;
+  const bool in_place = self_in_place<F>(p.g, true);
+  if (!dispatch_send<F>(p, seq, smem, senders, in_place)) return;
   if (block_aborted(p.g)) return;
   // Every block receives (no split), or the blocks after the senders, joined by each sender
   // once it has sent its chunks. One call site: the receive inlined twice would double the
   // kernel's code, and instruction fetch is part of the latency here.
   trace_mark(p.g, kTraceDispatch, kTraceRecvStart);
   const int32_t first = senders == blocks ? 0 : senders;
-  dispatch_recv<F, kPadded>(p, seq, smem, b - first, blocks - first);
+  dispatch_recv<F, kPadded>(p, seq, smem, b - first, blocks - first, in_place);
 }
 
 // Two kernels per format: the fused form, and one kernel for both halves of a split call

@@ -81,10 +81,12 @@ __device__ void place_scales(const DispatchParams& p, const RecvGroups& rg, cons
 
 // Expands units [unit_begin, unit_end) of message m of source src (8 values each: the whole
 // message, or one part) into its rows: one wire copy, up to K output rows; the part at unit 0
-// also writes the rows' src_info. Called by the whole warp.
+// also writes the rows' src_info. `in_place` (self_in_place): this rank's own messages are
+// headers, their rows read from p.tokens. Called by the whole warp.
 template <TokenFormat F, bool kPadded>
 __device__ void expand_message(const DispatchParams& p, const RecvGroups& rg, int32_t src,
-                               int32_t m, int32_t unit_begin, int32_t unit_end) {
+                               int32_t m, int32_t unit_begin, int32_t unit_end,
+                               bool in_place = false) {
   const GroupView& g = p.g;
   const WindowLayout wl = g.layout();
   const MessageLayout ml = wl.msg();
@@ -101,18 +103,28 @@ __device__ void expand_message(const DispatchParams& p, const RecvGroups& rg, in
 
   const char* msg = window_at(g, g.rank, wl.dispatch_recv_offset() + wl.dispatch_recv().offset(src, m));
   const int32_t units = g.hidden / kLaneValues;
+  in_place = F == TokenFormat::kBF16 && in_place && src == g.rank;
   // A whole message: its payload into L2 at once, while the header is read.
-  if (lane == 0 && unit_begin == 0 && unit_end >= units)
+  if (lane == 0 && unit_begin == 0 && unit_end >= units && !in_place)
     prefetch_l2(msg + ml.payload_offset(), uint32_t(align_up(ml.payload_bytes(), 16)));
   const MessageHeader* h = reinterpret_cast<const MessageHeader*>(msg);
   MessageEntry e{};
   if (lane < g.top_k) e = h->entries[lane];  // with the header's words: one round trip
   const int32_t token = h->token;
+  // The row's bytes: the message's payload, or (in place) the caller's row, which this rank's
+  // own header names (a token out of range writes no row).
+  const char* payload = msg + ml.payload_offset();
+  if (in_place) {
+    const bool ok = token >= 0 && token < p.num_tokens;
+    payload = ok ? static_cast<const char*>(p.tokens) + int64_t(token) * g.hidden * 2 : nullptr;
+    if (lane == 0 && ok && unit_begin == 0 && unit_end >= units)
+      prefetch_l2(payload, uint32_t(g.hidden) * 2);
+  }
   const int32_t n = min(int32_t(h->n_entries), g.top_k);
   int64_t row = -1;  // the dispatch row (src_info, self_row: packed)
   int64_t at = -1;   // the tokens output's row: `row`, or in the padded layout its slot's
   int32_t grp = -1;
-  if (lane < n) {
+  if (lane < n && payload != nullptr) {
     grp = e.group();
     if (grp < n_local) row = int64_t(rg.base[src * n_local + grp]) + e.pos;
     if (row >= row_limit) row = -1;  // never write outside the output
@@ -136,9 +148,9 @@ __device__ void expand_message(const DispatchParams& p, const RecvGroups& rg, in
   const int64_t first = unit_begin * unit_bytes;  // a multiple of 16: parts are whole vectors
   // The shuffles below sit in loops every lane runs the same number of times (n and the vector
   // count are the warp's).
-  copy_vectors(msg + ml.payload_offset() + first,
-               int32_t((unit_end - unit_begin) * unit_bytes / 16), n, LoadCoherent{},
-               [&](int32_t j) {
+  if (payload == nullptr) return;
+  copy_vectors(payload + first, int32_t((unit_end - unit_begin) * unit_bytes / 16), n,
+               LoadCoherent{}, [&](int32_t j) {
                  const int64_t r = __shfl_sync(0xffffffffu, at, j);
                  return r < 0 ? nullptr : out + r * row_bytes + first;
                });
@@ -279,8 +291,8 @@ __device__ void expand_parts(const DispatchParams& p, const RecvGroups& rg, unsi
 // The throughput path's receive: work items (chunk, source, message slot) of the chunks'
 // messages.
 template <TokenFormat F, bool kPadded>
-__device__ void expand_chunks(const DispatchParams& p, const RecvGroups& rg,
-                              unsigned long long seq) {
+__device__ void expand_chunks(const DispatchParams& p, const RecvGroups& rg, unsigned long long seq,
+                              bool in_place) {
   const GroupView& g = p.g;
   const int32_t n_ranks = g.n_ranks;
   const MetaLayout ml = g.layout().meta();
@@ -315,7 +327,7 @@ __device__ void expand_chunks(const DispatchParams& p, const RecvGroups& rg,
     const int32_t m = starts[c] + slot;
     if (m >= end) continue;  // no message in this slot: nothing to wait for
     if (!warp_wait_chunk(g, s, c, seq)) break;
-    expand_message<F, kPadded>(p, rg, s, m, 0, g.hidden / kLaneValues);
+    expand_message<F, kPadded>(p, rg, s, m, 0, g.hidden / kLaneValues, in_place);
   }
 }
 
@@ -324,7 +336,7 @@ __device__ void expand_chunks(const DispatchParams& p, const RecvGroups& rg,
 // items only; the receivers write the padding and the combine's bookkeeping).
 template <TokenFormat F, bool kPadded>
 __device__ __noinline__ void dispatch_recv(const DispatchParams& p, unsigned long long seq,
-                                           char* smem, int32_t rb, int32_t n_rb) {
+                                           char* smem, int32_t rb, int32_t n_rb, bool in_place) {
   const GroupView& g = p.g;
   if (rb == 0 && threadIdx.x == 0) g.state->recv_item[(seq + 1) & 1] = 0;  // the next call's
   const WindowLayout wl = g.layout();
@@ -440,7 +452,7 @@ __device__ __noinline__ void dispatch_recv(const DispatchParams& p, unsigned lon
   if (g.low_latency)
     expand_parts<F, kPadded>(p, rg, seq, rb, n_rb);
   else
-    expand_chunks<F, kPadded>(p, rg, seq);
+    expand_chunks<F, kPadded>(p, rg, seq, in_place);
   // A warp that gave up has set the abort flag (or found it set): the block stops here.
   if (block_aborted(g)) return;
   dispatch_done(g, seq);

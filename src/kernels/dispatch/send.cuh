@@ -231,9 +231,12 @@ __device__ LaneRoute route_from_scratch(const DispatchParams& p, int32_t t) {
 // Token t's message to every destination rank it goes to: the header when `headers`, and the
 // payload's units [unit_begin, unit_end) (8 values each: bf16 copied, the other formats
 // quantised in registers). Whole warp. Calls sent(batch) after each batch of destinations.
+// `self_in_place` (self_in_place(): the fused bf16 throughput kernel): this rank's own message
+// is its header alone; the receive reads the row where it is, in p.tokens.
 template <TokenFormat F, class Sent>
 __device__ void send_token(const DispatchParams& p, int32_t t, const LaneRoute& r,
-                           int32_t unit_begin, int32_t unit_end, bool headers, Sent sent) {
+                           int32_t unit_begin, int32_t unit_end, bool headers, Sent sent,
+                           bool self_in_place = false) {
   const GroupView& g = p.g;
   const ExpertMap em = g.experts();
   const MessageLayout ml = g.layout().msg();
@@ -242,7 +245,11 @@ __device__ void send_token(const DispatchParams& p, int32_t t, const LaneRoute& 
   const RankMask dest_mask = r.dests();
   const char* src = static_cast<const char*>(p.tokens) + int64_t(t) * g.hidden * 2;
   const int32_t units = g.hidden / kLaneValues;
-  if (lane == 0 && unit_begin == 0 && unit_end >= units) prefetch_l2(src, uint32_t(g.hidden) * 2);
+  // The ranks whose payload this warp writes.
+  const RankMask copied =
+      F == TokenFormat::kBF16 && self_in_place ? dest_mask & ~rank_bit(g.rank) : dest_mask;
+  if (lane == 0 && unit_begin == 0 && unit_end >= units && copied != 0)
+    prefetch_l2(src, uint32_t(g.hidden) * 2);
   unit_end = unit_end < units ? unit_end : units;
   for (RankMask left = dest_mask; left;) {
     Dests d;
@@ -262,11 +269,12 @@ __device__ void send_token(const DispatchParams& p, int32_t t, const LaneRoute& 
           h->rank_slot = int16_t(rank_slot_of(dest_mask, rank));
         }
       }
-      d.add(rank, s, msg + ml.payload_offset());
+      if (copied & rank_bit(rank)) d.add(rank, s, msg + ml.payload_offset());
     }
     if constexpr (F == TokenFormat::kBF16) {  // a unit is one 16-byte vector
-      copy_vectors(src + int64_t(unit_begin) * 16, unit_end - unit_begin, d.n, LoadNc{},
-                   [&](int32_t j) { return d.payload_of(j) + int64_t(unit_begin) * 16; });
+      if (d.n > 0)
+        copy_vectors(src + int64_t(unit_begin) * 16, unit_end - unit_begin, d.n, LoadNc{},
+                     [&](int32_t j) { return d.payload_of(j) + int64_t(unit_begin) * 16; });
     } else {
       quantize_to<F>(reinterpret_cast<const uint16_t*>(src), g.hidden, g.nvfp4_global_scale,
                      g.fp8_pow2 != 0, ml, d, unit_begin, unit_end);
@@ -279,7 +287,7 @@ __device__ void send_token(const DispatchParams& p, int32_t t, const LaneRoute& 
 // the chunk's token w; the last warp to finish the chunk raises its flag.
 template <TokenFormat F>
 __device__ void send_messages(const DispatchParams& p, int32_t num_tokens, int32_t sender,
-                              int32_t n_senders, unsigned long long seq) {
+                              int32_t n_senders, unsigned long long seq, bool self_in_place) {
   static_assert(kChunkTokens == kWarps, "one token of a chunk per warp");
   __shared__ int32_t arrivals[kSignalRing];
   const ChunkSignals signals{arrivals};
@@ -288,16 +296,18 @@ __device__ void send_messages(const DispatchParams& p, int32_t num_tokens, int32
   for (int32_t chunk = sender; chunk < num_chunks(num_tokens); chunk += n_senders, ++it) {
     const int32_t t = chunk * kChunkTokens + threadIdx.x / kWarpSize;
     if (t < num_tokens) {
-      send_token<F>(p, t, route_from_scratch(p, t), 0, p.g.hidden / kLaneValues, true,
-                    [&](const Dests& d) {
-                      if (!any_remote(p.g)) return;
-                      // The messages staged for ranks of other nodes: put (nothing to do for
-                      // the ranks of this node).
-                      const MessageLayout ml = p.g.layout().msg();
-                      for (int32_t j = 0; j < d.n; ++j)
-                        warp_put(p.g, d.rank_of(j), message_offset(p.g, d.slot_of(j)),
-                                 d.payload_of(j) - ml.payload_offset(), ml.bytes());
-                    });
+      send_token<F>(
+          p, t, route_from_scratch(p, t), 0, p.g.hidden / kLaneValues, true,
+          [&](const Dests& d) {
+            if (!any_remote(p.g)) return;
+            // The messages staged for ranks of other nodes: put (nothing to do for
+            // the ranks of this node).
+            const MessageLayout ml = p.g.layout().msg();
+            for (int32_t j = 0; j < d.n; ++j)
+              warp_put(p.g, d.rank_of(j), message_offset(p.g, d.slot_of(j)),
+                       d.payload_of(j) - ml.payload_offset(), ml.bytes());
+          },
+          self_in_place);
       put_quiet(p.g);  // completed before this warp arrives on the chunk
     }
     signals.arrive(p.g, chunk, it, seq);
@@ -308,8 +318,8 @@ __device__ void send_messages(const DispatchParams& p, int32_t num_tokens, int32
 // Ranking uses every block; then blocks [0, n_senders) send (the others go on to receive, in
 // the fused kernel).
 template <TokenFormat F>
-__device__ __noinline__ bool dispatch_send(const DispatchParams& p, unsigned long long seq, char* smem,
-                              int32_t n_senders) {
+__device__ __noinline__ bool dispatch_send(const DispatchParams& p, unsigned long long seq,
+                                           char* smem, int32_t n_senders, bool self_in_place) {
   const GroupView& g = p.g;
   const int32_t nk = g.experts().num_keys();
   uint32_t* bitmap = reinterpret_cast<uint32_t*>(smem);
@@ -335,7 +345,7 @@ __device__ __noinline__ bool dispatch_send(const DispatchParams& p, unsigned lon
     return false;
   trace_mark(g, kTraceDispatch, kTraceAcked);
   if (int32_t(blockIdx.x) == n_senders - 1) send_meta(p, seq, bad);
-  send_messages<F>(p, num_tokens, blockIdx.x, n_senders, seq);
+  send_messages<F>(p, num_tokens, blockIdx.x, n_senders, seq, self_in_place);
   trace_mark(g, kTraceDispatch, kTraceSent);
   return true;
 }
