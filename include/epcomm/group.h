@@ -60,7 +60,8 @@ namespace epcomm {
 // Both reductions are deterministic; they round differently (the expert side rounds each
 // rank's partial sum to bf16), so their results may differ in the last bits.
 struct DispatchInput {
-  const void* tokens = nullptr;       // [T, H] bf16
+  const void* tokens = nullptr;       // [T, H] bf16; must not overlap the output's tokens or
+                                      // scales (refused: the kernel reads it while writing them)
   const int32_t* topk_ids = nullptr;  // [T, K] global expert ids, -1 = masked slot
   int32_t num_tokens = 0;             // T, 0 <= T <= max_tokens_per_rank
   int32_t hidden = 0;                 // must equal Config::hidden

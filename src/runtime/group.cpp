@@ -675,6 +675,12 @@ void require(bool ok, int rank, const char* op, const std::string& msg) {
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
+// Whether [a, a + a_bytes) and [b, b + b_bytes) share a byte (empty ranges share none).
+bool overlaps(const void* a, int64_t a_bytes, const void* b, int64_t b_bytes) {
+  const uintptr_t x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
+  return a_bytes > 0 && b_bytes > 0 && x < y + uintptr_t(b_bytes) && y < x + uintptr_t(a_bytes);
+}
+
 void require_ptr(const void* p, int rank, const char* op, const char* name, bool align16) {
   require(p != nullptr, rank, op, std::string(name) + " is null");
   if (align16) require(aligned16(p), rank, op, std::string(name) + " is not 16-byte aligned");
@@ -768,6 +774,14 @@ void Group::dispatch(const DispatchInput& in, const DispatchOutput& out, cudaStr
   require(!s_->async_dispatch_pending, s_->rank, op, "a dispatch_async is waiting for its dispatch_wait");
   check_dispatch_input(*s_, in, op);
   check_dispatch_output(*s_, out, op);
+  // The fused kernel writes output rows while it still reads the input (a bf16 call's own rows
+  // are read in place, late): an input inside the tokens or scales output would be overwritten
+  // under it.
+  const DispatchOutputLayout layout = s_->view.output();
+  const int64_t in_bytes = int64_t(in.num_tokens) * in.hidden * 2;
+  require(!overlaps(in.tokens, in_bytes, out.tokens, layout.tokens_bytes()) &&
+              !overlaps(in.tokens, in_bytes, out.scales, layout.scales_bytes()),
+          s_->rank, op, "the input tokens overlap the output tokens or scales");
   detail::launch_dispatch(dispatch_params(*s_, &in, &out), true, true, stream);
   after_launch(op);
   s_->last = DispatchRecord{in.num_tokens, in.weights != nullptr};

@@ -42,6 +42,12 @@ void expect_contiguous(const TensorDesc& d) {
   }
 }
 
+// The output layout the kernels see for this configuration.
+DispatchOutputLayout output_layout(const Config& c, const Sizes& s) {
+  return DispatchOutputLayout::make(c.format, c.hidden, s.max_routed_rows, s.num_groups,
+                                    c.padded_capacity, c.fp8_ue8m0_scales);
+}
+
 // One configuration: every output against Sizes and the format's scale layout.
 void check_dispatch_descs(const Config& c, int n_ranks) {
   SCOPED_TRACE(std::string(token_format_name(c.format)) + " H " + std::to_string(c.hidden));
@@ -59,6 +65,8 @@ void check_dispatch_descs(const Config& c, int n_ranks) {
 
   const TensorDesc tokens = desc(d, "tokens");
   EXPECT_EQ(tokens.bytes(), R * s.token_bytes);
+  // What the dispatch's input-overlap check takes as the tokens output's extent.
+  EXPECT_EQ(output_layout(c, s).tokens_bytes(), tokens.bytes());
   EXPECT_EQ(tokens.shape[0], R);
   switch (c.format) {
     case TokenFormat::kBF16:
@@ -187,6 +195,7 @@ TEST(Tensors, PaddedLayoutOutputs) {
   const auto d = dispatch_output_descs(c, s);
   EXPECT_EQ(desc(d, "tokens").shape, (Shape{G, C, 7168}));
   EXPECT_EQ(desc(d, "tokens").dtype, DType::kFloat8E4M3);
+  EXPECT_EQ(output_layout(c, s).tokens_bytes(), desc(d, "tokens").bytes());
   EXPECT_EQ(desc(d, "scales").shape, (Shape{G, 56, C}));
   EXPECT_EQ(desc(d, "scales").dtype, DType::kF32);
   EXPECT_EQ(desc(d, "scales").bytes(), s.scales_bytes);

@@ -581,6 +581,14 @@ TEST(BadInput, HostChecks) {
   bad_out = out;
   bad_out.tokens = static_cast<char*>(out.tokens) + 8;
   expect_invalid(in, bad_out, "16-byte aligned");
+  // The input inside the output (the fused kernel would overwrite it while reading it), at its
+  // start and ending one row into it.
+  bad = in;
+  bad.tokens = out.tokens;
+  expect_invalid(bad, out, "overlap");
+  bad = in;
+  bad.tokens = static_cast<const char*>(out.tokens) - (int64_t(in.num_tokens) - 1) * 2048 * 2;
+  expect_invalid(bad, out, "overlap");
   // combine before any dispatch
   try {
     g.combine(io.combine_input(), io.combine_output(true), io.stream);

@@ -193,6 +193,10 @@ struct DispatchOutputLayout {
     return DispatchOutputLayout{f, hidden, groups, routed_rows, rows, capacity, ue8m0};
   }
   EPCOMM_HD int64_t row_bytes() const { return format_row_bytes(format, hidden); }
+  // The tokens output's bytes: [rows, row] packed, [groups, C, row] padded.
+  EPCOMM_HD int64_t tokens_bytes() const {
+    return (capacity > 0 ? int64_t(groups) * capacity : rows) * row_bytes();
+  }
   // Blockwise FP8's fp32 scales. Packed: [H/128, rows], scale k of row r at offset(r, k).
   // Padded: group g's block [H/128, C] at g * fp8().size(), slot j's scale k at offset(j, k)
   // in it.
