@@ -554,6 +554,11 @@ std::string run_round(LocalGroup& lg, const reference::Problem& problem, const R
         busy_kernel<<<(1 << 20) / 256, 256, 0, io.stream>>>(scratch[size_t(r)].get<float>(),
                                                             1 << 20, 2000);
         EPCOMM_CUDA_OK(cudaGetLastError());
+        // The async half has read its inputs once it has run (README): work after it may
+        // overwrite them, and the outputs must not change. (Not the weights: the token-side
+        // combine of this round takes the same buffer.)
+        io.tokens.fill(0xff, io.stream);
+        io.topk.fill(0xff, io.stream);
       }
     }
     lg.all([&](int r) {
