@@ -582,13 +582,21 @@ TEST(BadInput, HostChecks) {
   bad_out.tokens = static_cast<char*>(out.tokens) + 8;
   expect_invalid(in, bad_out, "16-byte aligned");
   // The input inside the output (the fused kernel would overwrite it while reading it), at its
-  // start and ending one row into it.
+  // start, and ending one row into it: input and output carved from one buffer, so that a
+  // check that failed to refuse would still read and write inside it.
   bad = in;
   bad.tokens = out.tokens;
   expect_invalid(bad, out, "overlap");
-  bad = in;
-  bad.tokens = static_cast<const char*>(out.tokens) - (int64_t(in.num_tokens) - 1) * 2048 * 2;
-  expect_invalid(bad, out, "overlap");
+  {
+    const int64_t row = 2048 * 2, in_bytes = int64_t(in.num_tokens) * row;
+    const int64_t out_bytes = g.sizes().max_recv_rows * g.sizes().token_bytes;
+    DeviceBuffer both(io.device, size_t(in_bytes - row + out_bytes));
+    bad = in;
+    bad.tokens = both.get();
+    bad_out = out;
+    bad_out.tokens = both.get<char>() + (in_bytes - row);
+    expect_invalid(bad, bad_out, "overlap");
+  }
   // combine before any dispatch
   try {
     g.combine(io.combine_input(), io.combine_output(true), io.stream);
