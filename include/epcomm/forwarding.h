@@ -13,6 +13,7 @@
 
 #include "epcomm/detail/window_layout.h"
 #include "epcomm/hd.h"
+#include "epcomm/layout.h"
 
 namespace epcomm {
 
@@ -55,23 +56,121 @@ struct ForwardPlan {
 namespace detail {
 // A forwarded message: what the relay needs to write the direct-path message (MessageLayout) of
 // every destination rank of its node. The payload is the direct message's, byte for byte (codes
-// and scales as quantised by the sender, never re-quantised); the header is
-//   int32 token, int16 n_dests, int16 first_rank_slot (rank_slot_of the node's first
-//   destination; the j-th has first_rank_slot + j, since a node's ranks are consecutive),
-//   n_dests x {int16 local rank, int16 n_entries, int32 stream index (the message's index in
-//   that destination's stream from this source)}, local rank ascending,
-//   then the entries (MessageEntry) of every destination, destination by destination, top-k
-//   slot ascending within each: the relay copies destination j's run as its header's entries.
+// and scales as quantised by the sender, never re-quantised); the header (ForwardHeaderLayout)
+// is
+//   at 0: int32 token, int16 n_dests, int16 first_rank_slot (rank_slot_of the node's first
+//   destination; the j-th has first_rank_slot + j, since a node's ranks are consecutive);
+//   at 8: n_dests x ForwardDest {int16 local rank, int16 n_entries, int32 stream index (the
+//   message's index in that destination's stream from this source)}, local rank ascending;
+//   at entries_offset() (fixed: after room for every destination there can be, so a relay's
+//   lanes read records and entries in one round trip): the entries (MessageEntry) of every
+//   destination, destination by destination, top-k slot ascending within each; the relay
+//   copies destination j's run as its header's entries.
 // n_dests <= min(top_k, ranks_per_node). Padded to MessageLayout::kAlign like the direct header.
+struct ForwardDest {
+  int16_t local_rank;
+  int16_t n_entries;
+  int32_t stream_index;
+};
+static_assert(sizeof(ForwardDest) == 8, "a destination's record is 8 bytes");
+
+struct ForwardHeaderLayout {
+  int32_t top_k;
+  int32_t ranks_per_node;
+  static constexpr int64_t kDestsOffset = 8;
+
+  EPCOMM_HD int32_t max_dests() const { return top_k < ranks_per_node ? top_k : ranks_per_node; }
+  EPCOMM_HD int64_t entries_offset() const {
+    return kDestsOffset + int64_t(sizeof(ForwardDest)) * max_dests();
+  }
+  EPCOMM_HD int64_t bytes() const {
+    return align_up(entries_offset() + int64_t(sizeof(MessageEntry)) * top_k,
+                    MessageLayout::kAlign);
+  }
+};
 EPCOMM_HD int64_t forward_header_bytes(int32_t top_k, int32_t ranks_per_node) {
-  const int32_t dests = top_k < ranks_per_node ? top_k : ranks_per_node;
-  return align_up(8 + 8 * int64_t(dests) + int64_t(sizeof(MessageEntry)) * top_k,
-                  MessageLayout::kAlign);
+  return ForwardHeaderLayout{top_k, ranks_per_node}.bytes();
 }
 // The whole forwarded message: its header, then the direct message's payload.
 EPCOMM_HD int64_t forward_message_bytes(const MessageLayout& m, int32_t ranks_per_node) {
   return align_up(forward_header_bytes(m.top_k, ranks_per_node) + m.payload_bytes(),
                   MessageLayout::kAlign);
+}
+
+// The forwarded header's fields at `h` (ForwardHeaderLayout), written by the sender and read by
+// the relay. One thread's view: the CPU reference and tests use it as it is, a kernel the same
+// offsets with its lanes sharing the records and entries.
+struct ForwardHeaderView {
+  char* h;
+  ForwardHeaderLayout l;
+
+  EPCOMM_HD int32_t& token() const { return *reinterpret_cast<int32_t*>(h); }
+  EPCOMM_HD int16_t& n_dests() const { return *reinterpret_cast<int16_t*>(h + 4); }
+  EPCOMM_HD int16_t& first_rank_slot() const { return *reinterpret_cast<int16_t*>(h + 6); }
+  EPCOMM_HD ForwardDest& dest(int32_t j) const {
+    return reinterpret_cast<ForwardDest*>(h + ForwardHeaderLayout::kDestsOffset)[j];
+  }
+  // The i-th entry of the header, counting every destination's run in order.
+  EPCOMM_HD MessageEntry& entry(int32_t i) const {
+    return reinterpret_cast<MessageEntry*>(h + l.entries_offset())[i];
+  }
+  // Where destination j's run of entries starts: the entries of destinations 0 .. j-1.
+  EPCOMM_HD int32_t first_entry(int32_t j) const {
+    int32_t i = 0;
+    for (int32_t q = 0; q < j; ++q)
+      i += dest(q).n_entries;
+    return i;
+  }
+  // Destination j's direct-path header (MessageHeader: token, n_entries, rank_slot, entries),
+  // written at `direct` (MessageLayout::header_bytes() of room).
+  EPCOMM_HD void rebuild_direct(int32_t j, char* direct) const {
+    MessageHeader* m = reinterpret_cast<MessageHeader*>(direct);
+    const ForwardDest d = dest(j);
+    m->token = token();
+    m->n_entries = d.n_entries;
+    m->rank_slot = int16_t(first_rank_slot() + j);
+    const int32_t first = first_entry(j);
+    for (int32_t i = 0; i < d.n_entries; ++i)
+      m->entries[i] = entry(first + i);
+  }
+};
+
+// The sender's forwarded header of one token for node `node` of `nodes` (not its own), at v:
+// the token's destinations there are the ranks of that node owning one of its top-k experts
+// (ids[k] >= 0), ascending; each destination's entries are its top-k slots k, ascending, as
+// MessageEntry::make(local expert, k, pos[k], weight[k]) (weight null: 0), exactly what the
+// direct path's header to that rank holds; stream_index(rank) is the message's index in that
+// rank's stream from this sender, and first_rank_slot the first destination's rank_slot_of
+// among all the ranks the token goes to. Returns n_dests (0: the token does not reach the node,
+// and nothing is written).
+template <class StreamIndex>
+EPCOMM_HD int32_t write_forward_header(const ForwardHeaderView& v, const ExpertMap& em,
+                                       const NodeMap& nodes, int32_t node, int32_t token,
+                                       const int32_t* ids, const int32_t* pos, const float* weight,
+                                       StreamIndex stream_index) {
+  const int32_t K = v.l.top_k;
+  unsigned long long mask = 0;  // every rank the token goes to (at most 64)
+  for (int32_t k = 0; k < K; ++k)
+    if (ids[k] >= 0) mask |= 1ull << em.rank_of(ids[k]);
+  int32_t n = 0, e = 0;
+  for (int32_t local = 0; local < nodes.ranks_per_node; ++local) {
+    const int32_t rank = node * nodes.ranks_per_node + local;
+    if (!(mask >> rank & 1ull)) continue;
+    if (n == 0) v.first_rank_slot() = int16_t(rank_slot_of(mask, rank));
+    int32_t entries = 0;
+    for (int32_t k = 0; k < K; ++k)
+      if (ids[k] >= 0 && em.rank_of(ids[k]) == rank)
+        v.entry(e + entries++) =
+            MessageEntry::make(em.local_of(ids[k]), k, pos[k], weight ? weight[k] : 0.0f);
+    v.dest(n) = ForwardDest{int16_t(local), int16_t(entries), int32_t(stream_index(rank))};
+    e += entries;
+    ++n;
+  }
+  if (n > 0) {
+    v.token() = token;
+    v.n_dests() = int16_t(n);
+  }
+  return n;
 }
 }  // namespace detail
 

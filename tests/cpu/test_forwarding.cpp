@@ -1,6 +1,6 @@
 // Forwarding inside the node (epcomm/forwarding.h, docs/multinode.md "Forwarding inside the node
-// (design)"): the relay plan for every declared split, the set-up decision, the size of a
-// forwarded message, the byte model (reference::cross_node_traffic) against a brute-force count
+// (design)"): the relay plan for every declared split, the set-up decision, the size and layout of
+// a forwarded message, the byte model (reference::cross_node_traffic) against a brute-force count
 // and against docs/multinode.md's closed form, and the forwarded combine order of the reference.
 #include <gtest/gtest.h>
 
@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <random>
 #include <set>
 #include <utility>
 #include <vector>
@@ -461,6 +462,85 @@ TEST(Forwarding, ForwardedCombineOrderStaysWithinTheReferenceTolerance) {
         EXPECT_EQ(compare_combine_f32(ref, out.data(), int64_t(out.size()), std::ldexp(1.0, -8)),
                   "")
             << "rank " << r << (order ? ", forwarded order" : ", direct order");
+      }
+    }
+  }
+}
+
+// The forwarded header: for random routings on every declared split, the relay's rebuild of each
+// destination's header from the sender's forwarded header is byte for byte the header the direct
+// path writes to that rank (modelled here as send_token writes it: token, the entries of the
+// token's slots on that rank in slot order, rank_slot_of among all its ranks), the destinations'
+// records name their local rank and stream index, and everything fits forward_header_bytes.
+TEST(Forwarding, RelayRebuildsTheDirectHeaders) {
+  std::mt19937 rng(7);
+  for (const auto& [nodes, rpn] : kSplits) {
+    for (int32_t K : {1, 2, 4, 8}) {
+      const int32_t R = nodes * rpn, E = 8 * R;
+      if (K > E) continue;
+      SCOPED_TRACE(std::to_string(nodes) + "x" + std::to_string(rpn) + " top-" + std::to_string(K));
+      const ExpertMap em{E, R};
+      const detail::NodeMap nm{R, rpn};
+      const detail::ForwardHeaderLayout fl{K, rpn};
+      const detail::MessageLayout ml{64, K, TokenFormat::kBF16};
+      for (int trial = 0; trial < 200; ++trial) {
+        // K distinct experts, some slots masked; positions and weights at random.
+        const size_t nk = static_cast<size_t>(K);
+        std::vector<int32_t> ids(nk), pos(nk), all(static_cast<size_t>(E));
+        std::vector<float> w(nk);
+        for (int32_t e = 0; e < E; ++e)
+          all[size_t(e)] = e;
+        std::shuffle(all.begin(), all.end(), rng);
+        for (int32_t k = 0; k < K; ++k) {
+          ids[size_t(k)] = rng() % 5 == 0 ? -1 : all[size_t(k)];
+          pos[size_t(k)] = int32_t(rng() % 100000);
+          w[size_t(k)] = float(rng() % 1000) / 997.0f;
+        }
+        const int32_t token = int32_t(rng() % 4096);
+        auto stream_index = [&](int32_t rank) { return rank * 1000 + token % 997; };
+        unsigned long long mask = 0;
+        for (int32_t k = 0; k < K; ++k)
+          if (ids[size_t(k)] >= 0) mask |= 1ull << em.rank_of(ids[size_t(k)]);
+        for (int32_t node = 0; node < nodes; ++node) {
+          std::vector<char> fwd(size_t(fl.bytes()), char(0x5a));
+          const detail::ForwardHeaderView v{fwd.data(), fl};
+          const int32_t n = detail::write_forward_header(v, em, nm, node, token, ids.data(),
+                                                         pos.data(), w.data(), stream_index);
+          // The node's destinations, ascending.
+          std::vector<int32_t> dests;
+          for (int32_t r = node * rpn; r < (node + 1) * rpn; ++r)
+            if (mask >> r & 1ull) dests.push_back(r);
+          ASSERT_EQ(n, int32_t(dests.size()));
+          if (n == 0) continue;
+          EXPECT_EQ(v.token(), token);
+          EXPECT_EQ(v.n_dests(), n);
+          ASSERT_LE(n, fl.max_dests());
+          EXPECT_LE(fl.entries_offset() + int64_t(sizeof(detail::MessageEntry)) * v.first_entry(n),
+                    fl.bytes());
+          for (int32_t j = 0; j < n; ++j) {
+            const int32_t d = dests[size_t(j)];
+            EXPECT_EQ(v.dest(j).local_rank, d % rpn);
+            EXPECT_EQ(v.dest(j).stream_index, stream_index(d));
+            // A node's ranks are consecutive, so their rank slots are too.
+            EXPECT_EQ(detail::rank_slot_of(mask, d), v.first_rank_slot() + j);
+            // The direct path's header to rank d.
+            std::vector<char> want(size_t(ml.header_bytes()), 0), got(want.size(), 0);
+            auto* h = reinterpret_cast<detail::MessageHeader*>(want.data());
+            h->token = token;
+            h->rank_slot = int16_t(detail::rank_slot_of(mask, d));
+            int16_t m = 0;
+            for (int32_t k = 0; k < K; ++k)
+              if (ids[size_t(k)] >= 0 && em.rank_of(ids[size_t(k)]) == d)
+                h->entries[m++] = detail::MessageEntry::make(em.local_of(ids[size_t(k)]), k,
+                                                             pos[size_t(k)], w[size_t(k)]);
+            h->n_entries = m;
+            v.rebuild_direct(j, got.data());
+            EXPECT_EQ(std::memcmp(got.data(), want.data(),
+                                  size_t(8 + int64_t(sizeof(detail::MessageEntry)) * m)),
+                      0)
+                << "destination " << d;
+          }
+        }
       }
     }
   }
