@@ -67,7 +67,7 @@ namespace detail {
 //   destination, destination by destination, top-k slot ascending within each; the relay
 //   copies destination j's run as its header's entries.
 // n_dests <= min(top_k, ranks_per_node). Padded to MessageLayout::kAlign like the direct header.
-struct ForwardDest {
+struct alignas(8) ForwardDest {  // one 8-byte load
   int16_t local_rank;
   int16_t n_entries;
   int32_t stream_index;
@@ -142,7 +142,10 @@ struct ForwardHeaderView {
 // direct path's header to that rank holds; stream_index(rank) is the message's index in that
 // rank's stream from this sender, and first_rank_slot the first destination's rank_slot_of
 // among all the ranks the token goes to. Returns n_dests (0: the token does not reach the node,
-// and nothing is written).
+// and nothing is written). ids, pos, weight and em are the group view's, as the direct path
+// uses them (scratch.topk over the view's top_k slots, the view's weights, GroupView::experts()):
+// with a shared expert the view has one slot more than the caller's rows.
+
 template <class StreamIndex>
 EPCOMM_HD int32_t write_forward_header(const ForwardHeaderView& v, const ExpertMap& em,
                                        const NodeMap& nodes, int32_t node, int32_t token,

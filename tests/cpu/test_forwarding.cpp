@@ -467,15 +467,19 @@ TEST(Forwarding, ForwardedCombineOrderStaysWithinTheReferenceTolerance) {
   }
 }
 
-// The forwarded header: for random routings on every declared split, the relay's rebuild of each
+// The forwarded header: for random routings on every declared split (and 2 x 8, 8 x 8), top-1 to
+// top-16, with and without weights, the relay's rebuild of each
 // destination's header from the sender's forwarded header is byte for byte the header the direct
 // path writes to that rank (modelled here as send_token writes it: token, the entries of the
 // token's slots on that rank in slot order, rank_slot_of among all its ranks), the destinations'
 // records name their local rank and stream index, and everything fits forward_header_bytes.
 TEST(Forwarding, RelayRebuildsTheDirectHeaders) {
   std::mt19937 rng(7);
-  for (const auto& [nodes, rpn] : kSplits) {
-    for (int32_t K : {1, 2, 4, 8}) {
+  // The declared splits, and 8 ranks a node (2 x 8) and 64 ranks (8 x 8: the mask's high bits).
+  std::vector<std::pair<int32_t, int32_t>> splits = kSplits;
+  splits.insert(splits.end(), {{2, 8}, {8, 8}});
+  for (const auto& [nodes, rpn] : splits) {
+    for (int32_t K : {1, 2, 4, 8, 16}) {
       const int32_t R = nodes * rpn, E = 8 * R;
       if (K > E) continue;
       SCOPED_TRACE(std::to_string(nodes) + "x" + std::to_string(rpn) + " top-" + std::to_string(K));
@@ -504,8 +508,10 @@ TEST(Forwarding, RelayRebuildsTheDirectHeaders) {
         for (int32_t node = 0; node < nodes; ++node) {
           std::vector<char> fwd(size_t(fl.bytes()), char(0x5a));
           const detail::ForwardHeaderView v{fwd.data(), fl};
-          const int32_t n = detail::write_forward_header(v, em, nm, node, token, ids.data(),
-                                                         pos.data(), w.data(), stream_index);
+          const bool weighted = trial % 4 != 0;  // a dispatch without weights: zeros
+          const int32_t n =
+              detail::write_forward_header(v, em, nm, node, token, ids.data(), pos.data(),
+                                           weighted ? w.data() : nullptr, stream_index);
           // The node's destinations, ascending.
           std::vector<int32_t> dests;
           for (int32_t r = node * rpn; r < (node + 1) * rpn; ++r)
@@ -531,8 +537,8 @@ TEST(Forwarding, RelayRebuildsTheDirectHeaders) {
             int16_t m = 0;
             for (int32_t k = 0; k < K; ++k)
               if (ids[size_t(k)] >= 0 && em.rank_of(ids[size_t(k)]) == d)
-                h->entries[m++] = detail::MessageEntry::make(em.local_of(ids[size_t(k)]), k,
-                                                             pos[size_t(k)], w[size_t(k)]);
+                h->entries[m++] = detail::MessageEntry::make(
+                    em.local_of(ids[size_t(k)]), k, pos[size_t(k)], weighted ? w[size_t(k)] : 0.0f);
             h->n_entries = m;
             v.rebuild_direct(j, got.data());
             EXPECT_EQ(std::memcmp(got.data(), want.data(),
