@@ -1,10 +1,12 @@
 // Forwarding inside the node (docs/multinode.md "Forwarding inside the node (design)"): in a group
 // that spans nodes, one network copy per (token, destination node), sent to one rank of that
 // node, the relay, which forwards it over NVLink to the node's ranks that own the token's
-// experts; combine in reverse. This header holds the plan (which rank relays), the size of a
-// forwarded message, and the set-up decision between forwarding and the direct path (one network
-// copy per (token, destination rank)). The plan and the sizes are usable from host and device
-// code; the decision is made on the host at set-up. Unit-tested on the CPU
+// experts; combine in reverse. This header holds the plan (which rank relays), the forwarded
+// message (its header's layout, written by the sender and rebuilt into direct headers by the
+// relay), the forwarding region of the window (RelayLayout), and the set-up decision between
+// forwarding and the direct path (one network copy per (token, destination rank)). All but the
+// decision are usable from host and device code; the decision is made on the host at set-up.
+// No kernel forwards yet. Unit-tested on the CPU
 // (tests/cpu/test_forwarding.cpp).
 #pragma once
 
@@ -133,6 +135,60 @@ struct ForwardHeaderView {
     for (int32_t i = 0; i < d.n_entries; ++i)
       m->entries[i] = entry(first + i);
   }
+};
+
+// A rank's forwarding region, appended to its window (at WindowLayout::bytes()) where the group
+// forwards: what it holds as the relay of `relayed` senders (ForwardPlan::relayed_source i, one
+// per other node), and, as a sender, one acknowledgement word per other node's relay.
+//   flags (zeroed at set-up, monotonic like the window's):
+//     ack[i]          u64: the last call whose forwarded messages the relay of the i-th other
+//                     node (ForwardPlan::relayed_index order: nodes ascending, this rank's own
+//                     skipped) has finished forwarding; the sender waits on it before it
+//                     overwrites that relay's region, as it waits on kDispatchAck today;
+//     chunk[i][c]     u64: the last call whose forwarded chunk c from relayed source i is here
+//                     (the sender's put-with-signal), chunks of kChunkTokens tokens as today;
+//     part[i][m][p]   u64 (low-latency path only): forwarded message m's part p, likewise;
+//   meta[i]           the relayed source's forward record, a MetaLayout without groups or ranks:
+//                     seq, the number of forwarded messages, the number of chunks and where each
+//                     chunk's messages start (forwarded messages are in token order);
+//   messages[i][m]    max_tokens forwarded messages (forward_message_bytes) per relayed source.
+// A relay writes destination d's stream (d of its own node) only once d has finished reading
+// the previous call: d's own kDispatchAck word in d's window (d raises it in every source's
+// window, its own included, when its receive is done), which the relay reads over NVLink; so no
+// new signal crosses the network for that.
+struct RelayLayout {
+  int32_t relayed;  // ForwardPlan::relayed_sources(): 0 where the group does not forward
+  int32_t max_tokens;
+  int32_t ranks_per_node;
+  MessageLayout msg;
+  int32_t low_latency;  // the part flags are allocated
+
+  EPCOMM_HD MetaLayout meta() const { return MetaLayout{0, num_chunks(max_tokens), 0}; }
+  EPCOMM_HD int64_t message_bytes() const { return forward_message_bytes(msg, ranks_per_node); }
+
+  EPCOMM_HD int64_t ack_offset(int32_t i) const { return int64_t(i) * 8; }
+  EPCOMM_HD int64_t chunk_flag_offset(int32_t i, int32_t c) const {
+    return align_up(ack_offset(relayed), 256) + (int64_t(i) * num_chunks(max_tokens) + c) * 8;
+  }
+  EPCOMM_HD int64_t part_flag_offset(int32_t i, int32_t m, int32_t p) const {
+    return align_up(chunk_flag_offset(relayed, 0), 256) +
+           ((int64_t(i) * max_tokens + m) * num_parts(msg.hidden) + p) * 8;
+  }
+  EPCOMM_HD int64_t flags_end() const {
+    return low_latency ? align_up(part_flag_offset(relayed, 0, 0), 256)
+                       : align_up(chunk_flag_offset(relayed, 0), 256);
+  }
+  EPCOMM_HD int64_t meta_offset(int32_t i) const { return flags_end() + i * meta().bytes(); }
+  // Forwarded messages start on a line, as the direct path's do.
+  EPCOMM_HD int64_t message_offset(int32_t i, int32_t m) const {
+    return align_up(meta_offset(relayed), MessageLayout::kAlign) +
+           (int64_t(i) * max_tokens + m) * message_bytes();
+  }
+  EPCOMM_HD int64_t bytes() const {
+    return relayed == 0 ? 0 : align_up(message_offset(relayed, 0), 256);
+  }
+  // Bytes that must be zero before first use: the flags and the meta records' seq words.
+  EPCOMM_HD int64_t zeroed_bytes() const { return relayed == 0 ? 0 : message_offset(0, 0); }
 };
 
 // The sender's forwarded header of one token for node `node` of `nodes` (not its own), at v:

@@ -551,3 +551,55 @@ TEST(Forwarding, RelayRebuildsTheDirectHeaders) {
     }
   }
 }
+
+// The forwarding region: every field of every relayed source and message has a place of its
+// own, flags and meta records before the messages (zeroed together), messages on a line, the
+// part flags only on the low-latency path, and nothing where the group does not forward.
+TEST(Forwarding, RelayRegionsDoNotOverlap) {
+  for (const auto& [nodes, rpn] : kSplits) {
+    const int32_t relayed = ForwardPlan::make(nodes * rpn, rpn).relayed_sources();
+    for (TokenFormat f : {TokenFormat::kBF16, TokenFormat::kFp8Blockwise}) {
+      for (int32_t ll : {0, 1}) {
+        SCOPED_TRACE(std::to_string(nodes) + "x" + std::to_string(rpn) + " " +
+                     token_format_name(f) + (ll ? " low-latency" : ""));
+        const int32_t T = 100, H = 7168, K = 8;
+        const detail::RelayLayout rl{relayed, T, rpn, detail::MessageLayout{H, K, f}, ll};
+        if (relayed == 0) {
+          EXPECT_EQ(rl.bytes(), 0);
+          EXPECT_EQ(rl.zeroed_bytes(), 0);
+          continue;
+        }
+        // Every byte range, collected and checked for overlap once sorted.
+        std::vector<std::pair<int64_t, int64_t>> ranges;
+        const int32_t chunks = detail::num_chunks(T), parts = detail::num_parts(H);
+        for (int32_t i = 0; i < relayed; ++i) {
+          ranges.push_back({rl.ack_offset(i), 8});
+          for (int32_t c = 0; c < chunks; ++c)
+            ranges.push_back({rl.chunk_flag_offset(i, c), 8});
+          if (ll)
+            for (int32_t m = 0; m < T; ++m)
+              for (int32_t p = 0; p < parts; ++p)
+                ranges.push_back({rl.part_flag_offset(i, m, p), 8});
+          ranges.push_back({rl.meta_offset(i), rl.meta().bytes()});
+          for (int32_t m = 0; m < T; ++m) {
+            ranges.push_back({rl.message_offset(i, m), rl.message_bytes()});
+            EXPECT_EQ(rl.message_offset(i, m) % detail::MessageLayout::kAlign, 0);
+            EXPECT_GE(rl.message_offset(i, m), rl.zeroed_bytes());  // messages are not zeroed
+          }
+          // The flags and meta records lie in the zeroed bytes.
+          EXPECT_LE(rl.meta_offset(i) + rl.meta().bytes(), rl.zeroed_bytes());
+          EXPECT_LE(rl.chunk_flag_offset(i, chunks - 1) + 8, rl.zeroed_bytes());
+        }
+        std::sort(ranges.begin(), ranges.end());
+        for (size_t j = 1; j < ranges.size(); ++j)
+          ASSERT_LE(ranges[j - 1].first + ranges[j - 1].second, ranges[j].first) << j;
+        EXPECT_LE(ranges.back().first + ranges.back().second, rl.bytes());
+        EXPECT_EQ(rl.bytes() % 256, 0);
+        // The forward record is the meta record of no groups and no ranks: seq, count, chunks
+        // and chunk starts.
+        EXPECT_EQ(rl.meta().bytes(), align_up(16 + 4 * int64_t(chunks + 1), 16));
+        EXPECT_EQ(rl.message_bytes(), detail::forward_message_bytes(rl.msg, rpn));
+      }
+    }
+  }
+}
