@@ -137,13 +137,14 @@ struct ForwardHeaderView {
   }
 };
 
-// A rank's forwarding region, appended to its window (at WindowLayout::bytes()) where the group
-// forwards: what it holds as the relay of `relayed` senders (ForwardPlan::relayed_source i, one
-// per other node), and, as a sender, one acknowledgement word per other node's relay.
+// A rank's forwarding region, a part of its window's allocation (placed by set-up after the
+// outbox, which sits at WindowLayout::bytes()) where the group forwards: what it holds as the
+// relay of `relayed` senders (ForwardPlan::relayed_source i, one per other node), and, as a
+// sender, one acknowledgement word per other node's relay.
 //   flags (zeroed at set-up, monotonic like the window's):
 //     ack[i]          u64: the last call whose forwarded messages the relay of the i-th other
-//                     node (ForwardPlan::relayed_index order: nodes ascending, this rank's own
-//                     skipped) has finished forwarding; the sender waits on it before it
+//                     node (nodes ascending, this rank's own skipped: ForwardPlan::relayed_index
+//                     order) has finished forwarding; the sender waits on it before it
 //                     overwrites that relay's region, as it waits on kDispatchAck today;
 //     chunk[i][c]     u64: the last call whose forwarded chunk c from relayed source i is here
 //                     (the sender's put-with-signal), chunks of kChunkTokens tokens as today;
@@ -153,11 +154,14 @@ struct ForwardHeaderView {
 //                     chunk's messages start (forwarded messages are in token order);
 //   messages[i][m]    max_tokens forwarded messages (forward_message_bytes) per relayed source.
 // A relay writes destination d's stream (d of its own node) only once d has finished reading
-// the previous call: d's own kDispatchAck word in d's window (d raises it in every source's
-// window, its own included, when its receive is done), which the relay reads over NVLink; so no
-// new signal crosses the network for that.
+// the previous call. That needs no new signal: d raises its kDispatchAck word in every rank's
+// window when its receive is done, the relay's included, and the relay already waits on those
+// words before its own send (dispatch stage 2). The message headers d keeps for its
+// expert-side combine are safe for the same reason as on the direct path: the relay's next
+// dispatch comes after its own combine, which waits for every block of every rank's combine.
 struct RelayLayout {
-  int32_t relayed;  // ForwardPlan::relayed_sources(): 0 where the group does not forward
+  int32_t relayed;  // ForwardPlan::relayed_sources() where the group forwards; the caller
+                    // passes 0 where it does not (decide_forwarding: direct)
   int32_t max_tokens;
   int32_t ranks_per_node;
   MessageLayout msg;

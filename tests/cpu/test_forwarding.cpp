@@ -564,11 +564,12 @@ TEST(Forwarding, RelayRegionsDoNotOverlap) {
                      token_format_name(f) + (ll ? " low-latency" : ""));
         const int32_t T = 100, H = 7168, K = 8;
         const detail::RelayLayout rl{relayed, T, rpn, detail::MessageLayout{H, K, f}, ll};
-        if (relayed == 0) {
-          EXPECT_EQ(rl.bytes(), 0);
-          EXPECT_EQ(rl.zeroed_bytes(), 0);
-          continue;
-        }
+        // Where the group does not forward (one node here; elsewhere decide_forwarding's
+        // direct route, for which the caller passes 0): no region.
+        const detail::RelayLayout none{0, T, rpn, rl.msg, ll};
+        EXPECT_EQ(none.bytes(), 0);
+        EXPECT_EQ(none.zeroed_bytes(), 0);
+        if (relayed == 0) continue;
         // Every byte range, collected and checked for overlap once sorted.
         std::vector<std::pair<int64_t, int64_t>> ranges;
         const int32_t chunks = detail::num_chunks(T), parts = detail::num_parts(H);
@@ -586,19 +587,35 @@ TEST(Forwarding, RelayRegionsDoNotOverlap) {
             EXPECT_EQ(rl.message_offset(i, m) % detail::MessageLayout::kAlign, 0);
             EXPECT_GE(rl.message_offset(i, m), rl.zeroed_bytes());  // messages are not zeroed
           }
-          // The flags and meta records lie in the zeroed bytes.
+          // The flags and meta records lie in the zeroed bytes; records on 16 bytes.
           EXPECT_LE(rl.meta_offset(i) + rl.meta().bytes(), rl.zeroed_bytes());
+          EXPECT_EQ(rl.meta_offset(i) % 16, 0);
+          EXPECT_LE(rl.ack_offset(i) + 8, rl.zeroed_bytes());
           EXPECT_LE(rl.chunk_flag_offset(i, chunks - 1) + 8, rl.zeroed_bytes());
+          if (ll) {
+            EXPECT_LE(rl.part_flag_offset(i, T - 1, parts - 1) + 8, rl.zeroed_bytes());
+          }
+        }
+        // Without the low-latency path no part flags are allocated: the records follow the
+        // chunk flags.
+        if (!ll) {
+          EXPECT_EQ(rl.meta_offset(0), align_up(rl.chunk_flag_offset(relayed, 0), 256));
         }
         std::sort(ranges.begin(), ranges.end());
         for (size_t j = 1; j < ranges.size(); ++j)
           ASSERT_LE(ranges[j - 1].first + ranges[j - 1].second, ranges[j].first) << j;
         EXPECT_LE(ranges.back().first + ranges.back().second, rl.bytes());
         EXPECT_EQ(rl.bytes() % 256, 0);
-        // The forward record is the meta record of no groups and no ranks: seq, count, chunks
-        // and chunk starts.
+        // The forward record is the meta record of no groups and no ranks: seq, count, chunks,
+        // then the chunk starts.
+        EXPECT_EQ(rl.meta().n_local, 0);
+        EXPECT_EQ(rl.meta().n_ranks, 0);
+        EXPECT_EQ(rl.meta().max_chunks, chunks);
+        EXPECT_EQ(rl.meta().chunk_start_offset(), 16);
         EXPECT_EQ(rl.meta().bytes(), align_up(16 + 4 * int64_t(chunks + 1), 16));
-        EXPECT_EQ(rl.message_bytes(), detail::forward_message_bytes(rl.msg, rpn));
+        // A forwarded message: its header, then the direct message's payload, on lines.
+        EXPECT_EQ(rl.message_bytes(),
+                  align_up(detail::forward_header_bytes(K, rpn) + rl.msg.payload_bytes(), 128));
       }
     }
   }
