@@ -130,6 +130,9 @@ struct CrossNodeSizes {
   int64_t forward_message = 0;  // a forwarded one (detail::forward_message_bytes)
   int64_t combine_row = 0;      // a combine row (detail::CombineRecvLayout::row_bytes())
   int64_t meta_record = 0;      // a meta record's put (detail::MetaLayout::payload_bytes())
+  // A forward record's put (forwarding: the relay's count and chunk starts of one sender,
+  // detail::RelayLayout::meta(), less its seq word like the meta record).
+  int64_t forward_record = 0;
 };
 // The sizes of a group running `p` in `format` with max_tokens_per_rank = max_tokens, as the
 // window lays them out (the modes' view: the shared expert's slot and group counted), on the
@@ -139,9 +142,10 @@ CrossNodeSizes cross_node_sizes(const Problem& p, TokenFormat format, int32_t ma
 struct CrossNodePuts {
   int64_t dispatch_messages = 0;
   int64_t meta_records = 0;
+  int64_t forward_records = 0;  // forwarding: one per other node, to its relay, every call
   int64_t combine_rows_expert_side = 0;
   int64_t combine_rows_token_side = 0;
-  int64_t dispatch_bytes = 0;  // messages and meta records
+  int64_t dispatch_bytes = 0;  // messages, meta records and forward records
   int64_t combine_bytes_expert_side = 0;
   int64_t combine_bytes_token_side = 0;
 };

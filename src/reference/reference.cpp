@@ -324,6 +324,10 @@ CrossNodeSizes cross_node_sizes(const Problem& p, TokenFormat format, int32_t ma
   s.forward_message = detail::forward_message_bytes(w.msg(), ranks_per_node);
   s.combine_row = w.combine_recv().row_bytes();
   s.meta_record = w.meta().payload_bytes();
+  s.forward_record =
+      detail::RelayLayout{1, max_tokens, ranks_per_node, w.msg(), low_latency ? 1 : 0}
+          .meta()
+          .payload_bytes();
   return s;
 }
 
@@ -341,6 +345,8 @@ std::vector<CrossNodeTraffic> cross_node_traffic(const Problem& p, int32_t ranks
   for (int32_t s = 0; s < p.n_ranks; ++s) {
     out[size_t(s)].direct.meta_records = nm.n_remote();
     out[size_t(s)].forwarded.meta_records = nm.n_remote();
+    // The relay of every other node needs this call's count, zero or not.
+    out[size_t(s)].forwarded.forward_records = plan.n_nodes() - 1;
     if (!sends(p, s)) continue;  // the device sends nothing for refused topk_ids
     const RankInput& in = p.ranks[size_t(s)];
     for (int32_t t = 0; t < in.num_tokens; ++t) {
@@ -370,7 +376,8 @@ std::vector<CrossNodeTraffic> cross_node_traffic(const Problem& p, int32_t ranks
   for (CrossNodeTraffic& c : out) {
     for (CrossNodePuts* q : {&c.direct, &c.forwarded}) {
       const int64_t msg = q == &c.direct ? sizes.message : sizes.forward_message;
-      q->dispatch_bytes = q->dispatch_messages * msg + q->meta_records * sizes.meta_record;
+      q->dispatch_bytes = q->dispatch_messages * msg + q->meta_records * sizes.meta_record +
+                          q->forward_records * sizes.forward_record;
       q->combine_bytes_expert_side = q->combine_rows_expert_side * sizes.combine_row;
       q->combine_bytes_token_side = q->combine_rows_token_side * sizes.combine_row;
     }

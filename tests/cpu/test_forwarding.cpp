@@ -65,10 +65,10 @@ std::vector<Count> brute_force(const Problem& p, int32_t rpn) {
 }
 
 void expect_model_matches(const Problem& p, int32_t rpn, const char* what) {
-  const CrossNodeSizes sz{1000, 1100, 300, 7};
+  const CrossNodeSizes sz{1000, 1100, 300, 7, 5};
   const std::vector<CrossNodeTraffic> m = cross_node_traffic(p, rpn, sz);
   const std::vector<Count> b = brute_force(p, rpn);
-  const int64_t remote = p.n_ranks - rpn;
+  const int64_t remote = p.n_ranks - rpn, remote_nodes = p.n_ranks / rpn - 1;
   for (int32_t r = 0; r < p.n_ranks; ++r) {
     SCOPED_TRACE(std::string(what) + ", ranks_per_node " + std::to_string(rpn) + ", rank " +
                  std::to_string(r));
@@ -83,8 +83,10 @@ void expect_model_matches(const Problem& p, int32_t rpn, const char* what) {
     EXPECT_EQ(x.relay_copies, y.relay_copies);
     EXPECT_EQ(x.direct.meta_records, remote);
     EXPECT_EQ(x.forwarded.meta_records, remote);
+    EXPECT_EQ(x.direct.forward_records, 0);
+    EXPECT_EQ(x.forwarded.forward_records, remote_nodes);
     EXPECT_EQ(x.direct.dispatch_bytes, y.direct_msgs * 1000 + remote * 7);
-    EXPECT_EQ(x.forwarded.dispatch_bytes, y.fwd_msgs * 1100 + remote * 7);
+    EXPECT_EQ(x.forwarded.dispatch_bytes, y.fwd_msgs * 1100 + remote * 7 + remote_nodes * 5);
     EXPECT_EQ(x.direct.combine_bytes_expert_side, y.direct_rows * 300);
     EXPECT_EQ(x.forwarded.combine_bytes_expert_side, y.fwd_rows * 300);
     EXPECT_EQ(x.forwarded.combine_bytes_token_side, y.slot_rows * 300);
@@ -281,6 +283,7 @@ TEST(Forwarding, ByteModelOnAHotNode) {
   EXPECT_EQ(refused[0].direct.dispatch_messages, 0);
   EXPECT_EQ(refused[0].forwarded.dispatch_messages, 0);
   EXPECT_EQ(refused[0].direct.meta_records, 4);
+  EXPECT_EQ(refused[0].forwarded.forward_records, 1);  // the relay still learns the count
   EXPECT_EQ(refused[4].forwarded.combine_rows_expert_side, 0);
   // skip_a2a moves nothing; a split that does not divide the group is refused.
   Problem skip = make_replicated_problem(8, 8, 8, 32, 5, 10);
@@ -355,6 +358,8 @@ TEST(Forwarding, SizesAreTheWindowsOwn) {
     // A meta record's put carries the record less its 8-byte seq word, which goes as the put's
     // signal (signal words are not data).
     EXPECT_EQ(bf16.meta_record, (detail::MetaLayout{16, detail::num_chunks(4096), 16}.bytes()) - 8);
+    // A forward record: seq, count, chunks, then 257 chunk starts; its put is all but the seq.
+    EXPECT_EQ(bf16.forward_record, align_up(16 + 4 * (detail::num_chunks(4096) + 1), 16) - 8);
   }
   // FP8: the throughput path puts the whole message (header 128 + codes 7168 + scales 224,
   // padded to 128 bytes); the low-latency path puts the header and each part's codes and
