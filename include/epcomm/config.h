@@ -139,6 +139,12 @@ struct Config {
   // How rank `rank` of an n_ranks group routes (layout.h RouteMap).
   RouteMap route(int n_ranks, int rank) const;
 
+  // Whether a combine may take `columns` columns (CombineInput::hidden): the group's hidden, or
+  // fewer, a positive multiple of 8.
+  bool combine_columns_ok(int64_t columns) const {
+    return columns > 0 && columns <= hidden && columns % 8 == 0;
+  }
+
   // The path the group runs: dispatch_path with kAuto resolved.
   DispatchPath resolved_path() const {
     if (dispatch_path != DispatchPath::kAuto) return dispatch_path;

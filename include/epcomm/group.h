@@ -171,6 +171,9 @@ class Group {
   bool poisoned() const;
   // The last completed dispatch (a dispatch_async counts once its dispatch_wait is issued).
   DispatchRecord last_dispatch() const;
+  // The columns (CombineInput::hidden) of the combine_async awaiting its combine_wait, whose
+  // output has that many; 0 where none is pending.
+  int32_t pending_combine_columns() const;
 
   // The stage marks of this rank's last dispatch and last combine (Config::trace must be set;
   // throws kInvalidArgument otherwise). Synchronises the device.

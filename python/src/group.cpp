@@ -262,7 +262,7 @@ class PyGroup {
     }
     // The columns combined: the group's hidden, or fewer (CombineInput::hidden).
     const int64_t h = int64_t(expert_out.shape(expert_out.ndim() - 1));
-    if (h < 8 || h > cfg.hidden || h % 8)
+    if (!cfg.combine_columns_ok(h))
       invalid(c.op + ": expert_out " + shape_str(expert_out) + " has " + std::to_string(h) +
               " columns: the group's hidden (" + std::to_string(cfg.hidden) +
               ") or fewer, a positive multiple of 8");
@@ -371,9 +371,6 @@ class PyGroup {
                      const std::optional<Array>& src_info, int64_t used_rows) {
     const Ctx c = ctx("combine_async");
     const epcomm::CombineInput in = combine_input(c, expert_out, row_offsets, src_info, used_rows);
-    // combine_wait's output width, set first: the core keeps the call pending (with this width)
-    // even where a CUDA error surfaces after its launch and this call throws.
-    async_combine_hidden_ = in.hidden;
     DeviceGuard guard;
     nb::gil_scoped_release nogil;
     live()->combine_async(in, as_stream(stream));
@@ -382,7 +379,8 @@ class PyGroup {
   nb::tuple combine_wait(const std::optional<Array>& weights, uintptr_t stream,
                          const std::optional<Array>& out) {
     const Ctx c = ctx("combine_wait");
-    const epcomm::CombineOutput o = combine_output(c, weights, out, stream, async_combine_hidden_);
+    const epcomm::CombineOutput o =
+        combine_output(c, weights, out, stream, live()->pending_combine_columns());
     DeviceGuard guard;
     {
       nb::gil_scoped_release nogil;
@@ -460,7 +458,6 @@ class PyGroup {
     in.row_offsets = static_cast<const uint32_t*>(row_offsets_.ptr);
     in.src_info = static_cast<const epcomm::SrcInfo*>(src_info_.ptr);
     in.hidden = live()->config().hidden;
-    async_combine_hidden_ = in.hidden;  // a send_only call's wait is the group's width
     on_comm(
         compute, comm, join, send_only, [&](cudaStream_t s) { live()->combine_async(in, s); },
         [&](cudaStream_t s) { live()->combine(in, ll_combine_output(weights, out), s); });
@@ -577,7 +574,6 @@ class PyGroup {
   int event_device_ = 0;
   std::unique_ptr<epcomm::Group> g_;
   std::vector<epcomm::TensorDesc> descs_;  // the dispatch outputs (epcomm/tensors.h)
-  int32_t async_combine_hidden_ = 0;       // the last combine_async's columns (0: the group's)
   DeviceBuffer tokens_, scales_, row_offsets_, expert_ids_, src_info_, scales_offsets_, counts_,
       slot_token_, layout_range_, out_, unreduced_;
   bool padded_own_ = false;  // allocate_lazy has run

@@ -521,6 +521,10 @@ const Sizes& Group::sizes() const { return s_->sizes; }
 bool Group::poisoned() const { return s_->poisoned; }
 DispatchRecord Group::last_dispatch() const { return s_->last; }
 
+int32_t Group::pending_combine_columns() const {
+  return s_->async_combine_pending ? s_->async_combine_hidden : 0;
+}
+
 StageTrace Group::stage_trace() const {
   if (s_->trace == nullptr)
     throw Error(ErrorCode::kInvalidArgument, "stage_trace: the group was set up without Config::trace");
@@ -832,7 +836,7 @@ static detail::CombineParams prepare_combine(detail::GroupState& s, const Combin
             "a combine_async is waiting for its combine_wait");
   }
   if (in)
-    require(in->hidden > 0 && in->hidden <= s.cfg.hidden && in->hidden % 8 == 0, s.rank, op,
+    require(s.cfg.combine_columns_ok(in->hidden), s.rank, op,
             "hidden = " + std::to_string(in->hidden) + ": the group's hidden (" +
                 std::to_string(s.cfg.hidden) + ") or fewer columns, a positive multiple of 8");
   detail::CombineParams p{};
