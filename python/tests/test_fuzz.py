@@ -214,7 +214,9 @@ def test_group_without_a_gpu_or_with_bad_arguments(device, n):
 
 def test_absurd_capacity_is_bad_input():
     # Hypothesis found it: an output capacity no host can allocate raised MemoryError
-    # (std::bad_alloc), not epcomm's error naming the argument.
-    p = R.make_problem(1, 128, 2, 4, [3], 1)
+    # (std::bad_alloc), not epcomm's error naming the argument. The output must exceed every
+    # host's memory: 2^31 - 1 rows of hidden 128 (132 B a row in FP8) is 283 GB, which a 512 GiB
+    # GPU machine holds (the check passed it there and the test failed); of hidden 8192, 17.6 TB.
+    p = R.make_problem(1, 8192, 2, 4, [3], 1)
     with pytest.raises(epcomm.InvalidArgument, match="max_routed_rows 2147483647"):
         R.dispatch_quantized(p, 0, "fp8-blockwise", 1.0, 2**31 - 1)
