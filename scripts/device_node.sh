@@ -2,7 +2,8 @@
 # The whole-node run: one build, then everything on it, over RANKS ranks (default 8), in stages
 # (STAGES, default all, in this order). On 8 GPUs each stage fits one 600 s device call; on 2
 # the GPU tests alone took about 580 s (2 x H100, 2026-11-25), so there run the suite as
-# SUITE_STAGES=build, then gpu, then sanitize, one call each:
+# SUITE_STAGES=build, then gpu, then sanitize, one call each (GPU_SHARDS=1 runs the GPU tests as
+# one shard per GPU with ranks sharing it: 172 s on 4 x H200, but no test crosses a link):
 #   suite     scripts/device_suite.sh: build, every GPU test (one- and multi-process), memcheck
 #             and racecheck on an 8-rank case
 #   bench     scripts/device_bench.sh: every workload with the NCCL baseline at 24 SMs, the
