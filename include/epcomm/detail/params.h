@@ -165,10 +165,10 @@ struct DispatchParams {
   GroupView g;
   RankScratch scratch;
   const void* tokens;
-  const void* topk_ids;  // int32, or int64 where id_bytes is 8 (DispatchInput::id_bytes)
+  const int32_t* topk_ids;
   const float* weights;  // [T, K] router weights carried in the headers, or null
   int32_t num_tokens;
-  int32_t id_bytes;
+  int32_t pad_;
   // outputs (wait / fused)
   void* out_tokens;
   uint32_t* row_offsets;
