@@ -33,3 +33,34 @@ pip_install() {
   [ $rc -eq 0 ] || tail -10 "$OUT/pip_install.log"
   return $rc
 }
+
+# sharded_ctest BUILD_DIR LOG_PREFIX CTEST_ARG...: the tests ctest selects with CTEST_ARGs, as
+# one ctest per GPU (each seeing only its GPU: ranks share it, as on a one-GPU machine; shard k
+# takes every n-th test, -I k,,n), side by side; logs $OUT/{LOG_PREFIX}_k.log and, together,
+# $OUT/{LOG_PREFIX}.log. Returns 1 if a shard failed or the shards' totals do not add up to the
+# listing's count.
+#  - One listing first: GoogleTest's PRE_TEST discovery writes each test executable's list on
+#    the first ctest after a build, and shards starting together raced on it (one read a
+#    half-written list and ran nothing, 4 x H200, 2026-11-26).
+#  - --no-tests=error, and the count: a shard that finds no test exits 0 by default.
+sharded_ctest() {
+  local dir=$1 log=$2
+  shift 2
+  local gpus want ran k r rc=0 pids=()
+  gpus=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU")
+  want=$(cd "$dir" && timeout 120 ctest -N "$@" | grep -oE "Total Tests: [0-9]+" | grep -oE "[0-9]+")
+  for ((k = 0; k < gpus; k++)); do
+    (cd "$dir" && CUDA_VISIBLE_DEVICES=$k timeout "${SHARD_TIMEOUT:-540}" ctest "$@" \
+       -I $((k + 1)),,"$gpus" -j1 --no-tests=error -V) >"$OUT/${log}_$k.log" 2>&1 &
+    pids+=($!)
+  done
+  for k in "${!pids[@]}"; do
+    wait "${pids[$k]}"; r=$?; echo "shard $k (GPU $k) rc=$r"; [ $r -eq 0 ] || rc=1
+  done
+  cat "$OUT/${log}"_*.log >"$OUT/$log.log"
+  ran=$(grep -hoE "tests passed, [0-9]+ tests failed out of [0-9]+|tests passed out of [0-9]+" \
+    "$OUT/${log}"_*.log | grep -oE "[0-9]+$" | awk '{ s += $1 } END { print s + 0 }')
+  echo "shards ran $ran of ${want:-?} tests"
+  [ "$ran" = "${want:-x}" ] || rc=1
+  return $rc
+}

@@ -3,7 +3,8 @@
 # all, in this order):
 #   build   configure and build build-nv (-DEPCOMM_WITH_NVSHMEM=ON; GoogleTest from .deps)
 #   tests   ctest -R TESTS (default the 8-process splits gpu_nvshmem_2x4 and gpu_nvshmem_4x2;
-#           "-L nvshmem" style regexes work too)
+#           "-L nvshmem" style regexes work too); GPU_SHARDS=1: one shard per GPU (device_env.sh
+#           sharded_ctest)
 #   bench   for each NODESxRANKS in SPLITS (default "1x8 2x4 4x2"; 1x8 is one node, no remote
 #           peer), NODES*RANKS processes under epcomm_launch run each of the benchmark's
 #           WORKLOADS (default "decode-bf16 prefill"; WORKLOAD:ARG:ARG adds arguments, e.g.
@@ -26,8 +27,14 @@ if has build; then
 fi
 
 if has tests; then
-  (cd $BUILD && timeout ${TESTS_TIMEOUT:-560} ctest -R "${TESTS:-gpu_nvshmem_(2x4|4x2)}" -j1 -V) \
-    >"$OUT/nv_ctest.log" 2>&1
+  if [ -n "${GPU_SHARDS:-}" ] && [ "$(nvidia-smi -L 2>/dev/null | grep -c "^GPU")" -gt 1 ]; then
+    # One shard per GPU, processes sharing it (device_env.sh): the 7 NVSHMEM tests in 71 s on
+    # 4 x H200, against about 250 s one after another.
+    SHARD_TIMEOUT=${TESTS_TIMEOUT:-560} sharded_ctest $BUILD nv_ctest -R "${TESTS:-gpu_nvshmem_(2x4|4x2)}"
+  else
+    (cd $BUILD && timeout ${TESTS_TIMEOUT:-560} ctest -R "${TESTS:-gpu_nvshmem_(2x4|4x2)}" -j1 -V) \
+      >"$OUT/nv_ctest.log" 2>&1
+  fi
   rc=$?; echo "nvshmem ctest rc=$rc"; [ $rc -eq 0 ] || status=1
   grep -E "tests passed|Test +#[0-9]+: .*(Passed|Failed|Timeout|Skipped)|\*\*\*" "$OUT/nv_ctest.log" | head -20
 fi

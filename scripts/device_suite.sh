@@ -31,29 +31,9 @@ if has gpu; then
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | sed 's/^/gpu: /'
   gpus=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU")
   if [ -n "${GPU_SHARDS:-}" ] && [ "$gpus" -gt 1 ]; then
-    # GoogleTest's PRE_TEST discovery writes each test executable's list on the first ctest
-    # after a build; shards starting together raced on it (one read a half-written list and
-    # ran nothing, 4 x H200, 2026-11-26). One listing first writes them; the shards read them.
-    # The listing also counts the tests, which the shards' totals must add up to (a shard that
-    # finds no test exits 0 unless told --no-tests=error; shard 0 of that run ran nothing).
-    want=$(cd $BUILD && timeout 120 ctest -N -L gpu -E nvshmem | grep -oE "Total Tests: [0-9]+" | grep -oE "[0-9]+")
-    pids=()
-    for ((k = 0; k < gpus; k++)); do
-      (cd $BUILD && CUDA_VISIBLE_DEVICES=$k timeout ${SUITE_TIMEOUT:-540} ctest -L gpu -E nvshmem \
-         -I $((k + 1)),,$gpus -j1 --timeout 240 --no-tests=error -V) >"$OUT/ctest_gpu_$k.log" 2>&1 &
-      pids+=($!)
-    done
-    rc=0
-    for k in "${!pids[@]}"; do
-      wait "${pids[$k]}"; r=$?; echo "shard $k (GPU $k) rc=$r"; [ $r -eq 0 ] || rc=1
-    done
-    cat "$OUT"/ctest_gpu_*.log >"$OUT/ctest_gpu.log"
-    grep -hE "tests passed" "$OUT"/ctest_gpu_*.log | sed 's/^/shard: /'
-    ran=$(grep -hoE "tests passed, [0-9]+ tests failed out of [0-9]+|tests passed out of [0-9]+" \
-      "$OUT"/ctest_gpu_*.log | grep -oE "[0-9]+$" | awk '{ s += $1 } END { print s + 0 }')
-    echo "shards ran $ran of ${want:-?} tests (the NVSHMEM tests are not among them:" \
-      "scripts/device_nvshmem.sh runs those)"
-    [ "$ran" = "${want:-x}" ] || rc=1
+    SHARD_TIMEOUT=${SUITE_TIMEOUT:-540} sharded_ctest $BUILD ctest_gpu -L gpu -E nvshmem --timeout 240
+    rc=$?
+    echo "(the NVSHMEM tests are not among them: scripts/device_nvshmem.sh runs those)"
   else
     (cd $BUILD && timeout ${SUITE_TIMEOUT:-540} ctest -L gpu -j1 --timeout 240 -V) >"$OUT/ctest_gpu.log" 2>&1
     rc=$?
