@@ -34,6 +34,15 @@ pip_install() {
   return $rc
 }
 
+gpu_count() { nvidia-smi -L 2>/dev/null | grep -c "^GPU"; }
+# Whether GPU_SHARDS asks for one ctest per GPU and there is more than one GPU.
+use_shards() { [ -n "${GPU_SHARDS:-}" ] && [ "$(gpu_count)" -gt 1 ]; }
+# ctest_ran LOG...: how many tests the ctest logs ran, summed over them.
+ctest_ran() {
+  grep -hoE "tests passed, [0-9]+ tests failed out of [0-9]+|tests passed out of [0-9]+" "$@" |
+    grep -oE "[0-9]+$" | awk '{ s += $1 } END { print s + 0 }'
+}
+
 # sharded_ctest BUILD_DIR LOG_PREFIX CTEST_ARG...: the tests ctest selects with CTEST_ARGs, as
 # one ctest per GPU (each seeing only its GPU: ranks share it, as on a one-GPU machine; shard k
 # takes every n-th test, -I k,,n), side by side; logs $OUT/{LOG_PREFIX}_k.log and, together,
@@ -47,7 +56,7 @@ sharded_ctest() {
   local dir=$1 log=$2
   shift 2
   local gpus want ran k r rc=0 pids=()
-  gpus=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU")
+  gpus=$(gpu_count)
   want=$(cd "$dir" && timeout 120 ctest -N "$@" | grep -oE "Total Tests: [0-9]+" | grep -oE "[0-9]+")
   for ((k = 0; k < gpus; k++)); do
     (cd "$dir" && CUDA_VISIBLE_DEVICES=$k timeout "${SHARD_TIMEOUT:-540}" ctest "$@" \
@@ -58,8 +67,7 @@ sharded_ctest() {
     wait "${pids[$k]}"; r=$?; echo "shard $k (GPU $k) rc=$r"; [ $r -eq 0 ] || rc=1
   done
   cat "$OUT/${log}"_*.log >"$OUT/$log.log"
-  ran=$(grep -hoE "tests passed, [0-9]+ tests failed out of [0-9]+|tests passed out of [0-9]+" \
-    "$OUT/${log}"_*.log | grep -oE "[0-9]+$" | awk '{ s += $1 } END { print s + 0 }')
+  ran=$(ctest_ran "$OUT/${log}"_*.log)
   echo "shards ran $ran of ${want:-?} tests"
   [ "$ran" = "${want:-x}" ] || rc=1
   return $rc

@@ -20,7 +20,7 @@ set -uo pipefail
 . "$(dirname "$0")/device_env.sh"
 RANKS=${RANKS:-8}
 STAGES=${STAGES:-suite bench nvshmem examples}
-gpus=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU")
+gpus=$(gpu_count)
 echo "node run: $gpus GPU(s), $RANKS ranks$( [ "$gpus" -lt "$RANKS" ] && echo ", sharing")"
 status=0
 for stage in $STAGES; do

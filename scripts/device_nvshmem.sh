@@ -27,7 +27,7 @@ if has build; then
 fi
 
 if has tests; then
-  if [ -n "${GPU_SHARDS:-}" ] && [ "$(nvidia-smi -L 2>/dev/null | grep -c "^GPU")" -gt 1 ]; then
+  if use_shards; then
     # One shard per GPU, processes sharing it (device_env.sh): the 7 NVSHMEM tests in 71 s on
     # 4 x H200, against about 250 s one after another.
     SHARD_TIMEOUT=${TESTS_TIMEOUT:-560} sharded_ctest $BUILD nv_ctest -R "${TESTS:-gpu_nvshmem_(2x4|4x2)}"

@@ -29,8 +29,7 @@ fi
 
 if has gpu; then
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | sed 's/^/gpu: /'
-  gpus=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU")
-  if [ -n "${GPU_SHARDS:-}" ] && [ "$gpus" -gt 1 ]; then
+  if use_shards; then
     SHARD_TIMEOUT=${SUITE_TIMEOUT:-540} sharded_ctest $BUILD ctest_gpu -L gpu -E nvshmem --timeout 240
     rc=$?
     echo "(the NVSHMEM tests are not among them: scripts/device_nvshmem.sh runs those)"
@@ -40,7 +39,7 @@ if has gpu; then
   fi
   echo "ctest rc=$rc"; [ $rc -eq 0 ] || status=1
   grep -E "tests passed|\*\*\*Failed|\*\*\*Timeout|\*\*\*Exception|\(Skipped\)|Not Run" "$OUT/ctest_gpu.log" | head -40
-  total=$(grep -oE "tests passed, [0-9]+ tests failed out of [0-9]+|tests passed out of [0-9]+" "$OUT/ctest_gpu.log" | grep -oE "[0-9]+$" | awk '{ s += $1 } END { print s }')  # every shard's
+  total=$(ctest_ran "$OUT/ctest_gpu.log")  # every shard's
   shared=$(grep -E '^[0-9]+: \[epcomm\] [0-9]+ ranks share' "$OUT/ctest_gpu.log" | cut -d: -f1 | sort -u | wc -l)
   skipped=$(grep -c "(Skipped)" "$OUT/ctest_gpu.log")
   echo "tests that ran with ranks sharing a GPU: $shared of ${total:-?}; skipped: $skipped"
