@@ -33,7 +33,7 @@ def expert_weights(E, H, inter, device):
 def route(x, wr, k):
     logits = (x @ wr).float()
     top, ids = logits.topk(k, dim=-1)
-    return ids.to(torch.int32), torch.softmax(top, dim=-1)
+    return ids, torch.softmax(top, dim=-1)  # int64 ids: dispatch reads them as they are
 
 
 def dense_layer(x, ids, w, w1, w2, inter):

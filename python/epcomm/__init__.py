@@ -3,7 +3,7 @@
     import torch, torch.distributed as dist, epcomm
     dist.init_process_group("gloo")           # any backend: it only carries the set-up bytes
     g = epcomm.Group.from_torch(hidden=7168, top_k=8, n_experts=256, max_tokens_per_rank=4096)
-    d = g.dispatch(x, topk_ids, weights)        # x [T, H] bf16, topk_ids [T, K] int32, weights fp32
+    d = g.dispatch(x, topk_ids, weights)        # x [T, H] bf16, topk_ids [T, K] int32 or int64, weights fp32
     y = grouped_gemm(d.tokens, d.row_offsets)   # rows of group e: [row_offsets[e], row_offsets[e+1])
     out = g.combine(y)                          # [T, H] bf16: sum over k of weights * expert output
 
@@ -346,8 +346,9 @@ class Group:
         self, tokens, topk_ids, weights=None, *, out: Optional[DispatchOutput] = None, stream=None
     ) -> DispatchOutput:
         """Sends each token to the ranks of its experts and lays the received rows out
-        expert-major. tokens [T, H] bf16, topk_ids [T, K] int32 (global expert ids, -1 masks a
-        slot), weights [T, K] float32 or None. With weights, combine reduces on the expert side
+        expert-major. tokens [T, H] bf16, topk_ids [T, K] int32 or int64 (global expert ids, -1
+        masks a slot; int64, as torch.topk gives them, is read as it is), weights [T, K] float32
+        or None. With weights, combine reduces on the expert side
         (fewer bytes back); without, give them to combine, or get the un-reduced [T, K, H]."""
         fw = _fw.framework_of(tokens)
         for x in (tokens, topk_ids, weights):

@@ -850,7 +850,6 @@ class Buffer:
             num_sms=Buffer.num_sms, padded_capacity=R * max_t,
             **({"fp8_pow2_scales": True} if round_scale else {}),
             **({"fp8_ue8m0_scales": True} if use_ue8m0 else {}))
-        ids = topk_idx.to(torch.int32)
         dev = x.device
         # The outputs, on the current stream as every output of the call, before the launch
         # that writes them.
@@ -864,13 +863,15 @@ class Buffer:
         # if the call fails.
         self._routing.pop(key, None)
         try:
-            g._impl.ll_dispatch(x.data_ptr(), T, ids.data_ptr(), *_ll_pointers(outputs), compute,
-                                comm, not async_finish, return_recv_hook)
+            # The int64 ids as they are (id_bytes 8): the kernel reads them, no conversion launch.
+            g._impl.ll_dispatch(x.data_ptr(), T, topk_idx.data_ptr(), topk_idx.element_size(),
+                                *_ll_pointers(outputs),
+                                compute, comm, not async_finish, return_recv_hook)
         except BaseException:
             # The kernel may have been launched (a failure after it, e.g. in the join): keep
             # its inputs and outputs for the comm stream and order the caller's stream after it.
             if comm != compute:
-                for t in (x, ids) + tuple(t for t in outputs if t is not None):
+                for t in (x, topk_idx) + tuple(t for t in outputs if t is not None):
                     t.record_stream(self._comm_stream)
                 torch.cuda.current_stream(self.device).wait_stream(self._comm_stream)
             raise
@@ -889,7 +890,7 @@ class Buffer:
             hook = receive_hook
             event = EventOverlap(None)
         else:
-            event = self._ll_finish(async_finish, stats, count, (x, ids) + outputs)
+            event = self._ll_finish(async_finish, stats, count, (x, topk_idx) + outputs)
         return recv_x, count, handle, event, hook
 
     def get_next_low_latency_combine_buffer(self, handle: _LowLatencyHandle) -> torch.Tensor:

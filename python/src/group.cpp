@@ -171,11 +171,14 @@ class PyGroup {
               " rows but the group was set up with "
               "max_tokens_per_rank = " +
               std::to_string(cfg.max_tokens_per_rank));
-    check_array(c, "topk_ids", topk_ids, Elem::kI32, {T, cfg.top_k},
+    // int32 or int64 ids (torch.topk's dtype), read by the kernel as they are.
+    const bool wide = topk_ids.dtype().bits == 64;
+    check_array(c, "topk_ids", topk_ids, wide ? Elem::kI64 : Elem::kI32, {T, cfg.top_k},
                 "[T, top_k], T = tokens.shape[0]");
     epcomm::DispatchInput in;
     in.tokens = present(tokens);
-    in.topk_ids = static_cast<const int32_t*>(present(topk_ids));
+    in.topk_ids = present(topk_ids);
+    in.id_bytes = wide ? 8 : 4;
     in.num_tokens = int32_t(T);
     in.hidden = cfg.hidden;
     if (weights) {
@@ -428,12 +431,13 @@ class PyGroup {
 
   // The dispatch, writing DeepEP's padded layout itself (the group has Config::padded_capacity
   // = S); send_only: its send half, and ll_receive is the hook's receive half.
-  void ll_dispatch(uintptr_t x, int64_t T, uintptr_t ids, const LlOutputs& o, uintptr_t compute,
-                   uintptr_t comm, bool join, bool send_only) {
+  void ll_dispatch(uintptr_t x, int64_t T, uintptr_t ids, int32_t id_bytes, const LlOutputs& o,
+                   uintptr_t compute, uintptr_t comm, bool join, bool send_only) {
     const epcomm::Config& cfg = live()->config();
     epcomm::DispatchInput in;
     in.tokens = x ? reinterpret_cast<const void*>(x) : out_.ptr;  // T = 0: never read
-    in.topk_ids = reinterpret_cast<const int32_t*>(ids ? ids : uintptr_t(out_.ptr));
+    in.topk_ids = reinterpret_cast<const void*>(ids ? ids : uintptr_t(out_.ptr));
+    in.id_bytes = id_bytes;  // the core checks it (4 or 8)
     in.num_tokens = int32_t(T);
     in.hidden = cfg.hidden;
     on_comm(
@@ -653,14 +657,14 @@ void bind_group(nb::module_& m) {
            "out"_a.none() = nb::none())
       .def(
           "ll_dispatch",
-          [](PyGroup& g, uintptr_t x, int64_t T, uintptr_t ids, uintptr_t codes, uintptr_t scales,
-             uintptr_t count, uintptr_t slot_token, uintptr_t layout_range, uintptr_t compute,
-             uintptr_t comm, bool join, bool send_only) {
-            g.ll_dispatch(x, T, ids, {codes, scales, count, slot_token, layout_range}, compute,
-                          comm, join, send_only);
+          [](PyGroup& g, uintptr_t x, int64_t T, uintptr_t ids, int32_t id_bytes, uintptr_t codes,
+             uintptr_t scales, uintptr_t count, uintptr_t slot_token, uintptr_t layout_range,
+             uintptr_t compute, uintptr_t comm, bool join, bool send_only) {
+            g.ll_dispatch(x, T, ids, id_bytes, {codes, scales, count, slot_token, layout_range},
+                          compute, comm, join, send_only);
           },
-          "x"_a, "num_tokens"_a, "topk_ids"_a, "codes"_a, "scales"_a, "count"_a, "slot_token"_a,
-          "layout_range"_a, "compute"_a, "comm"_a, "join"_a, "send_only"_a,
+          "x"_a, "num_tokens"_a, "topk_ids"_a, "id_bytes"_a, "codes"_a, "scales"_a, "count"_a,
+          "slot_token"_a, "layout_range"_a, "compute"_a, "comm"_a, "join"_a, "send_only"_a,
           "The DeepEP layer's low-latency dispatch into its padded layout (device pointers as "
           "integers).")
       .def(

@@ -91,11 +91,13 @@ def make_inputs(p, rank, device):
             to_dev(p.weights(rank), device))
 
 
-def run_round(g, p, fmt, rank, device, seed, *, side, form, own_out=False):
+def run_round(g, p, fmt, rank, device, seed, *, side, form, own_out=False, ids64=False):
     """side: 'expert' (weights to dispatch), 'token' (weights to combine), 'none' (un-reduced).
-    form: 'fused' or 'async'."""
+    form: 'fused' or 'async'. ids64: the top-k ids as int64 (torch.topk's dtype)."""
     H = p.hidden
     x, ids, w = make_inputs(p, rank, device)
+    if ids64:
+        ids = ids.long()
     out = g.empty_dispatch_output(x) if own_out else None
     # Poison what dispatch writes: the caller's outputs, or the group's own buffers.
     poison(out if out is not None else g._dispatch_result("torch", None, 0))
@@ -150,7 +152,8 @@ def problem(n, H, K, E, max_tokens, seed, *, counts=None, shared=False):
 
 
 def case_formats(rank, n, device, ctx):
-    """Every format, fused and async + wait, each reduction side; caller-owned outputs once."""
+    """Every format, fused and async + wait (its ids int64), each reduction side; caller-owned
+    outputs once."""
     H, K, E, T = 512, 4, 8 * n, 48
     done = 0
     for fi, fmt in enumerate(epcomm.FORMATS):
@@ -164,7 +167,7 @@ def case_formats(rank, n, device, ctx):
                 zero = [T] * (n - 1) + [0] if (n > 1 and form == "fused") else None
                 p = problem(n, H, K, E, T, seed, counts=zero)
                 run_round(g, p, fmt, rank, device, seed, side=side, form=form,
-                          own_out=(side == "token" and form == "async"))
+                          own_out=(side == "token" and form == "async"), ids64=(form == "async"))
                 done += 1
         g.close()  # collective
         print(f"[rank {rank}] formats: {fmt} ok", flush=True)
@@ -238,7 +241,7 @@ def case_errors(rank, n, device, ctx):
     ids = torch.stack([torch.randperm(E)[:K] for _ in range(8)]).to(device, torch.int32)
     checks = [
         (lambda: g.dispatch(x.float(), ids), "tokens must be bfloat16"),
-        (lambda: g.dispatch(x, ids.long()), "topk_ids must be int32"),
+        (lambda: g.dispatch(x, ids.short()), "topk_ids must be int32"),
         (lambda: g.dispatch(x, ids[:4]), "topk_ids must have shape [T, top_k]"),
         (lambda: g.dispatch(x.cpu(), ids), "tokens must be a CUDA tensor"),
         (lambda: g.dispatch(x.t().contiguous().t(), ids), "tokens must be contiguous"),

@@ -391,7 +391,9 @@ def test_low_latency_dispatch_calls_in_order_with_a_fake_group(buf, monkeypatch)
                                                                 async_finish=async_finish)
         assert hook is None
         assert len(impl.calls) == 1 and impl.calls[0][0] == "ll_dispatch"
-        assert impl.calls[0][1][3:] == pointers(recv, count, handle) + (
+        # The caller's int64 ids go to the kernel as they are (id_bytes 8): no conversion.
+        assert impl.calls[0][1][2:4] == (idx.data_ptr(), 8)
+        assert impl.calls[0][1][4:] == pointers(recv, count, handle) + (
             compute, comm, not async_finish, False)
         assert tuple(recv[0].shape) == (8, 4, 512) and tuple(recv[1].shape) == (8, 4, 4)
         assert buf._routing[handle.key] is handle

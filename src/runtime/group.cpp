@@ -712,6 +712,7 @@ static detail::DispatchParams dispatch_params(detail::GroupState& s, const Dispa
   if (in) {
     p.tokens = in->tokens;
     p.topk_ids = in->topk_ids;
+    p.id_bytes = in->id_bytes;
     p.weights = in->weights;
     p.num_tokens = in->num_tokens;
   }
@@ -736,11 +737,13 @@ static void check_dispatch_input(detail::GroupState& s, const DispatchInput& in,
   require(in.hidden == s.cfg.hidden, s.rank, op,
           "hidden = " + std::to_string(in.hidden) + " but the group was set up with hidden = " +
               std::to_string(s.cfg.hidden));
+  require(in.id_bytes == 4 || in.id_bytes == 8, s.rank, op,
+          "id_bytes = " + std::to_string(in.id_bytes) + " (4 for int32 ids, 8 for int64)");
   if (in.num_tokens > 0) {
     require_ptr(in.tokens, s.rank, op, "tokens", true);
     require_ptr(in.topk_ids, s.rank, op, "topk_ids", false);
-    require((reinterpret_cast<uintptr_t>(in.topk_ids) & 3u) == 0, s.rank, op,
-            "topk_ids is not 4-byte aligned");
+    require((reinterpret_cast<uintptr_t>(in.topk_ids) & uintptr_t(in.id_bytes - 1)) == 0, s.rank,
+            op, "topk_ids is not " + std::to_string(in.id_bytes) + "-byte aligned");
     require((reinterpret_cast<uintptr_t>(in.weights) & 3u) == 0, s.rank, op,
             "weights is not 4-byte aligned");
   }

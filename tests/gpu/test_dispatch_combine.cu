@@ -575,6 +575,13 @@ TEST(BadInput, HostChecks) {
   bad = in;
   bad.topk_ids = nullptr;
   expect_invalid(bad, out, "topk_ids is null");
+  bad = in;
+  bad.id_bytes = 2;
+  expect_invalid(bad, out, "id_bytes = 2");
+  bad = in;
+  bad.id_bytes = 8;  // int64 ids on a 4-byte boundary
+  bad.topk_ids = static_cast<const char*>(in.topk_ids) + 4;
+  expect_invalid(bad, out, "8-byte aligned");
   DispatchOutput bad_out = out;
   bad_out.row_offsets = nullptr;
   expect_invalid(in, bad_out, "row_offsets is null");
@@ -623,7 +630,10 @@ TEST(BadInput, HostChecks) {
 }
 
 // Device-checked bad input on one rank: that rank reports the token and slot, sends nothing,
-// the others' outputs match the reference without it, and the next valid round works.
+// the others' outputs match the reference without it, and the next valid round works. The ids
+// go as int64 (id_bytes 8) for the values no int32 holds: truncated to 32 bits, 2^32 + 3 and
+// 5 - 2^32 would name experts 3 and 5; they are reported clamped to int32, and the reference
+// refuses the rank for the clamped value.
 TEST(BadInput, DeviceChecks) {
   EPCOMM_REQUIRE_GPU();
   const int n = 4;
@@ -632,22 +642,32 @@ TEST(BadInput, DeviceChecks) {
     SCOPED_TRACE(dispatch_path_name(path));
     LocalGroup lg(with_path(make_cfg(H, K, E, T), path), n);
     struct Bad {
-      int32_t value;
+      int64_t value;
       int slot_from;  // duplicate: copy this slot's id
       ErrorCode code;
+      const char* shown;  // how the error names the value
     };
-    const Bad bads[] = {{E, -1, ErrorCode::kBadExpertId},
-                        {E + 1000, -1, ErrorCode::kBadExpertId},
-                        {-2, -1, ErrorCode::kBadExpertId},
-                        {0, 0, ErrorCode::kDuplicateExpert}};
+    const int64_t two32 = int64_t(1) << 32;
+    const Bad bads[] = {{E, -1, ErrorCode::kBadExpertId, "= 32 "},
+                        {E + 1000, -1, ErrorCode::kBadExpertId, "= 1032 "},
+                        {-2, -1, ErrorCode::kBadExpertId, "= -2 "},
+                        {0, 0, ErrorCode::kDuplicateExpert, " twice "},
+                        {two32 + 3, -1, ErrorCode::kBadExpertId, "= 2147483647 "},
+                        {5 - two32, -1, ErrorCode::kBadExpertId, "= -2147483648 "}};
     uint64_t seed = 60;
     for (const Bad& b : bads) {
       auto p = reference::make_problem(n, H, K, E, std::vector<int32_t>(static_cast<size_t>(n), T),
                                        seed++);
       const int bad_rank = 1, bad_token = 37, bad_slot = 2;
       int32_t* ids = p.ranks[bad_rank].topk_ids.data() + bad_token * K;
-      ids[bad_slot] = b.slot_from >= 0 ? ids[b.slot_from] : b.value;
+      const bool wide = b.value != int64_t(int32_t(b.value));
+      const int32_t clamped = wide ? (b.value > 0 ? INT32_MAX : INT32_MIN) : int32_t(b.value);
+      ids[bad_slot] = b.slot_from >= 0 ? ids[b.slot_from] : clamped;
+      for (auto& io : lg.io)
+        io->id_bytes = wide ? 8 : 4;
+      if (wide) lg.io[size_t(bad_rank)]->wide_ids = {{size_t(bad_token * K + bad_slot), b.value}};
       lg.issue_dispatch(p);
+      lg.io[size_t(bad_rank)]->wide_ids.clear();
       for (int r = 0; r < n; ++r) {
         if (r != bad_rank) {
           EXPECT_NO_THROW(lg.groups[size_t(r)]->synchronize(lg.io[size_t(r)]->stream));
@@ -660,6 +680,7 @@ TEST(BadInput, DeviceChecks) {
           EXPECT_EQ(e.code(), b.code) << e.what();
           const std::string w = e.what();
           EXPECT_NE(w.find("topk_ids[37]"), std::string::npos) << w;
+          EXPECT_NE(w.find(b.shown), std::string::npos) << w;
           EXPECT_NE(w.find("rank 1"), std::string::npos) << w;
         }
         EXPECT_FALSE(lg.groups[size_t(r)]->poisoned());
@@ -671,6 +692,27 @@ TEST(BadInput, DeviceChecks) {
       const auto good = reference::make_problem(n, H, K, E, random_counts(n, T, seed), seed);
       ++seed;
       EXPECT_EQ(run_round(lg, good, RoundOptions{}), "");
+    }
+  }
+}
+
+// Top-k ids as int64 (DispatchInput::id_bytes = 8, torch.topk's dtype): the same rows, combines
+// and checks as int32 ids, on both paths and forms, with masked slots (-1 as int64).
+TEST(Forms, Int64TopkIds) {
+  EPCOMM_REQUIRE_GPU();
+  const int n = suite_ranks();
+  for (DispatchPath path : kBothPaths) {
+    SCOPED_TRACE(dispatch_path_name(path));
+    LocalGroup lg(with_path(make_cfg(2048, 8, 16 * n, 128), path), n);
+    for (Form form : {Form::kFused, Form::kAsyncWait}) {
+      for (bool expert_side : {false, true}) {
+        const uint64_t seed = 70 + 2 * uint64_t(form == Form::kFused) + uint64_t(expert_side);
+        const auto p = reference::make_problem(n, 2048, 8, 16 * n, random_counts(n, 128, seed),
+                                               seed, 0.0, 0.2);
+        RoundOptions o = every_combine(form, expert_side);
+        o.ids64 = true;
+        EXPECT_EQ(run_round(lg, p, o), "") << "expert side " << expert_side;
+      }
     }
   }
 }

@@ -114,7 +114,7 @@ RankIO::RankIO(const Group& g, uint64_t seed)
   EPCOMM_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   const size_t T = size_t(max_tokens), H = size_t(hidden), K = size_t(top_k);
   tokens = DeviceBuffer(device, T * H * 2);
-  topk = DeviceBuffer(device, T * K * 4);
+  topk = DeviceBuffer(device, T * K * 8);  // int32 or int64 ids (id_bytes)
   weights = DeviceBuffer(device, T * K * 4);
   const size_t token_rows =
       padded_capacity > 0 ? size_t(n_groups) * size_t(padded_capacity) : size_t(max_rows);
@@ -143,7 +143,14 @@ RankIO::~RankIO() {
 void RankIO::upload(const reference::RankInput& in) {
   num_tokens = in.num_tokens;
   tokens.upload(in.tokens.data(), in.tokens.size() * 2, stream);
-  topk.upload(in.topk_ids.data(), in.topk_ids.size() * 4, stream);
+  if (id_bytes == 8) {
+    std::vector<int64_t> wide(in.topk_ids.begin(), in.topk_ids.end());
+    for (const auto& [i, v] : wide_ids)
+      wide.at(i) = v;
+    topk.upload(wide.data(), wide.size() * 8, stream);  // synchronous: `wide` may go
+  } else {
+    topk.upload(in.topk_ids.data(), in.topk_ids.size() * 4, stream);
+  }
   weights.upload(in.weights.data(), in.weights.size() * 4, stream);
 }
 
@@ -155,8 +162,9 @@ void RankIO::poison() {
 }
 
 DispatchInput RankIO::dispatch_input(bool with_weights) const {
-  return DispatchInput{tokens.get(), topk.get<int32_t>(), num_tokens, hidden,
-                       with_weights ? weights.get<float>() : nullptr};
+  return DispatchInput{
+      tokens.get(), topk.get(), num_tokens, hidden, with_weights ? weights.get<float>() : nullptr,
+      id_bytes};
 }
 DispatchOutput RankIO::dispatch_output() const {
   DispatchOutput o{out_tokens.get(),
@@ -534,6 +542,7 @@ std::string run_round(LocalGroup& lg, const reference::Problem& problem, const R
   p.allreduce_world_size = lg.groups[0]->config().allreduce_world_size;
   trace("round: upload");
   for (int r = 0; r < n; ++r) {
+    lg.io[size_t(r)]->id_bytes = o.ids64 ? 8 : 4;
     lg.io[size_t(r)]->upload(p.ranks[size_t(r)]);
     if (o.poison) lg.io[size_t(r)]->poison();
   }

@@ -165,10 +165,10 @@ struct DispatchParams {
   GroupView g;
   RankScratch scratch;
   const void* tokens;
-  const int32_t* topk_ids;
+  const void* topk_ids;  // int32, or int64 where id_bytes is 8 (DispatchInput::id_bytes)
   const float* weights;  // [T, K] router weights carried in the headers, or null
   int32_t num_tokens;
-  int32_t pad_;
+  int32_t id_bytes;
   // outputs (wait / fused)
   void* out_tokens;
   uint32_t* row_offsets;

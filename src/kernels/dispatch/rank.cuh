@@ -22,20 +22,31 @@ namespace {
 
 // ---- the throughput path ------------------------------------------------------------------
 
+// Element i of the caller's topk_ids, int32 or int64 (DispatchInput::id_bytes). An int64 id
+// outside int32 is clamped into it: it stays outside [-1, n_experts), so the ranking refuses it
+// as a bad id, where truncation could have made it a real expert's.
+__device__ __forceinline__ int32_t caller_id(const DispatchParams& p, int64_t i) {
+  if (p.id_bytes == 8) {
+    const int64_t v = static_cast<const int64_t*>(p.topk_ids)[i];
+    return int32_t(v < INT32_MIN ? INT32_MIN : (v > INT32_MAX ? INT32_MAX : v));
+  }
+  return static_cast<const int32_t*>(p.topk_ids)[i];
+}
+
 // Token t's row of topk_ids (the caller's K columns), every load in flight together.
 __device__ __forceinline__ void load_ids(const DispatchParams& p, int32_t t,
                                          int32_t (&ids)[kMaxTopK]) {
   const int32_t K = p.g.route.top_k;
 #pragma unroll
   for (int k = 0; k < kMaxTopK; ++k)
-    if (k < K) ids[k] = p.topk_ids[int64_t(t) * K + k];
+    if (k < K) ids[k] = caller_id(p, int64_t(t) * K + k);
 }
 
 // The view's expert and router weight of slot k of token t (RouteMap), from the caller's
 // topk_ids (valid: the call's ids passed enter_ids) and weights.
 __device__ __forceinline__ int32_t view_expert(const DispatchParams& p, int32_t t, int32_t k) {
   const RouteMap& rm = p.g.route;
-  const int32_t id = k < rm.top_k ? p.topk_ids[int64_t(t) * rm.top_k + k] : -1;
+  const int32_t id = k < rm.top_k ? caller_id(p, int64_t(t) * rm.top_k + k) : -1;
   return rm.slot_expert(id, k, t, p.num_tokens);
 }
 __device__ __forceinline__ float view_weight(const DispatchParams& p, int32_t t, int32_t k) {
