@@ -62,14 +62,14 @@ namespace epcomm {
 struct DispatchInput {
   const void* tokens = nullptr;       // [T, H] bf16; must not overlap the output's tokens or
                                       // scales (refused: the kernel reads it while writing them)
-  const void* topk_ids = nullptr;     // [T, K] global expert ids, -1 = masked slot; int32,
-                                      // or int64 with id_bytes = 8
+  const int32_t* topk_ids = nullptr;  // [T, K] global expert ids, -1 = masked slot
   int32_t num_tokens = 0;             // T, 0 <= T <= max_tokens_per_rank
   int32_t hidden = 0;                 // must equal Config::hidden
   const float* weights = nullptr;     // [T, K] router weights for the expert-side reduction, or null
-  int32_t id_bytes = 4;  // topk_ids' element: 4, int32; 8, int64 (torch.topk's indices, DeepEP's
-                         // topk_idx), read as they are, with no conversion launch. An int64 id
-                         // outside int32 is a bad id (kBadExpertId names it clamped to int32)
+  // The same ids as int64 (torch.topk's indices, DeepEP's topk_idx), instead of topk_ids: read
+  // as they are, with no conversion launch. Give one of the two. An int64 id outside int32 is a
+  // bad id (kBadExpertId shows it clamped to int32's range).
+  const int64_t* topk_ids64 = nullptr;
 };
 
 // Outputs of dispatch on this rank. Device pointers; each tensor's dtype, shape and strides for

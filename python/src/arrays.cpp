@@ -96,13 +96,8 @@ bool c_contiguous(const Array& a) {
 void check_array(const Ctx& c, const char* name, const Array& a, Elem elem,
                  const std::vector<int64_t>& shape, const char* shape_doc) {
   const std::string who = c.op + ": " + name;
-  if (!elem_matches(a.dtype(), elem)) {
-    std::string hint;
-    if (elem == Elem::kI32 && a.dtype().code == uint8_t(nb::dlpack::dtype_code::Int) &&
-        a.dtype().bits == 64)
-      hint = " (torch.topk gives int64 indices: pass ids.to(torch.int32))";
-    invalid(who + " must be " + elem_name(elem) + "; got " + dtype_name(a.dtype()) + hint);
-  }
+  if (!elem_matches(a.dtype(), elem))
+    invalid(who + " must be " + elem_name(elem) + "; got " + dtype_name(a.dtype()));
   bool ok = a.ndim() == shape.size();
   size_t i = 0;
   for (int64_t s : shape) {
@@ -117,6 +112,15 @@ void check_array(const Ctx& c, const char* name, const Array& a, Elem elem,
   if (a.device_id() != c.device)
     invalid(who + " is on cuda:" + std::to_string(a.device_id()) +
             " but the call runs on cuda:" + std::to_string(c.device));
+}
+
+bool check_ids(const Ctx& c, const char* name, const Array& a, const std::vector<int64_t>& shape,
+               const char* shape_doc) {
+  const bool wide = elem_matches(a.dtype(), Elem::kI64);
+  if (!wide && !elem_matches(a.dtype(), Elem::kI32))
+    invalid(c.op + ": " + name + " must be int32 or int64; got " + dtype_name(a.dtype()));
+  check_array(c, name, a, wide ? Elem::kI64 : Elem::kI32, shape, shape_doc);
+  return wide;
 }
 
 void check_out(const Ctx& c, const char* name, const Array& a, int64_t bytes) {

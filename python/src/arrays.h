@@ -40,6 +40,11 @@ struct Ctx {
 void check_array(const Ctx& c, const char* name, const Array& a, Elem elem,
                  const std::vector<int64_t>& shape, const char* shape_doc);
 
+// Top-k ids, int32 or int64 (what torch.topk gives; the kernels read either as it is): the
+// element type, then check_array's checks. Returns whether they are int64.
+bool check_ids(const Ctx& c, const char* name, const Array& a, const std::vector<int64_t>& shape,
+               const char* shape_doc);
+
 // An output buffer given by the caller: contiguous CUDA memory on the device, at least `bytes`.
 void check_out(const Ctx& c, const char* name, const Array& a, int64_t bytes);
 

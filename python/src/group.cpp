@@ -172,13 +172,14 @@ class PyGroup {
               "max_tokens_per_rank = " +
               std::to_string(cfg.max_tokens_per_rank));
     // int32 or int64 ids (torch.topk's dtype), read by the kernel as they are.
-    const bool wide = topk_ids.dtype().bits == 64;
-    check_array(c, "topk_ids", topk_ids, wide ? Elem::kI64 : Elem::kI32, {T, cfg.top_k},
-                "[T, top_k], T = tokens.shape[0]");
+    const bool wide =
+        check_ids(c, "topk_ids", topk_ids, {T, cfg.top_k}, "[T, top_k], T = tokens.shape[0]");
     epcomm::DispatchInput in;
     in.tokens = present(tokens);
-    in.topk_ids = present(topk_ids);
-    in.id_bytes = wide ? 8 : 4;
+    if (wide)
+      in.topk_ids64 = static_cast<const int64_t*>(present(topk_ids));
+    else
+      in.topk_ids = static_cast<const int32_t*>(present(topk_ids));
     in.num_tokens = int32_t(T);
     in.hidden = cfg.hidden;
     if (weights) {
@@ -435,9 +436,16 @@ class PyGroup {
                    uintptr_t compute, uintptr_t comm, bool join, bool send_only) {
     const epcomm::Config& cfg = live()->config();
     epcomm::DispatchInput in;
-    in.tokens = x ? reinterpret_cast<const void*>(x) : out_.ptr;  // T = 0: never read
-    in.topk_ids = reinterpret_cast<const void*>(ids ? ids : uintptr_t(out_.ptr));
-    in.id_bytes = id_bytes;  // the core checks it (4 or 8)
+    if (id_bytes != 4 && id_bytes != 8)
+      invalid("ll_dispatch: id_bytes = " + std::to_string(id_bytes) + " (4: int32, 8: int64)");
+    // T = 0: the pointers are never read, and a null one stands for the group's buffer; with
+    // tokens, a null one stays null, and the core refuses it.
+    const uintptr_t none = T == 0 ? uintptr_t(out_.ptr) : 0;
+    in.tokens = reinterpret_cast<const void*>(x ? x : none);
+    if (id_bytes == 8)
+      in.topk_ids64 = reinterpret_cast<const int64_t*>(ids ? ids : none);
+    else
+      in.topk_ids = reinterpret_cast<const int32_t*>(ids ? ids : none);
     in.num_tokens = int32_t(T);
     in.hidden = cfg.hidden;
     on_comm(

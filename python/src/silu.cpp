@@ -178,9 +178,7 @@ void bind_silu(nb::module_& m) {
          const std::optional<Array>& token_in_rank, const std::optional<Array>& rank_ids,
          uintptr_t stream) {
         const Ctx c{"epcomm routing_layout", topk_ids.device_id()};
-        const bool wide = topk_ids.dtype().bits == 64;
-        check_array(c, "topk_ids", topk_ids, wide ? Elem::kI64 : Elem::kI32, {-1, -1},
-                    "[T, K] (int32 or int64)");
+        const bool wide = check_ids(c, "topk_ids", topk_ids, {-1, -1}, "[T, K]");
         epcomm::RoutingLayout a;
         a.topk_ids = topk_ids.data();
         a.id_bytes = wide ? 8 : 4;

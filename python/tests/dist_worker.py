@@ -241,7 +241,8 @@ def case_errors(rank, n, device, ctx):
     ids = torch.stack([torch.randperm(E)[:K] for _ in range(8)]).to(device, torch.int32)
     checks = [
         (lambda: g.dispatch(x.float(), ids), "tokens must be bfloat16"),
-        (lambda: g.dispatch(x, ids.short()), "topk_ids must be int32"),
+        (lambda: g.dispatch(x, ids.short()), "topk_ids must be int32 or int64"),
+        (lambda: g.dispatch(x, ids.double()), "topk_ids must be int32 or int64"),
         (lambda: g.dispatch(x, ids[:4]), "topk_ids must have shape [T, top_k]"),
         (lambda: g.dispatch(x.cpu(), ids), "tokens must be a CUDA tensor"),
         (lambda: g.dispatch(x.t().contiguous().t(), ids), "tokens must be contiguous"),

@@ -308,7 +308,7 @@ def test_routing_layout_checks_its_arrays():
     ids = np.zeros((4, 2), dtype=np.int64)
     per_rank = np.zeros(2, dtype=np.int32)
     with pytest.raises(epcomm.InvalidArgument,
-                       match=r"epcomm routing_layout: topk_ids must be int32; got int16"):
+                       match=r"epcomm routing_layout: topk_ids must be int32 or int64; got int16"):
         C.routing_layout(ids.astype(np.int16), 8, 2, per_rank, None, None, None, 0)
     with pytest.raises(epcomm.InvalidArgument,
                        match=r"topk_ids must be a CUDA tensor on cuda:0; got cpu memory"):

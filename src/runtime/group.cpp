@@ -623,8 +623,12 @@ void Group::check() {
       s_->poisoned = true;
       throw Error(ec, describe_timeout(*s_));
     case ErrorCode::kBadExpertId:
-      os << "topk_ids[" << e->token << "][" << e->slot << "] = " << e->value
-         << " is outside [-1, " << s_->cfg.n_experts << "); this rank sent no token";
+      os << "topk_ids[" << e->token << "][" << e->slot << "] = " << e->value << " is outside [-1, "
+         << s_->cfg.n_experts << ")"
+         << (e->value == INT32_MAX || e->value == INT32_MIN
+                 ? " (an int64 id beyond int32's range shows as this bound)"
+                 : "")
+         << "; this rank sent no token";
       break;
     case ErrorCode::kDuplicateExpert:
       os << "topk_ids[" << e->token << "] names expert " << e->value
@@ -711,8 +715,9 @@ static detail::DispatchParams dispatch_params(detail::GroupState& s, const Dispa
   p.scratch = s.scratch;
   if (in) {
     p.tokens = in->tokens;
-    p.topk_ids = in->topk_ids;
-    p.id_bytes = in->id_bytes;
+    p.topk_ids = in->topk_ids64 != nullptr ? static_cast<const void*>(in->topk_ids64)
+                                           : static_cast<const void*>(in->topk_ids);
+    p.id_bytes = in->topk_ids64 != nullptr ? 8 : 4;
     p.weights = in->weights;
     p.num_tokens = in->num_tokens;
   }
@@ -737,13 +742,18 @@ static void check_dispatch_input(detail::GroupState& s, const DispatchInput& in,
   require(in.hidden == s.cfg.hidden, s.rank, op,
           "hidden = " + std::to_string(in.hidden) + " but the group was set up with hidden = " +
               std::to_string(s.cfg.hidden));
-  require(in.id_bytes == 4 || in.id_bytes == 8, s.rank, op,
-          "id_bytes = " + std::to_string(in.id_bytes) + " (4 for int32 ids, 8 for int64)");
+  require(in.topk_ids == nullptr || in.topk_ids64 == nullptr, s.rank, op,
+          "both topk_ids (int32) and topk_ids64 (int64) are given; give one");
   if (in.num_tokens > 0) {
     require_ptr(in.tokens, s.rank, op, "tokens", true);
-    require_ptr(in.topk_ids, s.rank, op, "topk_ids", false);
-    require((reinterpret_cast<uintptr_t>(in.topk_ids) & uintptr_t(in.id_bytes - 1)) == 0, s.rank,
-            op, "topk_ids is not " + std::to_string(in.id_bytes) + "-byte aligned");
+    if (in.topk_ids64 != nullptr) {
+      require((reinterpret_cast<uintptr_t>(in.topk_ids64) & 7u) == 0, s.rank, op,
+              "topk_ids64 is not 8-byte aligned");
+    } else {
+      require_ptr(in.topk_ids, s.rank, op, "topk_ids", false);
+      require((reinterpret_cast<uintptr_t>(in.topk_ids) & 3u) == 0, s.rank, op,
+              "topk_ids is not 4-byte aligned");
+    }
     require((reinterpret_cast<uintptr_t>(in.weights) & 3u) == 0, s.rank, op,
             "weights is not 4-byte aligned");
   }

@@ -576,12 +576,12 @@ TEST(BadInput, HostChecks) {
   bad.topk_ids = nullptr;
   expect_invalid(bad, out, "topk_ids is null");
   bad = in;
-  bad.id_bytes = 2;
-  expect_invalid(bad, out, "id_bytes = 2");
+  bad.topk_ids64 = reinterpret_cast<const int64_t*>(in.topk_ids);
+  expect_invalid(bad, out, "both topk_ids (int32) and topk_ids64 (int64)");
   bad = in;
-  bad.id_bytes = 8;  // int64 ids on a 4-byte boundary
-  bad.topk_ids = static_cast<const char*>(in.topk_ids) + 4;
-  expect_invalid(bad, out, "8-byte aligned");
+  bad.topk_ids = nullptr;  // int64 ids on a 4-byte boundary
+  bad.topk_ids64 = reinterpret_cast<const int64_t*>(in.topk_ids + 1);
+  expect_invalid(bad, out, "topk_ids64 is not 8-byte aligned");
   DispatchOutput bad_out = out;
   bad_out.row_offsets = nullptr;
   expect_invalid(in, bad_out, "row_offsets is null");
@@ -631,9 +631,10 @@ TEST(BadInput, HostChecks) {
 
 // Device-checked bad input on one rank: that rank reports the token and slot, sends nothing,
 // the others' outputs match the reference without it, and the next valid round works. The ids
-// go as int64 (id_bytes 8) for the values no int32 holds: truncated to 32 bits, 2^32 + 3 and
-// 5 - 2^32 would name experts 3 and 5; they are reported clamped to int32, and the reference
-// refuses the rank for the clamped value.
+// go as int64 (topk_ids64) for the values no int32 holds: truncated to 32 bits, 2^32 + 3 and
+// 5 - 2^32 would name experts 3 and 5; they are reported clamped to int32's range. The reference
+// refuses the rank for an id of -3 there, which the int64 upload replaces (were it not, the
+// device would report -3, and the test would fail on the message).
 TEST(BadInput, DeviceChecks) {
   EPCOMM_REQUIRE_GPU();
   const int n = 4;
@@ -652,8 +653,9 @@ TEST(BadInput, DeviceChecks) {
                         {E + 1000, -1, ErrorCode::kBadExpertId, "= 1032 "},
                         {-2, -1, ErrorCode::kBadExpertId, "= -2 "},
                         {0, 0, ErrorCode::kDuplicateExpert, " twice "},
-                        {two32 + 3, -1, ErrorCode::kBadExpertId, "= 2147483647 "},
-                        {5 - two32, -1, ErrorCode::kBadExpertId, "= -2147483648 "}};
+                        {two32 + 3, -1, ErrorCode::kBadExpertId, "= 2147483647 (an int64"},
+                        {5 - two32, -1, ErrorCode::kBadExpertId, "= -2147483648 (an int64"},
+                        {INT64_MIN, -1, ErrorCode::kBadExpertId, "= -2147483648 (an int64"}};
     uint64_t seed = 60;
     for (const Bad& b : bads) {
       auto p = reference::make_problem(n, H, K, E, std::vector<int32_t>(static_cast<size_t>(n), T),
@@ -661,8 +663,7 @@ TEST(BadInput, DeviceChecks) {
       const int bad_rank = 1, bad_token = 37, bad_slot = 2;
       int32_t* ids = p.ranks[bad_rank].topk_ids.data() + bad_token * K;
       const bool wide = b.value != int64_t(int32_t(b.value));
-      const int32_t clamped = wide ? (b.value > 0 ? INT32_MAX : INT32_MIN) : int32_t(b.value);
-      ids[bad_slot] = b.slot_from >= 0 ? ids[b.slot_from] : clamped;
+      ids[bad_slot] = b.slot_from >= 0 ? ids[b.slot_from] : (wide ? -3 : int32_t(b.value));
       for (auto& io : lg.io)
         io->id_bytes = wide ? 8 : 4;
       if (wide) lg.io[size_t(bad_rank)]->wide_ids = {{size_t(bad_token * K + bad_slot), b.value}};

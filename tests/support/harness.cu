@@ -162,9 +162,13 @@ void RankIO::poison() {
 }
 
 DispatchInput RankIO::dispatch_input(bool with_weights) const {
-  return DispatchInput{
-      tokens.get(), topk.get(), num_tokens, hidden, with_weights ? weights.get<float>() : nullptr,
-      id_bytes};
+  DispatchInput in{tokens.get(), topk.get<int32_t>(), num_tokens, hidden,
+                   with_weights ? weights.get<float>() : nullptr};
+  if (id_bytes == 8) {
+    in.topk_ids = nullptr;
+    in.topk_ids64 = topk.get<int64_t>();
+  }
+  return in;
 }
 DispatchOutput RankIO::dispatch_output() const {
   DispatchOutput o{out_tokens.get(),

@@ -84,8 +84,9 @@ struct RankIO {
   int64_t token_bytes;       // sizes().token_bytes
   cudaStream_t stream = nullptr;
   DeviceBuffer tokens, topk, weights;                           // inputs
-  // topk's element (DispatchInput::id_bytes): 8 uploads the ids widened to int64, and then
-  // wide_ids replaces the ids at these [T * K] indices (values no int32 holds: bad-input tests).
+  // topk's element: 8 uploads the ids widened to int64 and gives them as
+  // DispatchInput::topk_ids64; wide_ids then replaces the ids at these [T * K] indices (values
+  // no int32 holds: bad-input tests).
   int32_t id_bytes = 4;
   std::vector<std::pair<size_t, int64_t>> wide_ids;
   DeviceBuffer out_tokens, row_offsets, expert_ids, src_info;   // dispatch outputs
@@ -242,7 +243,7 @@ struct RoundOptions {
   // > 0: combine brings back only this many columns (CombineInput::hidden, fewer than the
   // dispatched rows'): expert outputs and the output are that wide.
   int32_t combine_hidden = 0;
-  // The top-k ids go to dispatch as int64 (DispatchInput::id_bytes = 8), as torch.topk gives them.
+  // The top-k ids go to dispatch as int64 (DispatchInput::topk_ids64), as torch.topk gives them.
   bool ids64 = false;
 };
 std::string run_round(LocalGroup& lg, const reference::Problem& p, const RoundOptions& o);

@@ -165,7 +165,7 @@ struct DispatchParams {
   GroupView g;
   RankScratch scratch;
   const void* tokens;
-  const void* topk_ids;  // int32, or int64 where id_bytes is 8 (DispatchInput::id_bytes)
+  const void* topk_ids;  // DispatchInput::topk_ids (id_bytes 4) or topk_ids64 (8)
   const float* weights;  // [T, K] router weights carried in the headers, or null
   int32_t num_tokens;
   int32_t id_bytes;

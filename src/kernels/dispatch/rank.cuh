@@ -22,24 +22,37 @@ namespace {
 
 // ---- the throughput path ------------------------------------------------------------------
 
-// Element i of the caller's topk_ids, int32 or int64 (DispatchInput::id_bytes). An int64 id
-// outside int32 is clamped into it: it stays outside [-1, n_experts), so the ranking refuses it
-// as a bad id, where truncation could have made it a real expert's.
-__device__ __forceinline__ int32_t caller_id(const DispatchParams& p, int64_t i) {
-  if (p.id_bytes == 8) {
-    const int64_t v = static_cast<const int64_t*>(p.topk_ids)[i];
-    return int32_t(v < INT32_MIN ? INT32_MIN : (v > INT32_MAX ? INT32_MAX : v));
-  }
-  return static_cast<const int32_t*>(p.topk_ids)[i];
+// An int64 id (DispatchInput::topk_ids64) as int32: one outside int32 is clamped into it, so it
+// stays outside [-1, n_experts) and the ranking refuses it as a bad id, where truncation could
+// have made it a real expert's.
+__device__ __forceinline__ int32_t narrow_id(int64_t v) {
+  return int32_t(v < INT32_MIN ? INT32_MIN : (v > INT32_MAX ? INT32_MAX : v));
 }
 
-// Token t's row of topk_ids (the caller's K columns), every load in flight together.
+// Element i of the caller's topk_ids, int32 or int64 (DispatchParams::id_bytes).
+__device__ __forceinline__ int32_t caller_id(const DispatchParams& p, int64_t i) {
+  return p.id_bytes == 8 ? narrow_id(static_cast<const int64_t*>(p.topk_ids)[i])
+                         : static_cast<const int32_t*>(p.topk_ids)[i];
+}
+
+// Token t's row of topk_ids (the caller's K columns), every load in flight together. One branch
+// on the ids' width for the row, so the int32 path runs the same straight-line loads as before
+// int64 ids were taken (the ranking's code is fetched cold after an L2 flush).
 __device__ __forceinline__ void load_ids(const DispatchParams& p, int32_t t,
                                          int32_t (&ids)[kMaxTopK]) {
   const int32_t K = p.g.route.top_k;
+  const int64_t row = int64_t(t) * K;
+  if (p.id_bytes == 8) {
+    const int64_t* ids64 = static_cast<const int64_t*>(p.topk_ids) + row;
+#pragma unroll
+    for (int k = 0; k < kMaxTopK; ++k)
+      if (k < K) ids[k] = narrow_id(ids64[k]);
+    return;
+  }
+  const int32_t* ids32 = static_cast<const int32_t*>(p.topk_ids) + row;
 #pragma unroll
   for (int k = 0; k < kMaxTopK; ++k)
-    if (k < K) ids[k] = caller_id(p, int64_t(t) * K + k);
+    if (k < K) ids[k] = ids32[k];
 }
 
 // The view's expert and router weight of slot k of token t (RouteMap), from the caller's
@@ -76,15 +89,14 @@ __device__ RankMask enter_ids(const DispatchParams& p, int32_t t, unsigned long 
       bad = true;
       id = -1;
     }
-    const int32_t caller_id = id;  // errors name the caller's expert id
+    const int32_t shown_id = id;  // errors name the caller's expert id
     id = g.route.slot_expert(id, k, t, p.num_tokens);
     ids[k] = id;
     if (record) p.scratch.topk[int64_t(t) * K + k] = id;
     if (id < 0) continue;
     if (atomicOr(&bm[id], bit) & bit) {
       if (record)
-        record_error(g, ErrorCode::kDuplicateExpert, kOpDispatchSend, 0, t, k, caller_id,
-                     kWaitNone);
+        record_error(g, ErrorCode::kDuplicateExpert, kOpDispatchSend, 0, t, k, shown_id, kWaitNone);
       bad = true;
     }
     rank_mask |= rank_bit(em.rank_of(id));
