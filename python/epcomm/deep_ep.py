@@ -591,7 +591,7 @@ class Buffer:
             routing.is_token_in_rank = is_token_in_rank
         self._on_device(call, x=codes, scales=scales)
         S = 0 if scales is None else scales.size(1)
-        meta_words = S + 2 * K  # int32 words after the codes: scales, topk_idx, weights
+        meta_words = 2 * K + S + K  # int32 words after the codes (_normal_rows)
         cw = row_bytes // 4     # the codes' int32 words (row_bytes is a multiple of 16)
         compute, comm = self._streams(call, previous_event, async_finish, allocate_on_comm_stream)
         alloc = comm if allocate_on_comm_stream else compute
@@ -605,17 +605,9 @@ class Buffer:
                 routing.tokens_ready = torch.cuda.Event()
                 routing.tokens_ready.record(comm)
             if meta_words:
-                # One dispatch: each row carries the codes, then the scales, top-k ids and
-                # weights (one concatenation), padded to a multiple of 16 bytes. Combine brings
-                # back only the first columns of such rows (a combine of fewer columns).
-                width = -(-(cw + meta_words) // 4) * 4  # int32 words
-                parts = [codes.view(torch.uint8).view(torch.int32)] + (
-                    [scales.view(torch.int32)] if S else []) + (
-                    [topk_idx.to(torch.int32), topk_weights.view(torch.int32)] if K else [])
-                if width > cw + meta_words:
-                    parts.append(torch.zeros((T, width - cw - meta_words), dtype=torch.int32,
-                                             device=codes.device))
-                payload = torch.cat(parts, dim=1).view(torch.bfloat16)
+                # One dispatch: each row carries the codes and the rest (one concatenation).
+                # Combine brings back only the codes' columns (a combine of fewer columns).
+                payload = _normal_rows(codes, scales, topk_idx if K else None, topk_weights)
             else:
                 payload = codes if codes.dtype == torch.bfloat16 else \
                     codes.view(torch.uint8).view(torch.bfloat16)
@@ -637,17 +629,13 @@ class Buffer:
                 routing.meta_key = data_key
             n_local = routing.num_experts // R
             recv_dev = d.row_offsets[1:2]
-            if K:  # local ids of the rows that arrived; -1 elsewhere and past the last row
-                ids = meta[:, S:S + K] - self.rank * n_local
-                ok = (ids >= 0) & (ids < n_local)
-                ok &= torch.arange(ids.size(0), device=ids.device).unsqueeze(1) < recv_dev
-                ids = torch.where(ok, ids, -1)
+            if K:
                 # The returned top-k, for every row the rank can receive, before the host waits
                 # for the row count (the caller gets the first N rows, views): after the wait
                 # the GPU idles while the host launches.
-                all_topk_idx = ids.to(topk_idx_t)
-                all_topk_weights = torch.where(ok, meta[:, S + K:S + 2 * K].view(torch.float32),
-                                               0.0)
+                all_topk_idx, all_topk_weights, ok = _normal_topk(
+                    meta, K, S, self.rank * n_local, n_local, recv_dev)
+                ids = all_topk_idx
             counts = None  # per local expert, where the host learns them
             if cached:
                 N = routing.num_rows
@@ -678,7 +666,7 @@ class Buffer:
                     (N, S), dtype=scales.dtype, device=codes.device)
             recv_x.view(torch.uint8).copy_(d.tokens[:N].view(torch.uint8)[:, :row_bytes])
             if S:
-                recv_scales.view(torch.int32).copy_(meta[:N, :S])
+                recv_scales.view(torch.int32).copy_(meta[:N, 2 * K:2 * K + S])
             recv_topk_idx = recv_topk_weights = None
             if K:
                 recv_topk_idx = all_topk_idx[:N]
@@ -1037,6 +1025,38 @@ def _op_buffer(buffer_id: int) -> "Buffer":
         raise InvalidArgument(f"epcomm.deep_ep: Buffer {buffer_id} of the compiled code was "
                               "destroyed or collected")
     return b
+
+
+def _normal_rows(codes, scales, topk_idx, topk_weights):
+    """The rows a normal-mode dispatch sends: int32 words [codes | top-k ids | scales |
+    weights | zeros to a multiple of 16 bytes], as bf16 [T, width * 2]. The ids go as the int64
+    words they are (first after the codes, which are a multiple of 16 bytes, so they stay on 8):
+    no conversion launch, and an id no int32 holds is not truncated into another expert's.
+    topk_idx None: no ids or weights."""
+    T = codes.size(0)
+    parts = [codes.view(torch.uint8).view(torch.int32)]
+    if topk_idx is not None:
+        parts.append(topk_idx.view(torch.int32))
+    if scales is not None:
+        parts.append(scales.view(torch.int32))
+    if topk_idx is not None:
+        parts.append(topk_weights.view(torch.int32))
+    words = sum(p.size(1) for p in parts)
+    if words % 4:
+        parts.append(torch.zeros((T, 4 - words % 4), dtype=torch.int32, device=codes.device))
+    return torch.cat(parts, dim=1).view(torch.bfloat16)
+
+
+def _normal_topk(meta, K, S, first_expert, n_local, recv_dev):
+    """From received rows' words after the codes (_normal_rows; meta [rows, width - codes]):
+    each row's top-k as this rank's local expert ids, int64 (-1 for a slot of another rank's
+    expert, a bad id, or a row past the recv_dev received), their weights (0 there), and the
+    mask of the slots kept."""
+    ids = meta[:, :2 * K].view(topk_idx_t) - first_expert
+    ok = (ids >= 0) & (ids < n_local)
+    ok &= torch.arange(ids.size(0), device=ids.device).unsqueeze(1) < recv_dev
+    weights = meta[:, 2 * K + S:3 * K + S].view(torch.float32)
+    return torch.where(ok, ids, -1), torch.where(ok, weights, 0.0), ok
 
 
 def _ll_outputs(R: int, num_experts: int, max_t: int, H: int, dev, use_fp8: bool,

@@ -198,6 +198,36 @@ def test_worker_fp8_casts_match_the_reference():
             assert torch.equal(w.ll_scales_f32(strided, "ue8m0")[0], ref_s)
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_normal_rows_carry_ids_scales_and_weights(fp8):
+    """The normal-mode dispatch's rows (_normal_rows) and what a rank reads back from them
+    (_normal_topk), on rows received as sent: the int64 ids travel whole, so an id no int32
+    holds (2^32 + 9, which truncated would be this rank's expert 9) is dropped like any bad id,
+    not taken for another expert."""
+    T, H, K, R, E, rank = 5, 256, 3, 2, 16, 1
+    n_local = E // R
+    codes = (torch.randint(0, 255, (T, H), dtype=torch.uint8) if fp8
+             else torch.randn(T, H).to(torch.bfloat16))
+    scales = torch.rand(T, H // 128) if fp8 else None
+    idx = torch.tensor([[9, 3, -1], [2**32 + 9, 15, 8], [0, 1, 2], [10, -1, 11], [12, 13, 14]],
+                       dtype=deep_ep.topk_idx_t)
+    w = torch.rand(T, K)
+    rows = deep_ep._normal_rows(codes, scales, idx, w).view(torch.int32)
+    cw = codes.view(torch.uint8).size(1) // 4
+    S = 0 if scales is None else scales.size(1)
+    assert rows.size(1) % 4 == 0 and rows.size(1) >= cw + 3 * K + S
+    assert torch.equal(rows[:, :cw], codes.view(torch.uint8).view(torch.int32))
+    meta = rows[:, cw:]
+    if fp8:
+        assert torch.equal(meta[:, 2 * K:2 * K + S].view(torch.float32), scales)
+    received = torch.tensor([4])  # rows past the fourth did not arrive
+    ids, weights, ok = deep_ep._normal_topk(meta, K, S, rank * n_local, n_local, received)
+    want = torch.tensor([[1, -1, -1], [-1, 7, 0], [-1, -1, -1], [2, -1, 3], [-1, -1, -1]])
+    assert ids.dtype == deep_ep.topk_idx_t and torch.equal(ids, want)
+    assert torch.equal(ok, want >= 0)
+    assert torch.equal(weights, torch.where(want >= 0, w, 0.0))
+
+
 def test_max_tokens_from_the_environment(world, monkeypatch):
     # Frameworks build the Buffer themselves: the normal-mode cap can come from the environment.
     monkeypatch.delenv("EPCOMM_DEEP_EP_MAX_TOKENS", raising=False)
