@@ -1036,7 +1036,9 @@ def _normal_rows(codes, scales, topk_idx, topk_weights):
     T = codes.size(0)
     parts = [codes.view(torch.uint8).view(torch.int32)]
     if topk_idx is not None:
-        parts.append(topk_idx.view(torch.int32))
+        # Through a flat view: a [T, 1] tensor that passes the contiguity check may still have a
+        # last-dimension stride other than 1, which a dtype view refuses.
+        parts.append(topk_idx.reshape(-1).view(torch.int32).view(T, 2 * topk_idx.size(1)))
     if scales is not None:
         parts.append(scales.view(torch.int32))
     if topk_idx is not None:

@@ -228,6 +228,18 @@ def test_normal_rows_carry_ids_scales_and_weights(fp8):
     assert torch.equal(weights, torch.where(want >= 0, w, 0.0))
 
 
+def test_normal_rows_take_ids_of_any_contiguous_strides():
+    # [T, 1] from a transpose: contiguous to torch, yet a last-dimension stride of T.
+    T, H = 5, 128
+    idx = torch.tensor([[9, 3, 8, 2**32, 15]], dtype=deep_ep.topk_idx_t).t()
+    assert idx.is_contiguous() and idx.stride(1) != 1
+    codes = torch.randn(T, H).to(torch.bfloat16)
+    w = torch.rand(T, 1)
+    meta = deep_ep._normal_rows(codes, None, idx, w).view(torch.int32)[:, H // 2:]
+    ids, _, _ = deep_ep._normal_topk(meta, 1, 0, 8, 8, torch.tensor([T]))
+    assert torch.equal(ids.flatten(), torch.tensor([1, -1, 0, -1, 7]))
+
+
 def test_max_tokens_from_the_environment(world, monkeypatch):
     # Frameworks build the Buffer themselves: the normal-mode cap can come from the environment.
     monkeypatch.delenv("EPCOMM_DEEP_EP_MAX_TOKENS", raising=False)

@@ -750,7 +750,7 @@ static void check_dispatch_input(detail::GroupState& s, const DispatchInput& in,
       require((reinterpret_cast<uintptr_t>(in.topk_ids64) & 7u) == 0, s.rank, op,
               "topk_ids64 is not 8-byte aligned");
     } else {
-      require_ptr(in.topk_ids, s.rank, op, "topk_ids", false);
+      require_ptr(in.topk_ids, s.rank, op, "topk_ids (or topk_ids64)", false);
       require((reinterpret_cast<uintptr_t>(in.topk_ids) & 3u) == 0, s.rank, op,
               "topk_ids is not 4-byte aligned");
     }

@@ -574,7 +574,7 @@ TEST(BadInput, HostChecks) {
   expect_invalid(bad, out, "16-byte aligned");
   bad = in;
   bad.topk_ids = nullptr;
-  expect_invalid(bad, out, "topk_ids is null");
+  expect_invalid(bad, out, "topk_ids (or topk_ids64) is null");
   bad = in;
   bad.topk_ids64 = reinterpret_cast<const int64_t*>(in.topk_ids);
   expect_invalid(bad, out, "both topk_ids (int32) and topk_ids64 (int64)");
@@ -697,8 +697,9 @@ TEST(BadInput, DeviceChecks) {
   }
 }
 
-// Top-k ids as int64 (DispatchInput::id_bytes = 8, torch.topk's dtype): the same rows, combines
-// and checks as int32 ids, on both paths and forms, with masked slots (-1 as int64).
+// Top-k ids as int64 (DispatchInput::topk_ids64, torch.topk's dtype): the same rows, combines
+// and checks as int32 ids, on both paths and forms, with masked slots (-1 as int64), and with
+// the last rank holding no token (its ids pointer is never read).
 TEST(Forms, Int64TopkIds) {
   EPCOMM_REQUIRE_GPU();
   const int n = suite_ranks();
@@ -708,8 +709,9 @@ TEST(Forms, Int64TopkIds) {
     for (Form form : {Form::kFused, Form::kAsyncWait}) {
       for (bool expert_side : {false, true}) {
         const uint64_t seed = 70 + 2 * uint64_t(form == Form::kFused) + uint64_t(expert_side);
-        const auto p = reference::make_problem(n, 2048, 8, 16 * n, random_counts(n, 128, seed),
-                                               seed, 0.0, 0.2);
+        std::vector<int32_t> counts = random_counts(n, 128, seed);
+        counts.back() = 0;
+        const auto p = reference::make_problem(n, 2048, 8, 16 * n, counts, seed, 0.0, 0.2);
         RoundOptions o = every_combine(form, expert_side);
         o.ids64 = true;
         EXPECT_EQ(run_round(lg, p, o), "") << "expert side " << expert_side;
