@@ -173,8 +173,9 @@ void write_workload(JsonWriter& j, const WorkloadResult& r) {
       j.begin_object(kernels[k]);
       for (int m = 0; m < epcomm::kTraceMarks; ++m) {
         j.begin_object(epcomm::trace_mark_name(epcomm::TraceMark(m)));
-        j.numbers("first_us", s.per_rank(s.first_us, k, m));
-        j.numbers("last_us", s.per_rank(s.last_us, k, m));
+        for (int q = 0; q < StageSummary::kQuantiles; ++q)
+          j.numbers((std::string(StageSummary::kQuantileNames[q]) + "_us").c_str(),
+                    s.per_rank(s.at_us[q], k, m));
         j.numbers("blocks", s.per_rank(s.passed, k, m));
         j.end_object();
       }
@@ -238,7 +239,7 @@ void print_table_header() {
 }
 
 int StageSummary::ranks() const {
-  return int(first_us.size() / (size_t(epcomm::kTraceKernels) * epcomm::kTraceMarks));
+  return int(passed.size() / (size_t(epcomm::kTraceKernels) * epcomm::kTraceMarks));
 }
 
 size_t StageSummary::at(int rank, int kernel, int mark) const {
@@ -254,29 +255,35 @@ std::vector<double> StageSummary::per_rank(const std::vector<double>& field, int
 
 namespace {
 
-// --trace: per kernel and mark, when the first and the last block passed it (the worst rank's
-// median), then the last block's time on each rank.
+// --trace: per kernel and mark, when the first, the median, the 90th-percentile and the last
+// block passed it (the worst rank's median over the calls), then the last block's time on each
+// rank.
 void print_stages(const WorkloadResult& r) {
   const StageSummary& s = r.stages;
   const int n = s.ranks();
   if (s.calls == 0 || n == 0) return;
-  std::printf("%-12s stage marks of %d fused calls, %d blocks (µs after the rank's kernel start; "
-              "median over the calls; first/last: the first and last block to pass, worst rank)\n",
-              "", s.calls, s.blocks);
+  std::printf(
+      "%-12s stage marks of %d fused calls, %d blocks (µs after the rank's kernel start; "
+      "median over the calls; first/median/p90/last: when that share of the blocks had "
+      "passed, worst rank)\n",
+      "", s.calls, s.blocks);
   const char* kernels[epcomm::kTraceKernels] = {"dispatch", "combine"};
+  auto worst = [](const std::vector<double>& v) { return *std::max_element(v.begin(), v.end()); };
   for (int k = 0; k < epcomm::kTraceKernels; ++k) {
-    std::printf("%-12s %-9s %-11s %6s %7s %7s   last, rank 0..%d\n", "", kernels[k], "mark",
-                "blocks", "first", "last", n - 1);
+    std::printf("%-12s %-9s %-11s %6s", "", kernels[k], "mark", "blocks");
+    for (const char* q : StageSummary::kQuantileNames)
+      std::printf(" %7s", q);
+    std::printf("   last, rank 0..%d\n", n - 1);
     for (int m = 0; m < epcomm::kTraceMarks; ++m) {
-      const std::vector<double> first = s.per_rank(s.first_us, k, m);
-      const std::vector<double> last = s.per_rank(s.last_us, k, m);
       const std::vector<double> passed = s.per_rank(s.passed, k, m);
-      auto worst = [](const std::vector<double>& v) { return *std::max_element(v.begin(), v.end()); };
       if (worst(passed) == 0) continue;
-      std::printf("%-12s %-9s %-11s %6.0f %7.1f %7.1f  ", "", "",
-                  epcomm::trace_mark_name(epcomm::TraceMark(m)), worst(passed), worst(first),
-                  worst(last));
-      for (double v : last) std::printf(" %6.1f", v);
+      std::printf("%-12s %-9s %-11s %6.0f", "", "", epcomm::trace_mark_name(epcomm::TraceMark(m)),
+                  worst(passed));
+      for (const std::vector<double>& field : s.at_us)
+        std::printf(" %7.1f", worst(s.per_rank(field, k, m)));
+      std::printf("  ");
+      for (double v : s.per_rank(s.at_us[StageSummary::kQuantiles - 1], k, m))
+        std::printf(" %6.1f", v);
       std::printf("\n");
     }
   }

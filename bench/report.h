@@ -30,12 +30,17 @@ struct CheckResult {
 };
 
 // The stage marks (epcomm/trace.h) of --trace's calls: for each rank, kernel and mark, the median
-// over the calls of the first and the last block's pass, µs after the rank's kernel start, and
-// how many blocks passed it.
+// over the calls of when the blocks passed it, µs after the rank's kernel start, at each of
+// kBlockQuantiles of the blocks that passed (the first block, the median block, the 90th
+// percentile, the last), and how many blocks passed it.
 struct StageSummary {
+  static constexpr int kQuantiles = 4;
+  static constexpr double kBlockQuantiles[kQuantiles] = {0.0, 0.5, 0.9, 1.0};
+  static constexpr const char* kQuantileNames[kQuantiles] = {"first", "median", "p90", "last"};
   int calls = 0;
   int blocks = 0;
-  std::vector<double> first_us, last_us, passed;  // [rank][kernel][mark]
+  std::vector<double> at_us[kQuantiles];  // [quantile][rank][kernel][mark]
+  std::vector<double> passed;             // [rank][kernel][mark]
   int ranks() const;
   size_t at(int rank, int kernel, int mark) const;
   // One field's values of (kernel, mark), in rank order.

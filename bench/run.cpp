@@ -489,10 +489,13 @@ class WorkloadRun {
     env_.progress.phase(label("stage trace"));
     constexpr int K = epcomm::kTraceKernels, M = epcomm::kTraceMarks;
     const size_t n_local = team_.n_local();
-    // [local rank][kernel * M + mark] -> per-call samples of the first and last block, µs.
-    std::vector<std::vector<std::vector<double>>> first(n_local), last(n_local);
+    constexpr int Q = StageSummary::kQuantiles;
+    // [local rank][quantile][kernel * M + mark] -> per-call samples of the block at that
+    // quantile, µs.
+    std::vector<std::vector<std::vector<std::vector<double>>>> at(
+        n_local,
+        std::vector<std::vector<std::vector<double>>>(Q, std::vector<std::vector<double>>(K * M)));
     std::vector<double> passed(n_local * K * M, 0.0);
-    for (size_t i = 0; i < n_local; ++i) first[i].resize(K * M), last[i].resize(K * M);
     int blocks = 0;
     for (int it = 0; it < opt_.trace; ++it) {
       for_each_rank(team_, [&](size_t i, const LocalRank&) { env_.gate.hold(stream(i)); });
@@ -512,17 +515,19 @@ class WorkloadRun {
           for (int b = 0; b < t.blocks; ++b)
             if (t.at(k, epcomm::kTraceStart, b) != 0) start = std::min(start, t.at(k, epcomm::kTraceStart, b));
           for (int m = 0; m < M; ++m) {
-            uint64_t lo = UINT64_MAX, hi = 0;
-            int n = 0;
+            std::vector<uint64_t> when;  // the blocks that passed the mark
             for (int b = 0; b < t.blocks; ++b) {
               const uint64_t v = t.at(k, m, b);
-              if (v == 0 || v < start) continue;
-              lo = std::min(lo, v), hi = std::max(hi, v), ++n;
+              if (v != 0 && v >= start) when.push_back(v);
             }
-            if (n == 0) continue;
-            first[i][k * M + m].push_back(double(lo - start) / 1e3);
-            last[i][k * M + m].push_back(double(hi - start) / 1e3);
-            passed[(i * K + k) * M + m] = n;
+            if (when.empty()) continue;
+            std::sort(when.begin(), when.end());
+            for (int q = 0; q < Q; ++q) {
+              const size_t b =
+                  size_t(StageSummary::kBlockQuantiles[q] * double(when.size() - 1) + 0.5);
+              at[i][q][k * M + m].push_back(double(when[b] - start) / 1e3);
+            }
+            passed[(i * K + k) * M + m] = double(when.size());
           }
         }
       });
@@ -533,22 +538,23 @@ class WorkloadRun {
     };
     // (Each rank's marks are taken from its own kernel start: the GPUs' timers do not agree,
     // measured hundreds of µs apart on one machine.)
-    std::vector<double> local;  // per local rank: first[K*M], last[K*M], passed[K*M]
+    std::vector<double> local;  // per local rank: each quantile's [K*M], then passed[K*M]
     for (size_t i = 0; i < n_local; ++i) {
-      for (int j = 0; j < K * M; ++j) local.push_back(median(first[i][j]));
-      for (int j = 0; j < K * M; ++j) local.push_back(median(last[i][j]));
+      for (int q = 0; q < Q; ++q)
+        for (int j = 0; j < K * M; ++j)
+          local.push_back(median(at[i][q][j]));
       for (int j = 0; j < K * M; ++j) local.push_back(passed[i * K * M + j]);
     }
-    const size_t per_rank = 3 * K * M;
+    const size_t per_rank = (Q + 1) * K * M;
     const std::vector<double> all = team_.gather(local, per_rank);
     StageSummary& s = result_.stages;
     s.calls = opt_.trace;
     s.blocks = blocks;
     for (size_t r = 0; r * per_rank < all.size(); ++r) {
       const double* v = all.data() + r * per_rank;
-      s.first_us.insert(s.first_us.end(), v, v + K * M);
-      s.last_us.insert(s.last_us.end(), v + K * M, v + 2 * K * M);
-      s.passed.insert(s.passed.end(), v + 2 * K * M, v + 3 * K * M);
+      for (int q = 0; q < Q; ++q)
+        s.at_us[q].insert(s.at_us[q].end(), v + q * K * M, v + (q + 1) * K * M);
+      s.passed.insert(s.passed.end(), v + Q * K * M, v + (Q + 1) * K * M);
     }
   }
 
