@@ -65,6 +65,10 @@ sharded_ctest() {
   done
   for k in "${!pids[@]}"; do
     wait "${pids[$k]}"; r=$?; echo "shard $k (GPU $k) rc=$r"; [ $r -eq 0 ] || rc=1
+    # A failed shard names its failures here: its log may not come back (the device tool
+    # returns few files).
+    [ $r -eq 0 ] || grep -E "\*\*\*(Failed|Timeout|Exception)|tests failed out of|No tests were found" \
+      "$OUT/${log}_$k.log" | head -8 | sed "s/^/  shard $k: /"
   done
   cat "$OUT/${log}"_*.log >"$OUT/$log.log"
   ran=$(ctest_ran "$OUT/${log}"_*.log)
