@@ -591,7 +591,8 @@ class Buffer:
             routing.is_token_in_rank = is_token_in_rank
         self._on_device(call, x=codes, scales=scales)
         S = 0 if scales is None else scales.size(1)
-        meta_words = 2 * K + S + K  # int32 words after the codes (_normal_rows)
+        layout = _NormalMeta(K, S)  # the int32 words after the codes (_normal_rows)
+        meta_words = layout.words
         cw = row_bytes // 4     # the codes' int32 words (row_bytes is a multiple of 16)
         compute, comm = self._streams(call, previous_event, async_finish, allocate_on_comm_stream)
         alloc = comm if allocate_on_comm_stream else compute
@@ -666,7 +667,7 @@ class Buffer:
                     (N, S), dtype=scales.dtype, device=codes.device)
             recv_x.view(torch.uint8).copy_(d.tokens[:N].view(torch.uint8)[:, :row_bytes])
             if S:
-                recv_scales.view(torch.int32).copy_(meta[:N, 2 * K:2 * K + S])
+                recv_scales.view(torch.int32).copy_(meta[:N, layout.scales])
             recv_topk_idx = recv_topk_weights = None
             if K:
                 recv_topk_idx = all_topk_idx[:N]
@@ -1027,6 +1028,18 @@ def _op_buffer(buffer_id: int) -> "Buffer":
     return b
 
 
+class _NormalMeta:
+    """Where each part of a normal-mode row's words after the codes lies (_normal_rows writes
+    them in this order): the top-k ids as int64 (2 K int32 words), the scales (S), the weights
+    (K); `words` in all."""
+
+    def __init__(self, K: int, S: int):
+        self.ids = slice(0, 2 * K)
+        self.scales = slice(2 * K, 2 * K + S)
+        self.weights = slice(2 * K + S, 3 * K + S)
+        self.words = 3 * K + S
+
+
 def _normal_rows(codes, scales, topk_idx, topk_weights):
     """The rows a normal-mode dispatch sends: int32 words [codes | top-k ids | scales |
     weights | zeros to a multiple of 16 bytes], as bf16 [T, width * 2]. The ids go as the int64
@@ -1054,10 +1067,11 @@ def _normal_topk(meta, K, S, first_expert, n_local, recv_dev):
     each row's top-k as this rank's local expert ids, int64 (-1 for a slot of another rank's
     expert, a bad id, or a row past the recv_dev received), their weights (0 there), and the
     mask of the slots kept."""
-    ids = meta[:, :2 * K].view(topk_idx_t) - first_expert
+    layout = _NormalMeta(K, S)
+    ids = meta[:, layout.ids].view(topk_idx_t) - first_expert
     ok = (ids >= 0) & (ids < n_local)
     ok &= torch.arange(ids.size(0), device=ids.device).unsqueeze(1) < recv_dev
-    weights = meta[:, 2 * K + S:3 * K + S].view(torch.float32)
+    weights = meta[:, layout.weights].view(torch.float32)
     return torch.where(ok, ids, -1), torch.where(ok, weights, 0.0), ok
 
 
