@@ -394,8 +394,7 @@ __device__ void combine_recv(const CombineParams& p, unsigned long long seq, Epi
   }
 
   if (last_block_done(g, &g.state->combine_done) && threadIdx.x == 0) {
-    for (int32_t s = 0; s < g.n_ranks; ++s)
-      set_signal(g, s, WindowLayout::kCombineAck, g.rank, seq);
+    signal_all<SignalOp::kSetFenced>(g, WindowLayout::kCombineAck, seq);
     put_quiet(g);
     g.state->combine_seq = seq;
   }

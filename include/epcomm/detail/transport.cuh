@@ -95,22 +95,30 @@ __device__ __forceinline__ void warp_put_signal(const GroupView& g, int32_t peer
 
 // Thread: sets or adds to (SignalOp) the u64 word at `offset` of peer's window. kSet and kAdd
 // release: they follow this thread's earlier stores (NVLink) or completed puts (NVSHMEM:
-// put_quiet first; other threads' data: a barrier and a system fence first). kSetFenced follows
-// the thread's own system fence, a release together with it: one fence for many signals
-// (NVLink: a relaxed store).
+// put_quiet first; other threads' data: a barrier and a system fence first). kSetFenced and
+// kAddFenced follow the thread's own system fence, a release together with it: one fence for
+// many signals (NVLink: a relaxed store or reduction).
 template <SignalOp kOp>
 __device__ __forceinline__ void signal(const GroupView& g, int32_t peer, int64_t offset,
                                        unsigned long long value) {
 #if EPCOMM_NVSHMEM
-  if (remote(g, peer)) return shmem::signal(g, peer, offset, value, kOp == SignalOp::kAdd);
+  if (remote(g, peer)) return shmem::signal(g, peer, offset, value, signal_adds(kOp));
 #endif
   nvlink::signal<kOp>(g, peer, offset, value);
 }
-// Thread: signal s[index] of rank `owner` (WindowLayout::signal_offset), set with release.
-__device__ __forceinline__ void set_signal(const GroupView& g, int32_t owner,
-                                           WindowLayout::Signal s, int32_t index,
+// Thread: sets (kSetFenced) or adds to (kAddFenced) signal s[my rank] in every rank's window,
+// after this thread's earlier stores and everything it acquired (a barrier's worth of other
+// threads' work included): one system fence, then a relaxed store or reduction per rank, so the
+// signals go out together instead of each waiting for the one before it to cross its link.
+// NVSHMEM: a remote rank's signal is a signal operation after the caller's put_quiet, as before.
+template <SignalOp kOp>
+__device__ __forceinline__ void signal_all(const GroupView& g, WindowLayout::Signal s,
                                            unsigned long long value) {
-  signal<SignalOp::kSet>(g, owner, g.layout().signal_offset(s, index), value);
+  static_assert(kOp == SignalOp::kSetFenced || kOp == SignalOp::kAddFenced, "fenced signals");
+  fence_acq_rel_sys();
+  const int64_t offset = g.layout().signal_offset(s, g.rank);
+  for (int32_t peer = 0; peer < g.n_ranks; ++peer)
+    signal<kOp>(g, peer, offset, value);
 }
 
 // ---- order and completion -------------------------------------------------------------------
@@ -137,9 +145,7 @@ __device__ __forceinline__ void block_signal_all(const GroupView& g, WindowLayou
   put_quiet(g);
   __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence_system();
-    for (int32_t peer = 0; peer < g.n_ranks; ++peer)
-      signal<SignalOp::kAdd>(g, peer, g.layout().signal_offset(s, g.rank), 1ull);
+    signal_all<SignalOp::kAddFenced>(g, s, 1ull);
     put_quiet(g);
   }
 }

@@ -14,8 +14,15 @@ namespace epcomm {
 namespace detail {
 
 // How a signal changes its word (transport.cuh's signal): set or add, each a release of its
-// own; or set after the signalling thread's own system fence (one fence, many signals).
-enum class SignalOp { kSet, kAdd, kSetFenced };
+// own; or set or add after the signalling thread's own system fence (one fence, many signals).
+// A release is a fence of its own: on NVLink it waits for this thread's earlier writes to reach
+// their GPUs, the previous signals among them, so signals to n ranks released one by one take n
+// link round trips, and fenced ones one.
+enum class SignalOp { kSet, kAdd, kSetFenced, kAddFenced };
+
+__host__ __device__ constexpr bool signal_adds(SignalOp op) {
+  return op == SignalOp::kAdd || op == SignalOp::kAddFenced;
+}
 
 namespace nvlink {
 
@@ -46,7 +53,7 @@ __device__ __forceinline__ void warp_signal_after_stores(const void* buf, int64_
 }
 
 // Thread: a signal (SignalOp): a release store or reduction, or after the caller's fence a
-// relaxed store.
+// relaxed store or reduction.
 template <SignalOp kOp>
 __device__ __forceinline__ void signal(const GroupView& g, int32_t peer, int64_t offset,
                                        unsigned long long value) {
@@ -55,8 +62,10 @@ __device__ __forceinline__ void signal(const GroupView& g, int32_t peer, int64_t
     st_release_sys(word, value);
   else if constexpr (kOp == SignalOp::kAdd)
     red_release_sys_add(word, value);
-  else
+  else if constexpr (kOp == SignalOp::kSetFenced)
     st_relaxed_sys(word, value);
+  else
+    red_relaxed_sys_add(word, value);
 }
 
 }  // namespace nvlink

@@ -224,8 +224,7 @@ __device__ void fill_padding(const DispatchParams& p, const RecvGroups& rg, int3
 // dispatch_seq.
 __device__ inline void dispatch_done(const GroupView& g, unsigned long long seq) {
   if (last_block_done(g, &g.state->dispatch_done) && threadIdx.x == 0) {
-    for (int32_t s = 0; s < g.n_ranks; ++s)
-      set_signal(g, s, WindowLayout::kDispatchAck, g.rank, seq);
+    signal_all<SignalOp::kSetFenced>(g, WindowLayout::kDispatchAck, seq);
     put_quiet(g);
     g.state->dispatch_seq = seq;
   }
