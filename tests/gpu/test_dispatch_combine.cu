@@ -634,14 +634,55 @@ TEST(BadInput, HostChecks) {
 // go as int64 (topk_ids64) for the values no int32 holds: truncated to 32 bits, 2^32 + 3 and
 // 5 - 2^32 would name experts 3 and 5; they are reported clamped to int32's range. The reference
 // refuses the rank for an id of -3 there, which the int64 upload replaces (were it not, the
-// device would report -3, and the test would fail on the message).
+// device would report -3, and the test would fail on the message). Then tokens with more than
+// one bad slot: the first in slot order is reported (reference::validate_topk), whichever
+// threads the device spreads the slots over.
 TEST(BadInput, DeviceChecks) {
   EPCOMM_REQUIRE_GPU();
   const int n = 4;
   const int H = 2048, K = 4, E = 8 * n, T = 100;
+  const int bad_rank = 1, bad_token = 37;
   for (DispatchPath path : kBothPaths) {
     SCOPED_TRACE(dispatch_path_name(path));
     LocalGroup lg(with_path(make_cfg(H, K, E, T), path), n);
+    uint64_t seed = 60;
+    // Issues p (bad on bad_rank only); bad_rank reports `code` with a message holding each of
+    // `shown`, the others complete; then a valid round.
+    auto expect_refused = [&](const reference::Problem& p, ErrorCode code,
+                              const std::vector<std::string>& shown) {
+      lg.issue_dispatch(p);
+      lg.io[size_t(bad_rank)]->wide_ids.clear();
+      for (int r = 0; r < n; ++r) {
+        if (r != bad_rank) {
+          EXPECT_NO_THROW(lg.groups[size_t(r)]->synchronize(lg.io[size_t(r)]->stream));
+          continue;
+        }
+        try {
+          lg.groups[size_t(r)]->synchronize(lg.io[size_t(r)]->stream);
+          ADD_FAILURE() << "no error for " << shown.front();
+        } catch (const Error& e) {
+          EXPECT_EQ(e.code(), code) << e.what();
+          const std::string w = e.what();
+          EXPECT_NE(w.find("topk_ids[37]"), std::string::npos) << w;
+          for (const std::string& part : shown)
+            EXPECT_NE(w.find(part), std::string::npos) << w;
+          EXPECT_NE(w.find("rank 1"), std::string::npos) << w;
+        }
+        EXPECT_FALSE(lg.groups[size_t(r)]->poisoned());
+      }
+      const auto refs = reference_dispatch_all(p);
+      for (int r = 0; r < n; ++r)
+        EXPECT_EQ(lg.io[size_t(r)]->check_dispatch(refs[size_t(r)]), "");
+      // The next valid round works on every rank.
+      const auto good = reference::make_problem(n, H, K, E, random_counts(n, T, seed), seed);
+      ++seed;
+      EXPECT_EQ(run_round(lg, good, RoundOptions{}), "");
+    };
+    auto bad_problem = [&] {
+      return reference::make_problem(n, H, K, E, std::vector<int32_t>(static_cast<size_t>(n), T),
+                                     seed++);
+    };
+
     struct Bad {
       int64_t value;
       int slot_from;  // duplicate: copy this slot's id
@@ -656,44 +697,52 @@ TEST(BadInput, DeviceChecks) {
                         {two32 + 3, -1, ErrorCode::kBadExpertId, "= 2147483647 is outside"},
                         {5 - two32, -1, ErrorCode::kBadExpertId, "= -2147483648 is outside"},
                         {INT64_MIN, -1, ErrorCode::kBadExpertId, "= -2147483648 is outside"}};
-    uint64_t seed = 60;
     for (const Bad& b : bads) {
-      auto p = reference::make_problem(n, H, K, E, std::vector<int32_t>(static_cast<size_t>(n), T),
-                                       seed++);
-      const int bad_rank = 1, bad_token = 37, bad_slot = 2;
+      auto p = bad_problem();
+      const int bad_slot = 2;
       int32_t* ids = p.ranks[bad_rank].topk_ids.data() + bad_token * K;
       const bool wide = b.value != int64_t(int32_t(b.value));
       ids[bad_slot] = b.slot_from >= 0 ? ids[b.slot_from] : (wide ? -3 : int32_t(b.value));
       for (auto& io : lg.io)
         io->id_bytes = wide ? 8 : 4;
       if (wide) lg.io[size_t(bad_rank)]->wide_ids = {{size_t(bad_token * K + bad_slot), b.value}};
-      lg.issue_dispatch(p);
-      lg.io[size_t(bad_rank)]->wide_ids.clear();
-      for (int r = 0; r < n; ++r) {
-        if (r != bad_rank) {
-          EXPECT_NO_THROW(lg.groups[size_t(r)]->synchronize(lg.io[size_t(r)]->stream));
-          continue;
-        }
-        try {
-          lg.groups[size_t(r)]->synchronize(lg.io[size_t(r)]->stream);
-          ADD_FAILURE() << "no error for bad id " << b.value;
-        } catch (const Error& e) {
-          EXPECT_EQ(e.code(), b.code) << e.what();
-          const std::string w = e.what();
-          EXPECT_NE(w.find("topk_ids[37]"), std::string::npos) << w;
-          EXPECT_NE(w.find(b.shown), std::string::npos) << w;
-          if (wide) EXPECT_NE(w.find("(an int64 id beyond"), std::string::npos) << w;
-          EXPECT_NE(w.find("rank 1"), std::string::npos) << w;
-        }
-        EXPECT_FALSE(lg.groups[size_t(r)]->poisoned());
-      }
-      const auto refs = reference_dispatch_all(p);
-      for (int r = 0; r < n; ++r)
-        EXPECT_EQ(lg.io[size_t(r)]->check_dispatch(refs[size_t(r)]), "");
-      // The next valid round works on every rank.
-      const auto good = reference::make_problem(n, H, K, E, random_counts(n, T, seed), seed);
-      ++seed;
-      EXPECT_EQ(run_round(lg, good, RoundOptions{}), "");
+      std::vector<std::string> shown = {b.shown};
+      if (wide) shown.push_back("(an int64 id beyond");
+      expect_refused(p, b.code, shown);
+    }
+
+    // Edits of bad_token's slots, in turn: ids[slot] = ids[from], or `value` where from < 0.
+    struct Edit {
+      int slot, from;
+      int32_t value;
+    };
+    struct Order {
+      std::vector<Edit> edits;
+      ErrorCode code;
+      int slot;  // the slot reported: the token's first bad one
+    };
+    const ErrorCode kBadId = ErrorCode::kBadExpertId, kDup = ErrorCode::kDuplicateExpert;
+    const Order orders[] = {
+        {{{3, 1, 0}}, kDup, 3},                            // the later of two slots
+        {{{2, 0, 0}, {3, 0, 0}}, kDup, 2},                 // three slots with one expert
+        {{{0, -1, -1}, {2, -1, -1}, {3, 1, 0}}, kDup, 3},  // masked slots are no duplicates
+        {{{1, -1, E}, {3, 2, 0}}, kBadId, 1},              // a bad id, then a duplicate
+        {{{1, 0, 0}, {3, -1, -2}}, kDup, 1}};              // a duplicate, then a bad id
+    for (auto& io : lg.io)
+      io->id_bytes = 4;
+    for (const Order& o : orders) {
+      auto p = bad_problem();
+      int32_t* ids = p.ranks[bad_rank].topk_ids.data() + bad_token * K;
+      for (const Edit& e : o.edits)
+        ids[e.slot] = e.from >= 0 ? ids[e.from] : e.value;
+      const auto want = reference::validate_topk(p.ranks[bad_rank].topk_ids.data(), T, K, E);
+      ASSERT_EQ(want.token, bad_token);
+      ASSERT_EQ(want.code, o.code);
+      ASSERT_EQ(want.slot, o.slot);
+      const std::string v = std::to_string(want.value), k = std::to_string(want.slot);
+      expect_refused(p, o.code,
+                     {o.code == kBadId ? "topk_ids[37][" + k + "] = " + v + " is outside"
+                                       : "names expert " + v + " twice (again at slot " + k + ")"});
     }
   }
 }
