@@ -322,11 +322,11 @@ __device__ bool rank_local(const DispatchParams& p, unsigned long long seq, char
   for (int32_t i = threadIdx.x; i < used * nk; i += kThreads)
     bitmap[i] = 0;
   if (threadIdx.x < T) first_bad[threadIdx.x] = K;  // no bad slot yet
-
-  // Each pair's id becomes the view's (kBadPairId for a bad one: masked), in place: every pair
-  // then compares its id with its token's earlier slots' in the view, as enter_ids' bitmap does.
 #pragma unroll 1
   for (PairWalk w = mine; w.i < n; w.next()) {
+    // Each pair's id becomes the view's (kBadPairId for a bad one: masked), in place: every
+    // pair then compares its id with its token's earlier slots' in the view, as enter_ids'
+    // bitmap does.
     const int32_t id = ids[w.i];
     ids[w.i] = id < -1 || id >= rm.n_experts ? kBadPairId : rm.slot_expert(id, w.k, w.t, T);
   }
