@@ -348,7 +348,7 @@ __device__ bool rank_local(const DispatchParams& p, unsigned long long seq, char
     const int32_t id = ids[w.i];
     bool wrong = id == kBadPairId;
     if (id >= 0) {
-      const int32_t r = id / n_local, lo = r * n_local, hi = lo + n_local;
+      const int32_t r = em.rank_of(id), lo = r * n_local, hi = lo + n_local;
       bool rank_seen = false;
       for (int32_t j = w.i - w.k; j < w.i; ++j) {
         wrong |= ids[j] == id;
