@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <stdexcept>
+#include <type_traits>
 
 #include "common.h"
 #include "epcomm/config.h"
@@ -165,7 +166,11 @@ __device__ __forceinline__ void combine_token(const CombineFloorArgs& a, int64_t
   const uint16_t* mine = lane < K ? a.src[t * K + lane] : nullptr;
   if (kPrefetch && mine != nullptr) prefetch_l2(mine, uint32_t(H) * 2);  // whole rows at once
   const float wmine = mine != nullptr ? a.weights[t * K + lane] : 0.0f;
-  for (int32_t base = lane * 8; base < H; base += 32 * 8 * kU) {
+  // One pass of kU steps from column b0 (lane's columns b0 + lane * 8 + u * 256); kInside: every
+  // lane's columns lie inside H, so no column is tested (as epcomm's sum_rows_by does).
+  auto pass = [&](int32_t b0, auto inside) {
+    constexpr bool kInside = decltype(inside)::value;
+    const int32_t base = b0 + lane * 8;
     float acc[kU][8] = {};
     for (int32_t k0 = 0; k0 < K; k0 += kCombineRows) {
       uint4 raw[kCombineRows][kU];
@@ -176,20 +181,28 @@ __device__ __forceinline__ void combine_token(const CombineFloorArgs& a, int64_t
         const bool live = k0 + j < K && src != nullptr;
 #pragma unroll
         for (int u = 0; u < kU; ++u)
-          raw[j][u] = live && base + u * 256 < H ? ld_nc_v4(src + base + u * 256)
-                                                 : make_uint4(0, 0, 0, 0);
+          raw[j][u] = live && (kInside || base + u * 256 < H) ? ld_nc_v4(src + base + u * 256)
+                                                              : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
       for (int j = 0; j < kCombineRows; ++j) {
         const float w = k0 + j < K ? __shfl_sync(0xffffffffu, wmine, (k0 + j) % 32) : 0.0f;
 #pragma unroll
-        for (int u = 0; u < kU; ++u) fma8(w, raw[j][u], acc[u]);
+        for (int u = 0; u < kU; ++u)
+          fma8(w, raw[j][u], acc[u]);
       }
     }
 #pragma unroll
     for (int u = 0; u < kU; ++u)
-      if (base + u * 256 < H)
+      if (kInside || base + u * 256 < H)
         *reinterpret_cast<uint4*>(a.out + t * H + base + u * 256) = pack_bf16x8(acc[u]);
+  };
+  // Passes every lane runs (the shuffles sit inside).
+  for (int32_t b0 = 0; b0 < H; b0 += 32 * 8 * kU) {
+    if (b0 + (kU - 1) * 256 + 256 <= H)
+      pass(b0, std::true_type{});
+    else
+      pass(b0, std::false_type{});
   }
 }
 
