@@ -271,7 +271,8 @@ __device__ void record(Mismatch* m, uint32_t input, uint32_t ours, uint32_t cuda
 // only needs to stay NaN, as the sign of a converted NaN is not specified. m[1]: e2m1 against
 // __nv_cvt_float_to_fp4 (round to nearest), exactly. m[2]: the kernels' e4m3 encoders
 // (float_to_e4m3, and float2_to_e4m3x2 with x in either half: the hardware conversion on this
-// GPU) against the integer one, exactly, NaN signs included.
+// GPU) against the integer one, exactly, NaN signs included; float2_to_e4m3x2_not_nan too, x not
+// NaN.
 __global__ void compare_with_cuda_kernel(Mismatch* m) {
   const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
   for (uint64_t u = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; u < (1ull << 32);
@@ -288,6 +289,7 @@ __global__ void compare_with_cuda_kernel(Mismatch* m) {
     const uint32_t single = float_to_e4m3(x);
     if (pair != want || swapped != (want >> 8 | (want & 0xffu) << 8) || single != ours8)
       record(&m[2], b, pair, want);
+    if (x == x && float2_to_e4m3x2_not_nan(x, y) != want) record(&m[2], b, pair, want);
 #if defined(EPCOMM_TEST_HAVE_CUDA_FP4)
     const uint8_t ours4 = float_to_e2m1(x);
     const uint8_t cuda4 = __nv_cvt_float_to_fp4(x, __NV_E2M1, cudaRoundNearest);

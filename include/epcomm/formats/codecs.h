@@ -170,6 +170,19 @@ EPCOMM_HD uint16_t float2_to_e4m3x2(float lo, float hi) {
 #endif
 }
 
+// float2_to_e4m3x2 of two values neither of which is NaN: the conversion alone, whose sign is
+// the input's for every such value (tests/gpu/test_format_conversions.cu: the conversion against
+// the integer encoder on every fp32 input, and this against float2_to_e4m3x2).
+EPCOMM_HD uint16_t float2_to_e4m3x2_not_nan(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  uint16_t r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  return r;
+#else
+  return float2_to_e4m3x2(lo, hi);
+#endif
+}
+
 EPCOMM_HD uint8_t float_to_e4m3(float x) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
   return uint8_t(float2_to_e4m3x2(x, 0.0f));
@@ -330,10 +343,8 @@ struct Fp8BlockQuant {
   // and x * inv is exact scaling. e lies in [-22, 120] for finite amax; an infinite amax gives
   // s = inf and inv = 0, as the other rule's 448 / inf.
   EPCOMM_HD static Fp8BlockQuant from_amax(float amax, bool pow2 = false) {
+    if (!pow2) return Fp8BlockQuant{scale_or_inv(amax, false), scale_or_inv(amax, true)};
     const float floor_amax = amax > 1e-4f ? amax : 1e-4f;
-    if (!pow2)
-      return Fp8BlockQuant{detail::div_rn(floor_amax, kE4m3Max),
-                           detail::div_rn(kE4m3Max, floor_amax)};
     const float x = detail::mul_rn(floor_amax, kE4m3MaxInv);
     const uint32_t bits = float_as_bits(x);
     const int32_t biased = int32_t((bits >> 23) & 0xffu);
@@ -341,6 +352,12 @@ struct Fp8BlockQuant {
     const int32_t e = biased - 127 + ((bits & 0x7fffffu) != 0u ? 1 : 0);
     return Fp8BlockQuant{bits_as_float(uint32_t(e + 127) << 23),
                          bits_as_float(uint32_t(127 - e) << 23)};
+  }
+  // One of the two numbers of from_amax(amax, false), in one division: s (inv false) or inv
+  // (the quantising sender's lanes compute one each, src/kernels/quant_unit.cuh).
+  EPCOMM_HD static float scale_or_inv(float amax, bool inv) {
+    const float floor_amax = amax > 1e-4f ? amax : 1e-4f;
+    return detail::div_rn(inv ? kE4m3Max : floor_amax, inv ? floor_amax : kE4m3Max);
   }
   // The UE8M0 byte of a power-of-two scale s = 2^e: e + 127 (s's biased exponent).
   EPCOMM_HD static uint8_t ue8m0_of(float pow2_scale) {

@@ -90,34 +90,94 @@ __device__ void quantize_to(const uint16_t* row, int32_t hidden, float gs, bool 
   const int lane = threadIdx.x % kWarpSize;
   const int32_t units = unit_end < hidden / kLaneValues ? unit_end : hidden / kLaneValues;
   const int64_t scales_at = ml.scales_offset() - ml.payload_offset();
-  for (int32_t base = unit_begin; base < units; base += kWarpSize * kUnroll) {
+  // The codes of kPack adjacent units go out as one 16-byte store by the first lane of each
+  // pack (units per row are a multiple of 4).
+  const auto quantise = [&](const uint4(&raw)[kUnroll], uint4(&packed)[kUnroll],
+                            Scale(&scale)[kUnroll]) {
+    if constexpr (F == TokenFormat::kFp8Blockwise && kUnroll == 4 && kLanes == 16) {
+      // This lane's part of each unit's amax, from the bf16 bits; the fold itself where a value
+      // is NaN (it ignores NaN). `worst`: the largest magnitude's bits of the lane's values.
+      float part[kUnroll];
+      uint32_t worst = 0u;
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) {
+        const uint32_t bits = unit_abs_bits_max(raw[k]);
+        worst = worst > bits ? worst : bits;
+        part[k] = __uint_as_float(bits << 16);
+      }
+      if (worst > kBf16Inf) {
+#pragma unroll
+        for (int k = 0; k < kUnroll; ++k) {
+          float z[kLaneValues];
+          unpack_bf16x8(raw[k], z);
+          part[k] = lane_amax(z);
+        }
+      }
+      Quant q[kUnroll];
+      fp8_step_quants(part, pow2, q);
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) {
+        float z[kLaneValues];
+        unpack_bf16x8(raw[k], z);
+        // No scaled value is NaN unless a value is NaN or infinite (inv is finite).
+        uint2 codes = encode_unit_not_nan(q[k], z);
+        if (worst >= kBf16Inf) codes = encode_unit(q[k], z);
+        packed[k] = pack_codes16(codes);
+        scale[k] = stored_scale(q[k]);
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) {
+        float z[kLaneValues];
+        unpack_bf16x8(raw[k], z);
+        const Quant q = make_block_quant<F>(lanes_amax<kLanes>(z), gs, pow2);
+        packed[k] = pack_codes16(encode_unit(q, z));
+        scale[k] = stored_scale(q);
+      }
+    }
+  };
+  // The steps whose units are all in the row: no bound on any load or store. (Units are never
+  // negative: unit_begin >= 0.)
+  int32_t base = unit_begin;
+  for (; base + kWarpSize * kUnroll <= units; base += kWarpSize * kUnroll) {
+    uint4 raw[kUnroll];
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k)
+      raw[k] = ld_nc_v4(row + int64_t(base + k * kWarpSize + lane) * kLaneValues);
+    uint4 packed[kUnroll];
+    Scale scale[kUnroll];
+    quantise(raw, packed, scale);
+    for (int32_t j = 0; j < dests.n; ++j) {
+      char* const payload = dests.payload_of(j);  // every lane: a shuffle
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) {
+        const uint32_t unit = uint32_t(base + k * kWarpSize + lane);  // >= 0
+        if (lane % kPack == 0) st_v4(payload + int64_t(unit / kPack) * 16, packed[k]);
+        if (unit % kLanes == 0)
+          reinterpret_cast<Scale*>(payload + scales_at)[unit / kLanes] = scale[k];
+      }
+    }
+  }
+  // The row's last, partial step, if any.
+  if (base < units) {
     uint4 raw[kUnroll];
 #pragma unroll
     for (int k = 0; k < kUnroll; ++k) {
       const int32_t unit = base + k * kWarpSize + lane;
       raw[k] = unit < units ? ld_nc_v4(row + int64_t(unit) * kLaneValues) : make_uint4(0, 0, 0, 0);
     }
-    // The codes of kPack adjacent units go out as one 16-byte store by the first lane of each
-    // pack (units per row are a multiple of 4).
     uint4 packed[kUnroll];
     Scale scale[kUnroll];
-#pragma unroll
-    for (int k = 0; k < kUnroll; ++k) {
-      float z[kLaneValues];
-      unpack_bf16x8(raw[k], z);
-      const Quant q = make_block_quant<F>(lanes_amax<kLanes>(z), gs, pow2);
-      packed[k] = pack_codes16(encode_unit(q, z));
-      scale[k] = stored_scale(q);
-    }
+    quantise(raw, packed, scale);
     for (int32_t j = 0; j < dests.n; ++j) {
       char* const payload = dests.payload_of(j);  // every lane: a shuffle
 #pragma unroll
       for (int k = 0; k < kUnroll; ++k) {
         const int32_t unit = base + k * kWarpSize + lane;
         if (unit >= units) break;  // so are this lane's later units
-        if (lane % kPack == 0) st_v4(payload + int64_t(unit / kPack) * 16, packed[k]);
-        if (unit % kLanes == 0)
-          reinterpret_cast<Scale*>(payload + scales_at)[unit / kLanes] = scale[k];
+        const uint32_t u = uint32_t(unit);  // >= 0: unsigned division is a shift
+        if (lane % kPack == 0) st_v4(payload + int64_t(u / kPack) * 16, packed[k]);
+        if (u % kLanes == 0) reinterpret_cast<Scale*>(payload + scales_at)[u / kLanes] = scale[k];
       }
     }
   }
