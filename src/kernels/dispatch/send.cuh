@@ -13,6 +13,7 @@
 // destination has not read.
 #pragma once
 
+#include <type_traits>
 #include <utility>
 
 #include "epcomm/detail/bulk.cuh"
@@ -136,35 +137,17 @@ __device__ void quantize_to(const uint16_t* row, int32_t hidden, float gs, bool 
       }
     }
   };
-  // The steps whose units are all in the row: no bound on any load or store. (Units are never
-  // negative: unit_begin >= 0.)
-  int32_t base = unit_begin;
-  for (; base + kWarpSize * kUnroll <= units; base += kWarpSize * kUnroll) {
-    uint4 raw[kUnroll];
-#pragma unroll
-    for (int k = 0; k < kUnroll; ++k)
-      raw[k] = ld_nc_v4(row + int64_t(base + k * kWarpSize + lane) * kLaneValues);
-    uint4 packed[kUnroll];
-    Scale scale[kUnroll];
-    quantise(raw, packed, scale);
-    for (int32_t j = 0; j < dests.n; ++j) {
-      char* const payload = dests.payload_of(j);  // every lane: a shuffle
-#pragma unroll
-      for (int k = 0; k < kUnroll; ++k) {
-        const uint32_t unit = uint32_t(base + k * kWarpSize + lane);  // >= 0
-        if (lane % kPack == 0) st_v4(payload + int64_t(unit / kPack) * 16, packed[k]);
-        if (unit % kLanes == 0)
-          reinterpret_cast<Scale*>(payload + scales_at)[unit / kLanes] = scale[k];
-      }
-    }
-  }
-  // The row's last, partial step, if any.
-  if (base < units) {
+  // One step of kUnroll units per lane from `base`; kFull: every unit of it is in the row, so no
+  // load or store is bounded (the row's steps but its last, partial one). Units are never
+  // negative (unit_begin >= 0): unsigned division is a shift.
+  const auto step = [&](int32_t base, auto full) {
+    constexpr bool kFull = decltype(full)::value;
     uint4 raw[kUnroll];
 #pragma unroll
     for (int k = 0; k < kUnroll; ++k) {
       const int32_t unit = base + k * kWarpSize + lane;
-      raw[k] = unit < units ? ld_nc_v4(row + int64_t(unit) * kLaneValues) : make_uint4(0, 0, 0, 0);
+      raw[k] = kFull || unit < units ? ld_nc_v4(row + int64_t(unit) * kLaneValues)
+                                     : make_uint4(0, 0, 0, 0);
     }
     uint4 packed[kUnroll];
     Scale scale[kUnroll];
@@ -174,13 +157,17 @@ __device__ void quantize_to(const uint16_t* row, int32_t hidden, float gs, bool 
 #pragma unroll
       for (int k = 0; k < kUnroll; ++k) {
         const int32_t unit = base + k * kWarpSize + lane;
-        if (unit >= units) break;  // so are this lane's later units
-        const uint32_t u = uint32_t(unit);  // >= 0: unsigned division is a shift
+        if (!kFull && unit >= units) break;  // so are this lane's later units
+        const uint32_t u = uint32_t(unit);
         if (lane % kPack == 0) st_v4(payload + int64_t(u / kPack) * 16, packed[k]);
         if (u % kLanes == 0) reinterpret_cast<Scale*>(payload + scales_at)[u / kLanes] = scale[k];
       }
     }
-  }
+  };
+  int32_t base = unit_begin;
+  for (; base + kWarpSize * kUnroll <= units; base += kWarpSize * kUnroll)
+    step(base, std::true_type{});
+  if (base < units) step(base, std::false_type{});  // the row's last, partial step
 }
 
 // Chunk arrival flags, raised by the last of a sender block's warps to finish its token of the
