@@ -22,62 +22,123 @@ namespace epcomm {
 namespace detail {
 namespace {
 
-// Writes scale columns [c_begin, c_end) of one message into output row `row` of group `grp` (the
-// tokens output's row: in the padded layout, the slot's), in the format's output layout (c_end =
-// the row's scale count: the rest of the row too). Called by the whole warp. kPadded: the padded
-// layout (GroupView::capacity > 0), a template argument so the packed kernels carry none of it.
+// The scales of one message part (scale columns [c_begin, c_end); c_end = the row's scale count:
+// the rest of the row too) and where they go in the format's output layout. A part's scales are
+// units of one 32-bit word: FP8 one float scale (in the padded layout with UE8M0, one word of four
+// exponents), MXFP4 one byte, the swizzled formats one word of four byte columns (columns past
+// the row's count are zero). The warp loads each unit once, before the codes' copy, so the load's
+// latency hides under it, and stores it to each of the message's rows: no load waits between two
+// rows' stores. kPadded: the padded layout (GroupView::capacity > 0), a template argument so the
+// packed kernels carry none of it.
 template <TokenFormat F, bool kPadded>
-__device__ void place_scales(const DispatchParams& p, const RecvGroups& rg, const char* scales,
-                             int32_t grp, int64_t row, int32_t c_begin, int32_t c_end) {
-  const GroupView& g = p.g;
-  const DispatchOutputLayout out = g.output();
-  const int lane = threadIdx.x % kWarpSize;
-  const int32_t cols = format_scales_per_row(F, g.hidden);
-  if constexpr (F == TokenFormat::kFp8Blockwise) {
-    const float* src = reinterpret_cast<const float*>(scales);
-    const Fp8ScaleLayout l = out.fp8();
-    if constexpr (kPadded) {  // `row` is the slot's: slot j of group grp
-      const int64_t j = row - int64_t(grp) * out.capacity;
-      if (out.ue8m0) {  // words of 4 scales: c_begin and c_end are multiples of 4 (H % 512)
-        const Ue8m0ScaleLayout w = out.ue8m0_words();
-        uint32_t* dst = static_cast<uint32_t*>(p.out_scales) + int64_t(grp) * w.size();
-        for (int32_t q = c_begin / 4 + lane; q < c_end / 4; q += kWarpSize)
-          dst[w.offset(j, q)] =
-              Fp8BlockQuant::ue8m0_word(src[4 * q], src[4 * q + 1], src[4 * q + 2], src[4 * q + 3]);
-      } else {
-        float* dst = static_cast<float*>(p.out_scales) + int64_t(grp) * l.size();
-        for (int32_t c = c_begin + lane; c < c_end; c += kWarpSize)
-          dst[l.offset(j, c)] = src[c];
-      }
-      return;
+struct PartScales {
+  static constexpr int32_t kSteps = 4;  // units per lane held at once: 128 a warp
+  const RecvGroups& rg;
+  const char* src;  // the message's scales
+  void* dst;        // the scales output
+  DispatchOutputLayout out;
+  int32_t cols;        // scale columns of a row
+  int32_t begin, end;  // units
+
+  __device__ PartScales(const DispatchParams& params, const RecvGroups& groups, const char* scales,
+                        int32_t c_begin, int32_t c_end)
+      : rg(groups),
+        src(scales),
+        dst(params.out_scales),
+        out(params.g.output()),
+        cols(format_scales_per_row(F, params.g.hidden)) {
+    if constexpr (F == TokenFormat::kFp8Blockwise) {
+      // UE8M0 words of 4 scales: c_begin and c_end are multiples of 4 (H % 512)
+      const bool words = kPadded && out.ue8m0;
+      begin = words ? c_begin / 4 : c_begin;
+      end = words ? c_end / 4 : c_end;
+    } else if constexpr (F == TokenFormat::kMxfp4) {
+      begin = c_begin;
+      end = c_end;
+    } else {
+      constexpr int32_t kCols = SwizzledScaleLayout::kTileCols;
+      begin = c_begin / kCols;
+      end = c_end >= cols ? out.swizzled().col_tiles() : c_end / kCols;
     }
-    float* dst = static_cast<float*>(p.out_scales);
-    for (int32_t c = c_begin + lane; c < c_end; c += kWarpSize)
-      dst[l.offset(row, c)] = src[c];
-  } else if constexpr (F == TokenFormat::kMxfp4) {
-    const Mxfp4ScaleLayout l = out.mxfp4();
-    uint8_t* dst = static_cast<uint8_t*>(p.out_scales);
-    for (int32_t c = c_begin + lane; c < c_end; c += kWarpSize)
-      dst[l.offset(row, c)] = reinterpret_cast<const uint8_t*>(scales)[c];
-  } else {  // swizzled: four scale columns per aligned 32-bit word; columns past cols are zero
-    const SwizzledScaleLayout l = out.swizzled();
-    const int64_t scale_row = int64_t(rg.tile_start[grp]) * SwizzledScaleLayout::kTileRows +
-                              (row - rg.row_offset[grp]);
-    uint8_t* dst = static_cast<uint8_t*>(p.out_scales);
-    const uint8_t* src = reinterpret_cast<const uint8_t*>(scales);
-    const int32_t w_end = c_end >= cols ? l.col_tiles() : c_end / SwizzledScaleLayout::kTileCols;
-    for (int32_t w = c_begin / SwizzledScaleLayout::kTileCols + lane; w < w_end; w += kWarpSize) {
+  }
+
+  __device__ uint32_t load(int32_t u) const {
+    if constexpr (F == TokenFormat::kFp8Blockwise) {
+      const float* s = reinterpret_cast<const float*>(src);
+      if (kPadded && out.ue8m0)
+        return Fp8BlockQuant::ue8m0_word(s[4 * u], s[4 * u + 1], s[4 * u + 2], s[4 * u + 3]);
+      return __float_as_uint(s[u]);
+    } else if constexpr (F == TokenFormat::kMxfp4) {
+      return reinterpret_cast<const uint8_t*>(src)[u];
+    } else {
+      const uint8_t* s = reinterpret_cast<const uint8_t*>(src);
       uint32_t word = 0;
 #pragma unroll
       for (int i = 0; i < SwizzledScaleLayout::kTileCols; ++i) {
-        const int32_t c = w * SwizzledScaleLayout::kTileCols + i;
-        if (c < cols) word |= uint32_t(src[c]) << (8 * i);
+        const int32_t c = u * SwizzledScaleLayout::kTileCols + i;
+        if (c < cols) word |= uint32_t(s[c]) << (8 * i);
       }
-      *reinterpret_cast<uint32_t*>(dst + l.offset(scale_row, w * SwizzledScaleLayout::kTileCols)) =
-          word;
+      return word;
     }
   }
-}
+
+  // Unit u of output row `row` (the tokens output's row: in the padded layout, the slot's) of
+  // group grp.
+  __device__ void store(uint32_t v, int64_t row, int32_t grp, int32_t u) const {
+    if constexpr (F == TokenFormat::kFp8Blockwise) {
+      uint32_t* d = static_cast<uint32_t*>(dst);
+      if constexpr (kPadded) {  // `row` is the slot's: slot j of group grp
+        const int64_t j = row - int64_t(grp) * out.capacity;
+        if (out.ue8m0) {
+          const Ue8m0ScaleLayout w = out.ue8m0_words();
+          d[int64_t(grp) * w.size() + w.offset(j, u)] = v;
+        } else {
+          const Fp8ScaleLayout l = out.fp8();
+          d[int64_t(grp) * l.size() + l.offset(j, u)] = v;
+        }
+      } else {
+        d[out.fp8().offset(row, u)] = v;
+      }
+    } else if constexpr (F == TokenFormat::kMxfp4) {
+      static_cast<uint8_t*>(dst)[out.mxfp4().offset(row, u)] = uint8_t(v);
+    } else {
+      const int64_t scale_row =
+          int64_t(rg.tile_start[grp]) * SwizzledScaleLayout::kTileRows + (row - rg.row_offset[grp]);
+      *reinterpret_cast<uint32_t*>(
+          static_cast<uint8_t*>(dst) +
+          out.swizzled().offset(scale_row, u * SwizzledScaleLayout::kTileCols)) = v;
+    }
+  }
+
+  // Units u0 + lane + 32 i, i < kSteps, of those below `end`, into v.
+  __device__ void load_step(int32_t u0, uint32_t (&v)[kSteps]) const {
+    const int lane = threadIdx.x % kWarpSize;
+#pragma unroll
+    for (int i = 0; i < kSteps; ++i) {
+      const int32_t u = u0 + i * kWarpSize + lane;
+      if (u < end) v[i] = load(u);
+    }
+  }
+
+  // Every unit to each of the n rows lane j < n names (`at`, `grp`; at < 0: no row). v holds
+  // the first step (load_step(begin, v)). Called by the whole warp.
+  __device__ void place(uint32_t (&v)[kSteps], int32_t n, int64_t at, int32_t grp) const {
+    const int lane = threadIdx.x % kWarpSize;
+    for (int32_t u0 = begin; u0 < end; u0 += kSteps * kWarpSize) {
+      if (u0 != begin) load_step(u0, v);
+      for (int32_t j = 0; j < n; ++j) {
+        const int64_t r = __shfl_sync(0xffffffffu, at, j);
+        const int32_t gj = __shfl_sync(0xffffffffu, grp, j);
+        if (r < 0) continue;
+#pragma unroll
+        for (int i = 0; i < kSteps; ++i) {
+          const int32_t u = u0 + i * kWarpSize + lane;
+          if (u < end) store(v[i], r, gj, u);
+        }
+      }
+    }
+  }
+};
 
 // Expands units [unit_begin, unit_end) of message m of source src (8 values each: the whole
 // message, or one part) into its rows: one wire copy, up to K output rows; the part at unit 0
@@ -149,20 +210,24 @@ __device__ void expand_message(const DispatchParams& p, const RecvGroups& rg, in
   // The shuffles below sit in loops every lane runs the same number of times (n and the vector
   // count are the warp's).
   if (payload == nullptr) return;
-  copy_vectors(payload + first, int32_t((unit_end - unit_begin) * unit_bytes / 16), n,
-               LoadCoherent{}, [&](int32_t j) {
-                 const int64_t r = __shfl_sync(0xffffffffu, at, j);
-                 return r < 0 ? nullptr : out + r * row_bytes + first;
-               });
-  if constexpr (F != TokenFormat::kBF16) {
+  const auto copy_codes = [&] {
+    copy_vectors(payload + first, int32_t((unit_end - unit_begin) * unit_bytes / 16), n,
+                 LoadCoherent{}, [&](int32_t j) {
+                   const int64_t r = __shfl_sync(0xffffffffu, at, j);
+                   return r < 0 ? nullptr : out + r * row_bytes + first;
+                 });
+  };
+  if constexpr (F == TokenFormat::kBF16) {
+    copy_codes();
+  } else {
     constexpr int32_t kUnitsPerScale = format_scale_group(F) / kLaneValues;
-    for (int32_t j = 0; j < n; ++j) {
-      const int64_t r = __shfl_sync(0xffffffffu, at, j);
-      const int32_t gj = __shfl_sync(0xffffffffu, grp, j);
-      if (r >= 0)
-        place_scales<F, kPadded>(p, rg, msg + ml.scales_offset(), gj, r,
-                                 unit_begin / kUnitsPerScale, unit_end / kUnitsPerScale);
-    }
+    using Scales = PartScales<F, kPadded>;
+    const Scales scales(p, rg, msg + ml.scales_offset(), unit_begin / kUnitsPerScale,
+                        unit_end / kUnitsPerScale);
+    uint32_t v[Scales::kSteps];
+    scales.load_step(scales.begin, v);  // in flight with the codes' loads
+    copy_codes();
+    scales.place(v, n, at, grp);
   }
 }
 
