@@ -26,10 +26,9 @@ namespace {
 // the rest of the row too) and where they go in the format's output layout. A part's scales are
 // units of one 32-bit word: FP8 one float scale (in the padded layout with UE8M0, one word of four
 // exponents), MXFP4 one byte, the swizzled formats one word of four byte columns (columns past
-// the row's count are zero). The warp loads each unit once, before the codes' copy, so the load's
-// latency hides under it, and stores it to each of the message's rows: no load waits between two
-// rows' stores. kPadded: the padded layout (GroupView::capacity > 0), a template argument so the
-// packed kernels carry none of it.
+// the row's count are zero). The warp loads each unit once and stores it to each of the message's
+// rows: one load's latency a part, not one a row. kPadded: the padded layout (GroupView::capacity >
+// 0), a template argument so the packed kernels carry none of it.
 template <TokenFormat F, bool kPadded>
 struct PartScales {
   static constexpr int32_t kSteps = 4;  // units per lane held at once: 128 a warp
@@ -222,11 +221,11 @@ __device__ void expand_message(const DispatchParams& p, const RecvGroups& rg, in
   } else {
     constexpr int32_t kUnitsPerScale = format_scale_group(F) / kLaneValues;
     using Scales = PartScales<F, kPadded>;
+    copy_codes();
     const Scales scales(p, rg, msg + ml.scales_offset(), unit_begin / kUnitsPerScale,
                         unit_end / kUnitsPerScale);
     uint32_t v[Scales::kSteps];
-    scales.load_step(scales.begin, v);  // in flight with the codes' loads
-    copy_codes();
+    scales.load_step(scales.begin, v);
     scales.place(v, n, at, grp);
   }
 }
