@@ -31,7 +31,6 @@ namespace {
 // 0), a template argument so the packed kernels carry none of it.
 template <TokenFormat F, bool kPadded>
 struct PartScales {
-  static constexpr int32_t kSteps = 4;  // units per lane held at once: 128 a warp
   const RecvGroups& rg;
   const char* src;  // the message's scales
   void* dst;        // the scales output
@@ -109,31 +108,17 @@ struct PartScales {
     }
   }
 
-  // Units u0 + lane + 32 i, i < kSteps, of those below `end`, into v.
-  __device__ void load_step(int32_t u0, uint32_t (&v)[kSteps]) const {
+  // Every unit to each of the n rows lane j < n names (`at`, `grp`; at < 0: no row). Called by
+  // the whole warp.
+  __device__ void place(int32_t n, int64_t at, int32_t grp) const {
     const int lane = threadIdx.x % kWarpSize;
-#pragma unroll
-    for (int i = 0; i < kSteps; ++i) {
-      const int32_t u = u0 + i * kWarpSize + lane;
-      if (u < end) v[i] = load(u);
-    }
-  }
-
-  // Every unit to each of the n rows lane j < n names (`at`, `grp`; at < 0: no row). v holds
-  // the first step (load_step(begin, v)). Called by the whole warp.
-  __device__ void place(uint32_t (&v)[kSteps], int32_t n, int64_t at, int32_t grp) const {
-    const int lane = threadIdx.x % kWarpSize;
-    for (int32_t u0 = begin; u0 < end; u0 += kSteps * kWarpSize) {
-      if (u0 != begin) load_step(u0, v);
+    for (int32_t u0 = begin; u0 < end; u0 += kWarpSize) {
+      const int32_t u = u0 + lane;
+      const uint32_t v = u < end ? load(u) : 0u;
       for (int32_t j = 0; j < n; ++j) {
         const int64_t r = __shfl_sync(0xffffffffu, at, j);
         const int32_t gj = __shfl_sync(0xffffffffu, grp, j);
-        if (r < 0) continue;
-#pragma unroll
-        for (int i = 0; i < kSteps; ++i) {
-          const int32_t u = u0 + i * kWarpSize + lane;
-          if (u < end) store(v[i], r, gj, u);
-        }
+        if (r >= 0 && u < end) store(v, r, gj, u);
       }
     }
   }
@@ -220,13 +205,10 @@ __device__ void expand_message(const DispatchParams& p, const RecvGroups& rg, in
     copy_codes();
   } else {
     constexpr int32_t kUnitsPerScale = format_scale_group(F) / kLaneValues;
-    using Scales = PartScales<F, kPadded>;
     copy_codes();
-    const Scales scales(p, rg, msg + ml.scales_offset(), unit_begin / kUnitsPerScale,
-                        unit_end / kUnitsPerScale);
-    uint32_t v[Scales::kSteps];
-    scales.load_step(scales.begin, v);
-    scales.place(v, n, at, grp);
+    PartScales<F, kPadded>(p, rg, msg + ml.scales_offset(), unit_begin / kUnitsPerScale,
+                           unit_end / kUnitsPerScale)
+        .place(n, at, grp);
   }
 }
 
