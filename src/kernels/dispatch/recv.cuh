@@ -31,6 +31,9 @@ namespace {
 // 0), a template argument so the packed kernels carry none of it.
 template <TokenFormat F, bool kPadded>
 struct PartScales {
+  // A low-latency part (kPartValues values) starts on a word of 4 scale columns: the UE8M0 and
+  // swizzled units are such words.
+  static_assert(kPartValues % (4 * format_scale_group(F)) == 0, "a part starts on a scale word");
   const RecvGroups& rg;
   const char* src;  // the message's scales
   void* dst;        // the scales output
