@@ -6,7 +6,9 @@
 #             machine of several GPUs: one ctest per GPU, each seeing only its GPU (ranks share
 #             it, as on a one-GPU machine) and taking every n-th test (-I k,,n): the whole
 #             suite in about 3 minutes on 4 GPUs, against 9 for one ctest (no test then
-#             crosses a link: run the plain stage for that)
+#             crosses a link: run the plain stage for that). SUITE_PARTS="1 2" (of SUITE_NPARTS,
+#             default 4): only those parts (ctest -I k,,n), to split the one-GPU suite over
+#             two calls on a warm machine
 #   sanitize  compute-sanitizer memcheck and racecheck on SANITIZE_CASE (default the 8-rank
 #             r8_h2048_k8_e8; ranks share the GPUs where there are fewer than 8), and memcheck on
 #             the bad-input tests
@@ -33,6 +35,20 @@ if has gpu; then
     SHARD_TIMEOUT=${SUITE_TIMEOUT:-540} sharded_ctest $BUILD ctest_gpu -L gpu -E nvshmem --timeout 240
     rc=$?
     echo "(the NVSHMEM tests are not among them: scripts/device_nvshmem.sh runs those)"
+  elif [ -n "${SUITE_PARTS:-}" ]; then
+    # Part k of n (-I k,,n: every n-th test) for each k in SUITE_PARTS, one after another, in
+    # the time the call has left: the one-GPU suite (about 8 minutes on one H200) in two device
+    # calls, the build kept between them (run the second while the machine is warm).
+    n=${SUITE_NPARTS:-4}; rc=0
+    : >"$OUT/ctest_gpu.log"
+    for k in $SUITE_PARTS; do
+      (cd $BUILD && timeout ${SUITE_TIMEOUT:-540} ctest -L gpu -E nvshmem -I "$k,,$n" -j1 \
+         --no-tests=error --timeout 240 -V) >"$OUT/ctest_gpu_$k.log" 2>&1
+      r=$?; [ $r -eq 0 ] || rc=1
+      echo "part $k of $n rc=$r: $(grep -hE "tests passed" "$OUT/ctest_gpu_$k.log" | tail -1)"
+      cat "$OUT/ctest_gpu_$k.log" >>"$OUT/ctest_gpu.log"
+    done
+    echo "(parts $SUITE_PARTS of $n; the NVSHMEM tests are not among them)"
   else
     (cd $BUILD && timeout ${SUITE_TIMEOUT:-540} ctest -L gpu -j1 --timeout 240 -V) >"$OUT/ctest_gpu.log" 2>&1
     rc=$?
