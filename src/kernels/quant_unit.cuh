@@ -50,14 +50,20 @@ __device__ __forceinline__ Quant unit_quant(const float (&z)[kLaneValues]) {
 }
 
 // One unit's codes: 8 e4m3 bytes (FP8, MXFP8), two values per conversion, or 8 e2m1 nibbles
-// (NVFP4, MXFP4).
-template <class Quant>
+// (NVFP4, MXFP4). kNotNaN (e4m3 only): no scaled value is NaN (q.scaled of a value that is
+// neither NaN nor infinite, as inv is finite), so the bare conversion serves, whose sign is then
+// the value's.
+template <bool kNotNaN = false, class Quant>
 __device__ __forceinline__ auto encode_unit(const Quant& q, const float (&z)[kLaneValues]) {
+  static_assert(!kNotNaN || Quant::kCodeBits == 8, "the bare conversion is e4m3's");
   if constexpr (Quant::kCodeBits == 8) {
     uint32_t w[2] = {0u, 0u};
 #pragma unroll
-    for (int i = 0; i < kLaneValues; i += 2)  // q.encode of each value
-      w[i / 4] |= uint32_t(float2_to_e4m3x2(q.scaled(z[i]), q.scaled(z[i + 1]))) << (8 * (i % 4));
+    for (int i = 0; i < kLaneValues; i += 2) {  // q.encode of each value
+      const float lo = q.scaled(z[i]), hi = q.scaled(z[i + 1]);
+      const uint16_t codes = kNotNaN ? float2_to_e4m3x2_not_nan(lo, hi) : float2_to_e4m3x2(lo, hi);
+      w[i / 4] |= uint32_t(codes) << (8 * (i % 4));
+    }
     return make_uint2(w[0], w[1]);
   } else {
     static_assert(Quant::kCodeBits == 4, "e4m3 bytes or e2m1 nibbles");
@@ -101,20 +107,6 @@ __device__ __forceinline__ void fp8_step_quants(const float (&part)[4], bool pow
     const int src = (lane & ~15) | (k >> 1) | ((k & 1) << 1);  // holds s of unit k; + 4: inv
     q[k] = Fp8BlockQuant{__shfl_sync(kFullMask, mine, src), __shfl_sync(kFullMask, mine, src | 4)};
   }
-}
-
-// encode_unit of e4m3 codes where no scaled value is NaN (q.scaled of a value that is neither
-// NaN nor infinite, as inv is finite): the conversion's sign is then the value's.
-template <class Quant>
-__device__ __forceinline__ uint2 encode_unit_not_nan(const Quant& q,
-                                                     const float (&z)[kLaneValues]) {
-  static_assert(Quant::kCodeBits == 8, "e4m3 codes");
-  uint32_t w[2] = {0u, 0u};
-#pragma unroll
-  for (int i = 0; i < kLaneValues; i += 2)
-    w[i / 4] |= uint32_t(float2_to_e4m3x2_not_nan(q.scaled(z[i]), q.scaled(z[i + 1])))
-                << (8 * (i % 4));
-  return make_uint2(w[0], w[1]);
 }
 
 // The scale a block stores: FP8's fp32 s, the others' code.

@@ -121,7 +121,7 @@ __device__ void quantize_to(const uint16_t* row, int32_t hidden, float gs, bool 
         float z[kLaneValues];
         unpack_bf16x8(raw[k], z);
         // No scaled value is NaN unless a value is NaN or infinite (inv is finite).
-        uint2 codes = encode_unit_not_nan(q[k], z);
+        uint2 codes = encode_unit<true>(q[k], z);
         if (worst >= kBf16Inf) codes = encode_unit(q[k], z);
         packed[k] = pack_codes16(codes);
         scale[k] = stored_scale(q[k]);
