@@ -159,6 +159,11 @@ struct RankScratch {
   // rank's own messages. The fused combine reads those rows in place (no copy through the
   // combine buffer).
   int32_t* self_row;
+  // [output rows] FP8 blockwise, packed layout, throughput path only (else null): the byte
+  // offset in this rank's window of the message each output row came from (-1: a padding row),
+  // written as the rows are expanded; the scales are then moved from the messages to the
+  // column-major scale output in tiles of 32 rows (staged_scales in dispatch/recv.cuh).
+  int64_t* row_msg;
 };
 
 struct DispatchParams {
