@@ -172,8 +172,7 @@ size_t dispatch_smem_bytes(const GroupView& g) {
                           : kWarps * nk * (sizeof(uint32_t) + sizeof(uint16_t));
   size_t recv = sizeof(int32_t) * size_t(RecvGroups::smem_words(g.n_ranks, g.n_local()));
   // The FP8 blockwise packed layout's staged scales (throughput path) reuse it for their tiles.
-  if (g.format == TokenFormat::kFp8Blockwise && g.capacity == 0 && !g.low_latency)
-    recv = recv > size_t(kStagedScaleSmem) ? recv : size_t(kStagedScaleSmem);
+  if (g.staged_scales()) recv = recv > size_t(kStagedScaleSmem) ? recv : size_t(kStagedScaleSmem);
   return align_up(int64_t(send > recv ? send : recv), 16);
 }
 

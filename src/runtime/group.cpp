@@ -286,8 +286,7 @@ void GroupState::setup(const Config& config, Bootstrap& bs, int dev) {
   // Where each output row's message lies (RankScratch::row_msg, int64): the staged scales of
   // the FP8 blockwise packed layout on the throughput path only.
   const DispatchOutputLayout out = view.output();
-  const bool staged =
-      view.format == TokenFormat::kFp8Blockwise && out.capacity == 0 && !view.low_latency;
+  const bool staged = view.staged_scales();
   const int64_t words[kParts] = {T * K,
                                  T * K,
                                  T * n_view,
@@ -313,6 +312,8 @@ void GroupState::setup(const Config& config, Bootstrap& bs, int dev) {
                         parts[4], parts[5],
                         parts[6], parts[7],
                         parts[8], staged ? reinterpret_cast<int64_t*>(parts[9]) : nullptr};
+  // row_msg starts at -1 (no message): a row no message filled keeps its scales untouched.
+  if (staged) check_cuda(cudaMemset(parts[9], 0xff, size_t(words[9] * 4)), "cudaMemset(row_msg)");
   check_cuda(cudaHostAlloc(&error_host, sizeof(DeviceErrorRecord),
                            cudaHostAllocMapped | cudaHostAllocPortable),
              "cudaHostAlloc(error record)");

@@ -133,6 +133,11 @@ struct GroupView {
   EPCOMM_HD ExpertMap experts() const { return ExpertMap{n_experts, n_ranks}; }
   EPCOMM_HD NodeMap nodes() const { return NodeMap{n_ranks, ranks_per_node}; }
   EPCOMM_HD bool multi_node() const { return ranks_per_node < n_ranks; }
+  // The dispatch receive stages the scales (RankScratch::row_msg, staged_scales in
+  // dispatch/recv.cuh): FP8 blockwise, packed layout, throughput path.
+  EPCOMM_HD bool staged_scales() const {
+    return format == TokenFormat::kFp8Blockwise && capacity == 0 && !low_latency;
+  }
   EPCOMM_HD OutboxLayout outbox_layout() const {
     const int32_t n_remote = nodes().n_remote();
     const int64_t staged = int64_t(n_remote) * max_tokens;

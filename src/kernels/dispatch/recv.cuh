@@ -1,7 +1,8 @@
 // Dispatch stage 4, receive: wait for every source's meta record, lay out the output (row_offsets
 // with the format's padding, each (source, group) base row; padding rows and unused scale slots
 // written before any data), then expand each chunk (or, on the low-latency path, each part) as
-// its flag arrives: one read of the message, up to K output rows.
+// its flag arrives: one read of the message, up to K output rows (blockwise FP8's column-major
+// scales on the throughput path are moved after a grid barrier instead: staged_scales).
 //
 // Who waits on what: a warp waits on one chunk flag of one source (or a part's flag and part
 // 0's, which carries the header), so rows are expanded while later chunks are still in flight.
@@ -139,9 +140,10 @@ template <TokenFormat F, bool kPadded>
 constexpr bool kStagedScales = F == TokenFormat::kFp8Blockwise && !kPadded;
 
 // staged_scales' tiles in the kernel's dynamic shared memory (dispatch_smem_bytes): per warp
-// 32 rows of kStagedCols columns, + 1 against bank conflicts when a column is read.
+// 32 rows of kStagedCols columns, column j of row r at j ^ (r / 2), so that neither a store of
+// two half rows nor a read of one column meets a bank twice.
 constexpr int kStagedCols = 16;
-using StagedTile = float[kWarpSize][kStagedCols + 1];
+using StagedTile = float[kWarpSize][kStagedCols];
 constexpr int64_t kStagedScaleSmem = int64_t(kWarps) * sizeof(StagedTile);
 
 // Output rows [0, rows) in tiles of 32, dealt over the grid's warps; a tile's scales pass
@@ -172,13 +174,14 @@ __device__ void staged_scales(const DispatchParams& p, int64_t rows, char* smem)
         const int r = i + lane / kCols;
         const int64_t m = __shfl_sync(0xffffffffu, at, r);
         if (m >= 0 && c < cols)
-          t[r][lane % kCols] = *reinterpret_cast<const float*>(window + m + scales_at + 4 * c);
+          t[r][(lane % kCols) ^ (r / 2)] =
+              *reinterpret_cast<const float*>(window + m + scales_at + 4 * c);
       }
       __syncwarp();
       const int32_t n = min(kCols, cols - c0);
       if (at >= 0)
         for (int32_t k = 0; k < n; ++k)
-          out[l.offset(row, c0 + k)] = t[lane][k];
+          out[l.offset(row, c0 + k)] = t[lane][k ^ (lane / 2)];
       __syncwarp();  // the tile is refilled next
     }
   }
@@ -241,7 +244,7 @@ __device__ void expand_message(const DispatchParams& p, const RecvGroups& rg, in
     if (row >= 0 && unit_begin == 0) {
       p.src_info[row] = SrcInfo{token, int16_t(g.route.caller_rank(src)), int16_t(e.slot())};
       if constexpr (kStagedScales<F, kPadded>)
-        if (p.scratch.row_msg != nullptr) p.scratch.row_msg[row] = msg - window_at(g, g.rank, 0);
+        if (g.staged_scales()) p.scratch.row_msg[row] = msg - window_at(g, g.rank, 0);
       if constexpr (kPadded)
         if (p.slot_token != nullptr && at >= 0) p.slot_token[at] = token;
     }
@@ -269,7 +272,7 @@ __device__ void expand_message(const DispatchParams& p, const RecvGroups& rg, in
     constexpr int32_t kUnitsPerScale = format_scale_group(F) / kLaneValues;
     copy_codes();
     if constexpr (kStagedScales<F, kPadded>)
-      if (p.scratch.row_msg != nullptr) return;  // staged_scales places them
+      if (g.staged_scales()) return;  // staged_scales places them
     PartScales<F, kPadded>(p, rg, msg + ml.scales_offset(), unit_begin / kUnitsPerScale,
                            unit_end / kUnitsPerScale)
         .place(n, at, grp);
@@ -299,7 +302,7 @@ __device__ void fill_padding(const DispatchParams& p, const RecvGroups& rg, int3
       const int64_t row = int64_t(rg.row_offset[grp]) + rg.rows[grp] + i % kPad;
       if (row >= rg.row_offset[grp + 1]) continue;
       if (lane == 0) p.src_info[row] = SrcInfo{-1, -1, -1};
-      if (lane == 0 && p.scratch.row_msg != nullptr) p.scratch.row_msg[row] = -1;
+      if (lane == 0 && g.staged_scales()) p.scratch.row_msg[row] = -1;
       char* codes = static_cast<char*>(p.out_tokens) + row * row_bytes;
       for (int64_t v = lane; v < row_bytes / 16; v += kWarpSize)
         st_v4(codes + v * 16, make_uint4(0, 0, 0, 0));
@@ -564,7 +567,7 @@ __device__ __noinline__ void dispatch_recv(const DispatchParams& p, unsigned lon
   else
     expand_chunks<F, kPadded>(p, rg, seq, in_place);
   if constexpr (kStagedScales<F, kPadded>) {
-    if (p.scratch.row_msg != nullptr && !g.low_latency) {
+    if (g.staged_scales()) {
       // Every block's rows are expanded (and every padding row marked) before any moves; the
       // barrier's __syncthreads also ends the block's reads of rg, whose memory the tiles reuse.
       const int64_t rows = min(int64_t(rg.row_offset[n_local]), g.output().rows);
