@@ -259,18 +259,13 @@ __device__ void expand_message(const DispatchParams& p, const RecvGroups& rg, in
   // The shuffles below sit in loops every lane runs the same number of times (n and the vector
   // count are the warp's).
   if (payload == nullptr) return;
-  const auto copy_codes = [&] {
-    copy_vectors(payload + first, int32_t((unit_end - unit_begin) * unit_bytes / 16), n,
-                 LoadCoherent{}, [&](int32_t j) {
-                   const int64_t r = __shfl_sync(0xffffffffu, at, j);
-                   return r < 0 ? nullptr : out + r * row_bytes + first;
-                 });
-  };
-  if constexpr (F == TokenFormat::kBF16) {
-    copy_codes();
-  } else {
+  copy_vectors(payload + first, int32_t((unit_end - unit_begin) * unit_bytes / 16), n,
+               LoadCoherent{}, [&](int32_t j) {
+                 const int64_t r = __shfl_sync(0xffffffffu, at, j);
+                 return r < 0 ? nullptr : out + r * row_bytes + first;
+               });
+  if constexpr (F != TokenFormat::kBF16) {
     constexpr int32_t kUnitsPerScale = format_scale_group(F) / kLaneValues;
-    copy_codes();
     if constexpr (kStagedScales<F, kPadded>)
       if (g.staged_scales()) return;  // staged_scales places them
     PartScales<F, kPadded>(p, rg, msg + ml.scales_offset(), unit_begin / kUnitsPerScale,
