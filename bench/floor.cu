@@ -153,14 +153,14 @@ __global__ void dispatch_floor_tma(DispatchFloorArgs a, int slots) {
 // ---- combine --------------------------------------------------------------------------------
 
 constexpr int kCombineRegsThreads = 512;
-constexpr int kCombineRows = 8;  // rows' loads in flight together
+constexpr int kCombineRows = 8;  // rows' loads in flight together (the fixed variants)
 constexpr int kCombineU = 2;     // 256-column steps per pass
 
-// One warp reduces token t: per pass, kCombineRows rows x kU vectors per lane in flight, summed
+// One warp reduces token t: per pass, kRows rows x kU vectors per lane in flight, summed
 // in fp32 in k order, stored as bf16. Row addresses and weights are taken from the lanes that
 // hold them when needed (no per-row arrays: they spilled under the smaller shapes' register
 // budgets); a masked row loads nothing and adds 0.
-template <int kU, bool kPrefetch>
+template <int kU, int kRows, bool kPrefetch>
 __device__ __forceinline__ void combine_token(const CombineFloorArgs& a, int64_t t, int lane) {
   const int32_t K = a.top_k, H = a.hidden;
   const uint16_t* mine = lane < K ? a.src[t * K + lane] : nullptr;
@@ -172,10 +172,10 @@ __device__ __forceinline__ void combine_token(const CombineFloorArgs& a, int64_t
     constexpr bool kInside = decltype(inside)::value;
     const int32_t base = b0 + lane * 8;
     float acc[kU][8] = {};
-    for (int32_t k0 = 0; k0 < K; k0 += kCombineRows) {
-      uint4 raw[kCombineRows][kU];
+    for (int32_t k0 = 0; k0 < K; k0 += kRows) {
+      uint4 raw[kRows][kU];
 #pragma unroll
-      for (int j = 0; j < kCombineRows; ++j) {
+      for (int j = 0; j < kRows; ++j) {
         const uint16_t* src = reinterpret_cast<const uint16_t*>(
             __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(mine), (k0 + j) % 32));
         const bool live = k0 + j < K && src != nullptr;
@@ -185,7 +185,7 @@ __device__ __forceinline__ void combine_token(const CombineFloorArgs& a, int64_t
                                                               : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
-      for (int j = 0; j < kCombineRows; ++j) {
+      for (int j = 0; j < kRows; ++j) {
         const float w = k0 + j < K ? __shfl_sync(0xffffffffu, wmine, (k0 + j) % 32) : 0.0f;
 #pragma unroll
         for (int u = 0; u < kU; ++u)
@@ -209,14 +209,16 @@ __device__ __forceinline__ void combine_token(const CombineFloorArgs& a, int64_t
 // One warp per token.
 template <bool kPrefetch>
 __global__ void __launch_bounds__(kCombineRegsThreads, 1) combine_floor_regs(CombineFloorArgs a) {
-  static_items(a.tokens, [&](int64_t t, int lane) { combine_token<kCombineU, kPrefetch>(a, t, lane); });
+  static_items(a.tokens, [&](int64_t t, int lane) {
+    combine_token<kCombineU, kCombineRows, kPrefetch>(a, t, lane);
+  });
 }
 
-template <int kThreads, int kBlocksPerSm, int kU>
+template <int kThreads, int kBlocksPerSm, int kU, int kRows = kCombineRows>
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     combine_floor_pinned(CombineFloorArgs a, int sms) {
   pinned_items(a.pinned, a.first_sm, sms, a.tokens,
-               [&](int64_t t, int lane) { combine_token<kU, false>(a, t, lane); });
+               [&](int64_t t, int lane) { combine_token<kU, kRows, false>(a, t, lane); });
 }
 
 constexpr int kPiece = 1024;  // bytes of each row per ring slot
@@ -310,6 +312,7 @@ template <class Args>
 struct PinnedKernel {
   int threads, blocks_per_sm, depth;
   void (*kernel)(Args, int);
+  int rows = 0;  // combine: 4 for the r4 shapes, else 0 (kCombineRows)
 };
 const PinnedKernel<DispatchFloorArgs> kPinnedDispatch[] = {
     {512, 1, 8, dispatch_floor_pinned<512, 1, 8>},   {1024, 1, 8, dispatch_floor_pinned<1024, 1, 8>},
@@ -319,16 +322,26 @@ const PinnedKernel<DispatchFloorArgs> kPinnedDispatch[] = {
     {512, 4, 4, dispatch_floor_pinned<512, 4, 4>},
 };
 const PinnedKernel<CombineFloorArgs> kPinnedCombine[] = {
-    {512, 1, 2, combine_floor_pinned<512, 1, 2>},   {1024, 1, 1, combine_floor_pinned<1024, 1, 1>},
-    {1024, 1, 2, combine_floor_pinned<1024, 1, 2>}, {512, 2, 1, combine_floor_pinned<512, 2, 1>},
-    {512, 2, 2, combine_floor_pinned<512, 2, 2>},   {256, 4, 1, combine_floor_pinned<256, 4, 1>},
-    {256, 2, 2, combine_floor_pinned<256, 2, 2>},   {512, 3, 1, combine_floor_pinned<512, 3, 1>},
+    {512, 1, 2, combine_floor_pinned<512, 1, 2>},
+    {1024, 1, 1, combine_floor_pinned<1024, 1, 1>},
+    {1024, 1, 2, combine_floor_pinned<1024, 1, 2>},
+    {512, 2, 1, combine_floor_pinned<512, 2, 1>},
+    {512, 2, 2, combine_floor_pinned<512, 2, 2>},
+    {256, 4, 1, combine_floor_pinned<256, 4, 1>},
+    {256, 2, 2, combine_floor_pinned<256, 2, 2>},
+    {512, 3, 1, combine_floor_pinned<512, 3, 1>},
+    // 4 rows x 4 steps, the shape of epcomm's prefill sum (sum_rows)
+    {512, 1, 4, combine_floor_pinned<512, 1, 4, 4>, 4},
+    {256, 2, 4, combine_floor_pinned<256, 2, 4, 4>, 4},
+    {512, 2, 2, combine_floor_pinned<512, 2, 2, 4>, 4},
 };
 
 template <class Args, size_t N>
 const PinnedKernel<Args>& pinned_kernel(const PinnedKernel<Args> (&table)[N], const FloorVariant& v) {
   for (const PinnedKernel<Args>& k : table)
-    if (k.threads == v.threads && k.blocks_per_sm == v.blocks_per_sm && k.depth == v.depth) return k;
+    if (k.threads == v.threads && k.blocks_per_sm == v.blocks_per_sm && k.depth == v.depth &&
+        k.rows == v.rows)
+      return k;
   throw std::runtime_error("--floor: no pinned kernel of shape " + floor_variant_name(v));
 }
 
@@ -342,7 +355,8 @@ void add_pinned(const PinnedKernel<Args> (&table)[N], std::vector<FloorVariant>*
     int fit = 0;
     CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, k.kernel, k.threads, 0));
     if (fit >= k.blocks_per_sm)
-      out->push_back(FloorVariant{FloorVariant::kPinned, k.threads, k.blocks_per_sm, k.depth});
+      out->push_back(
+          FloorVariant{FloorVariant::kPinned, k.threads, k.blocks_per_sm, k.depth, k.rows});
   }
 }
 
@@ -386,7 +400,7 @@ std::string floor_variant_name(const FloorVariant& v) {
     case FloorVariant::kPinned: break;
   }
   return "pin" + std::to_string(v.threads) + "x" + std::to_string(v.blocks_per_sm) + "u" +
-         std::to_string(v.depth);
+         std::to_string(v.depth) + (v.rows == 4 ? "r4" : "");
 }
 
 std::vector<FloorVariant> floor_variants(bool dispatch, bool pinned) {

@@ -14,7 +14,8 @@
 //            given SMs: the grid is blocks-per-SM x every SM of the GPU, blocks on SMs >= N exit
 //            at once, and the warps of the others take messages (tokens) one at a time from a
 //            counter, so several blocks of up to 1024 threads may share an SM, each lane with
-//            <depth> vectors (dispatch) or 8 rows x <depth> vectors (combine) in flight. One
+//            <depth> vectors (dispatch) or 8 rows (r4: 4) x <depth> vectors (combine) in
+//            flight. One
 //            block per SM, as the fixed variants below run, leaves an SM half or a quarter of
 //            the loads in flight it can hold.
 //   regs     warps move rows through registers: dispatch 1024 threads per block, 8 vectors of a
@@ -62,8 +63,9 @@ struct CombineFloorArgs {
 struct FloorVariant {
   enum Kind { kRegs, kRegsL2, kTma, kPinned } kind = kRegs;
   int threads = 0, blocks_per_sm = 0, depth = 0;  // kPinned's launch shape
+  int rows = 0;  // kPinned combine: 4 for the r4 shapes (4 rows' loads in flight), else 0 (8)
 };
-// One word, no spaces: "regs", "regs-l2", "tma", "pin1024x2u4".
+// One word, no spaces: "regs", "regs-l2", "tma", "pin1024x2u4", "pin256x2u4r4".
 std::string floor_variant_name(const FloorVariant& v);
 // Every variant of the dispatch (combine) floor; the pinned sweep too where `pinned` (each rank's
 // SM range must lie on the GPU: ranks x SMs <= the GPU's SMs).
