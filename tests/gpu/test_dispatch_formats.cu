@@ -234,6 +234,22 @@ std::vector<SweepCase> sweep_cases() {
       v.push_back(c);
     }
   }
+  // Blockwise FP8 with H = 1152: 9 scale columns, fewer than one tile of the throughput path's
+  // staged scales (16 columns: staged_scales in src/kernels/dispatch/recv.cuh), so only its
+  // partial-tile code runs, and the low-latency path's last part is short (128 of 1024 values);
+  // up to 100 tokens a rank, not a multiple of the 32-row tiles.
+  SweepCase c;
+  c.format = TokenFormat::kFp8Blockwise;
+  c.n_ranks = 2;
+  c.hidden = 1152;
+  c.top_k = 8;
+  c.n_experts = 64;
+  c.max_tokens = 100;
+  c.mask_prob = 0.2;
+  c.zipf_s = 0.0;
+  c.gs = kNvfp4Gs;
+  c.name = "fp8_h1152_r2_partial_scale_tile";
+  v.push_back(c);
   return v;
 }
 
