@@ -15,9 +15,8 @@
 //            at once, and the warps of the others take messages (tokens) one at a time from a
 //            counter, so several blocks of up to 1024 threads may share an SM, each lane with
 //            <depth> vectors (dispatch) or 8 rows (r4: 4) x <depth> vectors (combine) in
-//            flight. One
-//            block per SM, as the fixed variants below run, leaves an SM half or a quarter of
-//            the loads in flight it can hold.
+//            flight. One block per SM, as the fixed variants below run, leaves an SM half or a
+//            quarter of the loads in flight it can hold.
 //   regs     warps move rows through registers: dispatch 1024 threads per block, 8 vectors of a
 //            row per lane in flight; combine 512 threads, 2 vectors of each of 8 rows (16
 //            vectors per lane: faster than 1024 threads with one vector per row, 806 against
