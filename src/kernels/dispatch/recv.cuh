@@ -441,8 +441,9 @@ __device__ void expand_chunks(const DispatchParams& p, const RecvGroups& rg, uns
 
 // Receiver block rb of n_rb (all blocks of dispatch_wait; the non-senders of the fused kernel),
 // or a sender of the fused kernel that has sent its chunks and joins in (rb < 0: it takes work
-// items only; the receivers write the padding and the combine's bookkeeping).
-template <TokenFormat F, bool kPadded>
+// items only; the receivers write the padding and the combine's bookkeeping). kLowLatency: the
+// group's path (GroupView::low_latency), which picks how rows are expanded.
+template <TokenFormat F, bool kPadded, bool kLowLatency>
 __device__ __noinline__ void dispatch_recv(const DispatchParams& p, unsigned long long seq,
                                            char* smem, int32_t rb, int32_t n_rb, bool in_place) {
   const GroupView& g = p.g;
@@ -557,11 +558,11 @@ __device__ __noinline__ void dispatch_recv(const DispatchParams& p, unsigned lon
   }
   if (rb >= 0) fill_padding<F, kPadded>(p, rg, rb, n_rb);
   trace_mark(g, kTraceDispatch, kTraceReady);
-  if (g.low_latency)
+  if constexpr (kLowLatency)
     expand_parts<F, kPadded>(p, rg, seq, rb, n_rb);
   else
     expand_chunks<F, kPadded>(p, rg, seq, in_place);
-  if constexpr (kStagedScales<F, kPadded>) {
+  if constexpr (kStagedScales<F, kPadded> && !kLowLatency) {
     if (g.staged_scales()) {
       // Every block's rows are expanded (and every padding row marked) before any moves; the
       // barrier's __syncthreads also ends the block's reads of rg, whose memory the tiles reuse.
