@@ -63,8 +63,8 @@ __host__ __device__ constexpr int32_t fused_senders(int32_t blocks, TokenFormat 
                                                     int32_t num_tokens) {
   if (blocks < kMinSplitBlocks) return blocks;
   const int32_t share = blocks * 5 / 12;
-  const int32_t want = f == TokenFormat::kBF16 ? (share > kLinkSenders ? share : kLinkSenders)
-                                               : blocks * 5 / 6;
+  const int32_t want =
+      f == TokenFormat::kBF16 ? (share > kLinkSenders ? share : kLinkSenders) : blocks * 5 / 6;
   const int32_t chunks = num_chunks(num_tokens) > 0 ? num_chunks(num_tokens) : 1;
   const int32_t n = want < chunks ? want : chunks;
   return n < blocks - 1 ? n : blocks - 1;
@@ -77,8 +77,9 @@ static_assert(fused_senders(24, TokenFormat::kFp8Blockwise, 128) == 8, "no more 
 static_assert(fused_senders(24, TokenFormat::kBF16, 0) == 1, "no tokens: one sender");
 
 // One form of dispatch: the send half, the receive half, or both (the fused form); kPadded: the
-// receive writes the padded layout (GroupView::capacity > 0).
-template <bool kSend, bool kRecv, TokenFormat F, bool kPadded>
+// receive writes the padded layout (GroupView::capacity > 0); kLowLatency: the group's path
+// (GroupView::low_latency), so each kernel holds one path's code only.
+template <bool kSend, bool kRecv, TokenFormat F, bool kPadded, bool kLowLatency>
 __device__ __forceinline__ void dispatch_form(const DispatchParams& p) {
   extern __shared__ __align__(16) char smem[];
   const unsigned long long seq = p.g.state->dispatch_seq + 1;  // in flight with the abort flag
@@ -86,7 +87,7 @@ __device__ __forceinline__ void dispatch_form(const DispatchParams& p) {
   trace_begin(p.g, kTraceDispatch, kSend ? kTraceStart : kTraceRecvStart,
               kRecv ? kTraceMarks : kTraceRecvStart);
   const int32_t blocks = p.g.num_blocks, b = blockIdx.x;
-  if (p.g.low_latency) {  // every block sends its pieces, then receives
+  if constexpr (kLowLatency) {  // every block sends its pieces, then receives
     if (kSend && !ll_send<F>(p, seq, smem)) return;
     if (!kRecv) {
       trace_mark(p.g, kTraceDispatch, kTraceDone);
@@ -94,73 +95,91 @@ __device__ __forceinline__ void dispatch_form(const DispatchParams& p) {
     }
     if (block_aborted(p.g)) return;
     if (kSend) trace_mark(p.g, kTraceDispatch, kTraceRecvStart);
-    dispatch_recv<F, kPadded>(p, seq, smem, b, blocks, false);
+    dispatch_recv<F, kPadded, true>(p, seq, smem, b, blocks, false);
     return;
+  } else {
+    if (kSend && !kRecv) {
+      dispatch_send<F>(p, seq, smem, blocks, false);
+      trace_mark(p.g, kTraceDispatch, kTraceDone);
+      return;
+    }
+    if (!kSend) {
+      if (!block_aborted(p.g)) dispatch_recv<F, kPadded, false>(p, seq, smem, b, blocks, false);
+      return;
+    }
+    const int32_t senders = fused_senders(blocks, F, p.num_tokens);
+    const bool in_place = self_in_place<F>(p.g, true);
+    if (!dispatch_send<F>(p, seq, smem, senders, in_place)) return;
+    if (block_aborted(p.g)) return;
+    // Every block receives (no split), or the blocks after the senders, joined by each sender
+    // once it has sent its chunks. One call site: the receive inlined twice would double the
+    // kernel's code, and instruction fetch is part of the latency here.
+    trace_mark(p.g, kTraceDispatch, kTraceRecvStart);
+    const int32_t first = senders == blocks ? 0 : senders;
+    dispatch_recv<F, kPadded, false>(p, seq, smem, b - first, blocks - first, in_place);
   }
-  if (kSend && !kRecv) {
-    dispatch_send<F>(p, seq, smem, blocks, false);
-    trace_mark(p.g, kTraceDispatch, kTraceDone);
-    return;
-  }
-  if (!kSend) {
-    if (!block_aborted(p.g)) dispatch_recv<F, kPadded>(p, seq, smem, b, blocks, false);
-    return;
-  }
-  const int32_t senders = fused_senders(blocks, F, p.num_tokens);
-  const bool in_place = self_in_place<F>(p.g, true);
-  if (!dispatch_send<F>(p, seq, smem, senders, in_place)) return;
-  if (block_aborted(p.g)) return;
-  // Every block receives (no split), or the blocks after the senders, joined by each sender
-  // once it has sent its chunks. One call site: the receive inlined twice would double the
-  // kernel's code, and instruction fetch is part of the latency here.
-  trace_mark(p.g, kTraceDispatch, kTraceRecvStart);
-  const int32_t first = senders == blocks ? 0 : senders;
-  dispatch_recv<F, kPadded>(p, seq, smem, b - first, blocks - first, in_place);
 }
 
 // Two kernels per format: the fused form, and one kernel for both halves of a split call
 // (dispatch_async's send, dispatch_wait's receive: `recv_half` picks). A profiler then sees one
 // kernel name per operation and form; DeepEP's test programs and profiling helpers find an
 // operation's kernels by name and expect one name (a hook-mode call counts two launches of it).
-template <bool kFused, TokenFormat F, bool kPadded>
+template <bool kFused, TokenFormat F, bool kPadded, bool kLowLatency>
 __global__ void __launch_bounds__(kThreads, 1)
     dispatch_kernel(const __grid_constant__ DispatchParams p, int32_t recv_half) {
   if constexpr (kFused)
-    dispatch_form<true, true, F, kPadded>(p);
+    dispatch_form<true, true, F, kPadded, kLowLatency>(p);
   else if (recv_half)
-    dispatch_form<false, true, F, kPadded>(p);
+    dispatch_form<false, true, F, kPadded, kLowLatency>(p);
   else
-    dispatch_form<true, false, F, kPadded>(p);
+    dispatch_form<true, false, F, kPadded, kLowLatency>(p);
 }
 
-// The two kernels of format F and layout (packed, or padded).
-template <TokenFormat F, bool kPadded = false>
+// The two kernels of format F, layout (packed, or padded) and path.
+template <TokenFormat F, bool kPadded, bool kLowLatency>
 struct DispatchKernels {
-  static constexpr void (*fused)(DispatchParams, int32_t) = dispatch_kernel<true, F, kPadded>;
-  static constexpr void (*split)(DispatchParams, int32_t) = dispatch_kernel<false, F, kPadded>;
+  static constexpr void (*fused)(DispatchParams,
+                                 int32_t) = dispatch_kernel<true, F, kPadded, kLowLatency>;
+  static constexpr void (*split)(DispatchParams,
+                                 int32_t) = dispatch_kernel<false, F, kPadded, kLowLatency>;
 };
 
-// Calls f(DispatchKernels<F, padded>{}) for the group's format and layout: the padded layout
-// has kernels of its own (bf16 and fp8-blockwise, the formats Config allows it), so the packed
-// ones keep none of its branches.
-template <class Fn>
-void with_format(const GroupView& g, Fn fn) {
+// Calls f(DispatchKernels<F, padded, low_latency>{}) for the group's format, layout and path:
+// the padded layout has kernels of its own (bf16 and fp8-blockwise, the formats Config allows
+// it), so the packed ones keep none of its branches, and each path has its own, so a decode
+// kernel's instructions are only the low-latency path's (instruction fetch was 17% of the
+// low-latency dispatch's stall samples, docs/results/2026-11-26_h100_decode_bounds_eb2fb1e.md).
+template <bool kLowLatency, class Fn>
+void with_format_on(const GroupView& g, Fn fn) {
   const TokenFormat f = g.format;
+  constexpr bool L = kLowLatency;
   if (g.capacity > 0) {
-    if (f == TokenFormat::kBF16) return fn(DispatchKernels<TokenFormat::kBF16, true>{});
+    if (f == TokenFormat::kBF16) return fn(DispatchKernels<TokenFormat::kBF16, true, L>{});
     if (f == TokenFormat::kFp8Blockwise)
-      return fn(DispatchKernels<TokenFormat::kFp8Blockwise, true>{});
+      return fn(DispatchKernels<TokenFormat::kFp8Blockwise, true, L>{});
     throw Error(ErrorCode::kInvalidArgument,
                 std::string("dispatch: the padded layout with format ") + token_format_name(f));
   }
   switch (f) {
-    case TokenFormat::kBF16: return fn(DispatchKernels<TokenFormat::kBF16>{});
-    case TokenFormat::kFp8Blockwise: return fn(DispatchKernels<TokenFormat::kFp8Blockwise>{});
-    case TokenFormat::kNvfp4: return fn(DispatchKernels<TokenFormat::kNvfp4>{});
-    case TokenFormat::kMxfp8: return fn(DispatchKernels<TokenFormat::kMxfp8>{});
-    case TokenFormat::kMxfp4: return fn(DispatchKernels<TokenFormat::kMxfp4>{});
+    case TokenFormat::kBF16:
+      return fn(DispatchKernels<TokenFormat::kBF16, false, L>{});
+    case TokenFormat::kFp8Blockwise:
+      return fn(DispatchKernels<TokenFormat::kFp8Blockwise, false, L>{});
+    case TokenFormat::kNvfp4:
+      return fn(DispatchKernels<TokenFormat::kNvfp4, false, L>{});
+    case TokenFormat::kMxfp8:
+      return fn(DispatchKernels<TokenFormat::kMxfp8, false, L>{});
+    case TokenFormat::kMxfp4:
+      return fn(DispatchKernels<TokenFormat::kMxfp4, false, L>{});
   }
   throw Error(ErrorCode::kInvalidArgument, "dispatch: unknown token format");
+}
+template <class Fn>
+void with_format(const GroupView& g, Fn fn) {
+  if (g.low_latency)
+    with_format_on<true>(g, fn);
+  else
+    with_format_on<false>(g, fn);
 }
 
 }  // namespace
@@ -176,8 +195,12 @@ size_t dispatch_smem_bytes(const GroupView& g) {
   return align_up(int64_t(send > recv ? send : recv), 16);
 }
 
-int dispatch_threads() { return kThreads; }
-int dispatch_unit_tokens() { return kUnitTokens; }
+int dispatch_threads() {
+  return kThreads;
+}
+int dispatch_unit_tokens() {
+  return kUnitTokens;
+}
 
 void launch_dispatch(const DispatchParams& p, bool send, bool recv, cudaStream_t stream) {
   const size_t smem = dispatch_smem_bytes(p.g);
@@ -203,9 +226,8 @@ int prepare_dispatch_kernels(const GroupView& g) {
       check_cuda(cudaFuncGetAttributes(&attr, kernel),
                  "cudaFuncGetAttributes(dispatch)");  // also loads the kernel (lazy loading)
       if (attr.maxDynamicSharedSizeBytes < smem)
-        check_cuda(
-            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-            "cudaFuncSetAttribute(dispatch)");
+        check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+                   "cudaFuncSetAttribute(dispatch)");
     }
     check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, K::fused, kThreads, smem),
                "cudaOccupancyMaxActiveBlocksPerMultiprocessor");

@@ -136,8 +136,8 @@ struct PartScales {
 // staged_scales moves the scales of 32 rows at a time: read row by row from the messages, then
 // written column by column, 128 contiguous bytes a store. The low-latency path keeps
 // PartScales (no barrier in its chain).
-template <TokenFormat F, bool kPadded>
-constexpr bool kStagedScales = F == TokenFormat::kFp8Blockwise && !kPadded;
+template <TokenFormat F, bool kPadded, bool kLowLatency>
+constexpr bool kStagedScales = F == TokenFormat::kFp8Blockwise && !kPadded && !kLowLatency;
 
 // staged_scales' tiles in the kernel's dynamic shared memory (dispatch_smem_bytes): per warp
 // 32 rows of kStagedCols columns, column j of row r at j ^ (r / 2), so that neither a store of
@@ -190,8 +190,9 @@ __device__ void staged_scales(const DispatchParams& p, int64_t rows, char* smem)
 // Expands units [unit_begin, unit_end) of message m of source src (8 values each: the whole
 // message, or one part) into its rows: one wire copy, up to K output rows; the part at unit 0
 // also writes the rows' src_info. `in_place` (self_in_place): this rank's own messages are
-// headers, their rows read from p.tokens. Called by the whole warp.
-template <TokenFormat F, bool kPadded>
+// headers, their rows read from p.tokens. Called by the whole warp. kLowLatency: the group's
+// path (the low-latency path never stages scales).
+template <TokenFormat F, bool kPadded, bool kLowLatency>
 __device__ void expand_message(const DispatchParams& p, const RecvGroups& rg, int32_t src,
                                int32_t m, int32_t unit_begin, int32_t unit_end,
                                bool in_place = false) {
@@ -243,7 +244,7 @@ __device__ void expand_message(const DispatchParams& p, const RecvGroups& rg, in
     }
     if (row >= 0 && unit_begin == 0) {
       p.src_info[row] = SrcInfo{token, int16_t(g.route.caller_rank(src)), int16_t(e.slot())};
-      if constexpr (kStagedScales<F, kPadded>)
+      if constexpr (kStagedScales<F, kPadded, kLowLatency>)
         if (g.staged_scales()) p.scratch.row_msg[row] = msg - window_at(g, g.rank, 0);
       if constexpr (kPadded)
         if (p.slot_token != nullptr && at >= 0) p.slot_token[at] = token;
@@ -266,7 +267,7 @@ __device__ void expand_message(const DispatchParams& p, const RecvGroups& rg, in
                });
   if constexpr (F != TokenFormat::kBF16) {
     constexpr int32_t kUnitsPerScale = format_scale_group(F) / kLaneValues;
-    if constexpr (kStagedScales<F, kPadded>)
+    if constexpr (kStagedScales<F, kPadded, kLowLatency>)
       if (g.staged_scales()) return;  // staged_scales places them
     PartScales<F, kPadded>(p, rg, msg + ml.scales_offset(), unit_begin / kUnitsPerScale,
                            unit_end / kUnitsPerScale)
@@ -278,7 +279,7 @@ __device__ void expand_message(const DispatchParams& p, const RecvGroups& rg, in
 // counts): FP8's padding rows (src_info {-1,-1,-1}, zero codes, zero scales), and the swizzled
 // layouts' unused scale slots (the rest of each group's last tile, and the tiles no group uses).
 // Spread over every warp of the grid.
-template <TokenFormat F, bool kPadded>
+template <TokenFormat F, bool kPadded, bool kLowLatency>
 __device__ void fill_padding(const DispatchParams& p, const RecvGroups& rg, int32_t rb,
                              int32_t n_rb) {
   const GroupView& g = p.g;
@@ -297,7 +298,8 @@ __device__ void fill_padding(const DispatchParams& p, const RecvGroups& rg, int3
       const int64_t row = int64_t(rg.row_offset[grp]) + rg.rows[grp] + i % kPad;
       if (row >= rg.row_offset[grp + 1]) continue;
       if (lane == 0) p.src_info[row] = SrcInfo{-1, -1, -1};
-      if (lane == 0 && g.staged_scales()) p.scratch.row_msg[row] = -1;
+      if constexpr (kStagedScales<F, kPadded, kLowLatency>)
+        if (lane == 0 && g.staged_scales()) p.scratch.row_msg[row] = -1;
       char* codes = static_cast<char*>(p.out_tokens) + row * row_bytes;
       for (int64_t v = lane; v < row_bytes / 16; v += kWarpSize)
         st_v4(codes + v * 16, make_uint4(0, 0, 0, 0));
@@ -392,7 +394,7 @@ __device__ void expand_parts(const DispatchParams& p, const RecvGroups& rg, unsi
     const int32_t m = int32_t(i / (int64_t(n_parts) * n_ranks));
     if (m >= rg.stream_count[s]) continue;
     if (!warp_wait_part(g, s, m, part, seq)) break;
-    expand_message<F, kPadded>(p, rg, s, m, part * kPartUnits, (part + 1) * kPartUnits);
+    expand_message<F, kPadded, true>(p, rg, s, m, part * kPartUnits, (part + 1) * kPartUnits);
   }
 }
 
@@ -435,14 +437,15 @@ __device__ void expand_chunks(const DispatchParams& p, const RecvGroups& rg, uns
     const int32_t m = starts[c] + slot;
     if (m >= end) continue;  // no message in this slot: nothing to wait for
     if (!warp_wait_chunk(g, s, c, seq)) break;
-    expand_message<F, kPadded>(p, rg, s, m, 0, g.hidden / kLaneValues, in_place);
+    expand_message<F, kPadded, false>(p, rg, s, m, 0, g.hidden / kLaneValues, in_place);
   }
 }
 
 // Receiver block rb of n_rb (all blocks of dispatch_wait; the non-senders of the fused kernel),
 // or a sender of the fused kernel that has sent its chunks and joins in (rb < 0: it takes work
-// items only; the receivers write the padding and the combine's bookkeeping).
-template <TokenFormat F, bool kPadded>
+// items only; the receivers write the padding and the combine's bookkeeping). kLowLatency: the
+// group's path (GroupView::low_latency), which picks how rows are expanded.
+template <TokenFormat F, bool kPadded, bool kLowLatency>
 __device__ __noinline__ void dispatch_recv(const DispatchParams& p, unsigned long long seq,
                                            char* smem, int32_t rb, int32_t n_rb, bool in_place) {
   const GroupView& g = p.g;
@@ -555,13 +558,13 @@ __device__ __noinline__ void dispatch_recv(const DispatchParams& p, unsigned lon
       }
     }
   }
-  if (rb >= 0) fill_padding<F, kPadded>(p, rg, rb, n_rb);
+  if (rb >= 0) fill_padding<F, kPadded, kLowLatency>(p, rg, rb, n_rb);
   trace_mark(g, kTraceDispatch, kTraceReady);
-  if (g.low_latency)
+  if constexpr (kLowLatency)
     expand_parts<F, kPadded>(p, rg, seq, rb, n_rb);
   else
     expand_chunks<F, kPadded>(p, rg, seq, in_place);
-  if constexpr (kStagedScales<F, kPadded>) {
+  if constexpr (kStagedScales<F, kPadded, kLowLatency>) {
     if (g.staged_scales()) {
       // Every block's rows are expanded (and every padding row marked) before any moves; the
       // barrier's __syncthreads also ends the block's reads of rg, whose memory the tiles reuse.
