@@ -50,7 +50,9 @@ ctest_ran() {
 # listing's count.
 #  - One listing first: GoogleTest's PRE_TEST discovery writes each test executable's list on
 #    the first ctest after a build, and shards starting together raced on it (one read a
-#    half-written list and ran nothing, 4 x H200, 2026-11-26).
+#    half-written list and ran nothing, 4 x H200, 2026-11-26). The listing alone did not stop
+#    it (a shard ran the discovery again and read an empty list, later that day), so each
+#    shard also starts only once the one before has built its list.
 #  - --no-tests=error, and the count: a shard that finds no test exits 0 by default.
 sharded_ctest() {
   local dir=$1 log=$2
@@ -62,6 +64,15 @@ sharded_ctest() {
     (cd "$dir" && CUDA_VISIBLE_DEVICES=$k timeout "${SHARD_TIMEOUT:-540}" ctest "$@" \
        -I $((k + 1)),,"$gpus" -j1 --no-tests=error -V) >"$OUT/${log}_$k.log" 2>&1 &
     pids+=($!)
+    # The next shard starts once this one has its test list: a shard's ctest may run the
+    # discovery again, and CMake 4.4.0's discovery writes every executable's list to one JSON
+    # file (CMake issue 27972), which a neighbour truncated (4 x H200, 2026-11-26: one shard
+    # read an empty list and ran nothing). At most 120 s each.
+    for ((w = 0; w < 240; w++)); do
+      grep -q "Done constructing a list of tests" "$OUT/${log}_$k.log" 2>/dev/null && break
+      kill -0 "${pids[$k]}" 2>/dev/null || break
+      sleep 0.5
+    done
   done
   for k in "${!pids[@]}"; do
     wait "${pids[$k]}"; r=$?; echo "shard $k (GPU $k) rc=$r"; [ $r -eq 0 ] || rc=1

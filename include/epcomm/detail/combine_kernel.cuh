@@ -31,10 +31,13 @@
 namespace epcomm {
 namespace detail {
 
-// Whole rows put in flight to L2 (bulk prefetch) before a warp sums them: faster with one rank
-// (prefill, 8 to 24 SMs), slower with 8 ranks sharing one GPU, whose prefetches evict each
-// other from L2 (not yet bounded by the L2's size; docs/results/2026-11-25_h100_floor_154b545.md).
-constexpr bool kPrefetchRows = true;
+// Whole rows put in flight to L2 (bulk prefetch) before a warp sums them: off. It was faster with
+// one rank (prefill, 8 to 24 SMs) while the sum held 8 loads a lane, and slower with 8 ranks
+// sharing one GPU, whose prefetches evict each other from L2
+// (docs/results/2026-11-25_h100_floor_154b545.md); with 16 loads a lane and 4 ranks over NVLink (4
+// x H200, 24 SMs) prefill combine took 754 us with it and 736 without (bf16; 758 and 731 in the FP8
+// run), decode level (docs/results/2026-11-26_h200x4_dceca44.md).
+constexpr bool kPrefetchRows = false;
 
 // The library's epilogue: round to bf16 and store out[token, column].
 struct StoreBf16 {
@@ -177,12 +180,20 @@ __device__ __forceinline__ void sum_rows_by(const char* row, float w, int32_t n,
 // otherwise one step of up to 8 rows (decode, a row split over many warps). Either is exact for
 // any item.
 // Each lane's row is first put in flight to L2 whole when the item is the whole row.
+// The build with NVSHMEM (relocatable device code: its puts are calls, which hold registers
+// across them) keeps 4 steps of 2 rows: with 4 x 4 its fused expert-side kernel spilled 620
+// bytes and prefill combine over 4 x H200 took 998 us against 745 with 4 x 2.
+#if EPCOMM_NVSHMEM
+constexpr int kWholeRowsPerStep = 2;
+#else
+constexpr int kWholeRowsPerStep = 4;
+#endif
 template <bool kWholeRows, class Load, class Out>
 __device__ __forceinline__ void sum_rows(const char* row, float w, int32_t n, int32_t H,
                                          int32_t part, int32_t stride, Load load, Out& out) {
   prefetch_whole_row(row, H, stride);
   if constexpr (kWholeRows)
-    sum_rows_by<4, 4>(row, w, n, H, part, stride, load, out);
+    sum_rows_by<4, kWholeRowsPerStep>(row, w, n, H, part, stride, load, out);
   else
     sum_rows_by<1, 8>(row, w, n, H, part, stride, load, out);
 }
