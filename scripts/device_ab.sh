@@ -11,6 +11,10 @@
 #   RUNS      benchmark argument sets, separated by ';' (default: prefill and prefill-fp8 at 24
 #             SMs; decode-bf16 and decode at 132)
 #   REPS      rounds (default 2)
+#   AB_CMAKE_ARGS  more CMake arguments for every tree's build, e.g. -DEPCOMM_WITH_NVSHMEM=ON to
+#             time the kernels as the NVSHMEM build compiles them (relocatable device code, which
+#             holds registers differently: its prefill combine once spilled where the plain build's
+#             did not)
 # Output: one line per (round, tree, workload, op): median and min in µs; the raw logs in
 # $OUT/ab_logs.tar.gz (the device tool brings back few files).
 set -uo pipefail
@@ -30,7 +34,7 @@ for pair in $TREES; do
 done
 for i in "${!names[@]}"; do  # side by side: each build takes the cores it gets
   (cd "${paths[$i]}" && cmake_build "$ROOT/build-ab-${names[$i]}" "ab/${names[$i]}_" \
-     --target epcomm_bench -- -DEPCOMM_BUILD_TESTS=OFF -DEPCOMM_BUILD_EXAMPLES=OFF) ||
+     --target epcomm_bench -- -DEPCOMM_BUILD_TESTS=OFF -DEPCOMM_BUILD_EXAMPLES=OFF ${AB_CMAKE_ARGS:-}) ||
     { echo "build of ${paths[$i]} failed"; exit 1; } &
 done
 for job in $(jobs -p); do wait "$job" || exit 1; done
