@@ -31,12 +31,12 @@
 namespace epcomm {
 namespace detail {
 
-// Whole rows put in flight to L2 (bulk prefetch) before a warp sums them: off. It was faster with
-// one rank (prefill, 8 to 24 SMs) while the sum held 8 loads a lane, and slower with 8 ranks
-// sharing one GPU, whose prefetches evict each other from L2
-// (docs/results/2026-11-25_h100_floor_154b545.md); with 16 loads a lane and 4 ranks over NVLink (4
-// x H200, 24 SMs) prefill combine took 754 us with it and 736 without (bf16; 758 and 731 in the FP8
-// run), decode level (docs/results/2026-11-26_h200x4_dceca44.md).
+// Whole rows put in flight to L2 (bulk prefetch) before a warp sums them: off. It was faster
+// with one rank (prefill, 8 to 24 SMs) while the sum held 8 loads a lane, and slower with 8
+// ranks sharing one GPU, whose prefetches evict each other from L2
+// (docs/results/2026-11-25_h100_floor_154b545.md). With 16 loads a lane and 4 ranks over
+// NVLink (4 x H200, 24 SMs), prefill combine took 754 us with it and 736 without (bf16; 758
+// and 731 in the FP8 run), decode level (docs/results/2026-11-26_h200x4_dceca44.md).
 constexpr bool kPrefetchRows = false;
 
 // The library's epilogue: round to bf16 and store out[token, column].
@@ -179,10 +179,11 @@ __device__ __forceinline__ void sum_rows_by(const char* row, float w, int32_t n,
 // 913 against 4 steps of 2 rows; 2 steps of 8 rows lost: 870 -> 1012 us, expert side, 8 SMs);
 // otherwise one step of up to 8 rows (decode, a row split over many warps). Either is exact for
 // any item.
-// Each lane's row is first put in flight to L2 whole when the item is the whole row.
-// The build with NVSHMEM (relocatable device code: its puts are calls, which hold registers
-// across them) keeps 4 steps of 2 rows: with 4 x 4 its fused expert-side kernel spilled 620
-// bytes and prefill combine over 4 x H200 took 998 us against 745 with 4 x 2.
+// With kPrefetchRows, each lane's row is first put in flight to L2 whole when the item is the
+// whole row. The build with NVSHMEM (relocatable device code: its puts are calls, which hold
+// registers across them) keeps 4 steps of 2 rows: with 4 x 4 its fused expert-side kernel spilled
+// 620 bytes, and prefill combine over 4 x H200 (NVSHMEM benchmark, 1 x 4) took 998 us against 810
+// with 4 x 2.
 #if EPCOMM_NVSHMEM
 constexpr int kWholeRowsPerStep = 2;
 #else
