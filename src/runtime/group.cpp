@@ -282,11 +282,7 @@ void GroupState::setup(const Config& config, Bootstrap& bs, int dev) {
   const int64_t T = cfg.max_tokens_per_rank, K = view.top_k, nk = em.num_keys();
   const int64_t n_view = view.n_ranks;
   const int64_t n_units = (T + dispatch_unit_tokens() - 1) / dispatch_unit_tokens();
-  constexpr int kParts = 10;
-  // Where each output row's message lies (RankScratch::row_msg, int64): the staged scales of
-  // the FP8 blockwise packed layout on the throughput path only.
-  const DispatchOutputLayout out = view.output();
-  const bool staged = view.staged_scales();
+  constexpr int kParts = 9;
   const int64_t words[kParts] = {T * K,
                                  T * K,
                                  T * n_view,
@@ -295,8 +291,7 @@ void GroupState::setup(const Config& config, Bootstrap& bs, int dev) {
                                  int64_t(num_chunks(int32_t(T))) * n_view,
                                  n_view * em.n_local(),
                                  n_view,
-                                 T * K,
-                                 staged ? 2 * out.rows : 0};
+                                 T * K};
   int64_t total = 0;
   for (int64_t w : words) total += align_up(w * 4, 256);
   check_cuda(cudaMalloc(&scratch_mem, size_t(total)), "cudaMalloc(scratch)");
@@ -307,13 +302,8 @@ void GroupState::setup(const Config& config, Bootstrap& bs, int dev) {
     parts[i] = reinterpret_cast<int32_t*>(scratch_mem + off);
     off += align_up(words[i] * 4, 256);
   }
-  scratch = RankScratch{parts[0], parts[1],
-                        parts[2], parts[3],
-                        parts[4], parts[5],
-                        parts[6], parts[7],
-                        parts[8], staged ? reinterpret_cast<int64_t*>(parts[9]) : nullptr};
-  // row_msg starts at -1 (no message): a row no message filled keeps its scales untouched.
-  if (staged) check_cuda(cudaMemset(parts[9], 0xff, size_t(words[9] * 4)), "cudaMemset(row_msg)");
+  scratch = RankScratch{parts[0], parts[1], parts[2], parts[3], parts[4],
+                        parts[5], parts[6], parts[7], parts[8]};
   check_cuda(cudaHostAlloc(&error_host, sizeof(DeviceErrorRecord),
                            cudaHostAllocMapped | cudaHostAllocPortable),
              "cudaHostAlloc(error record)");

@@ -234,10 +234,8 @@ std::vector<SweepCase> sweep_cases() {
       v.push_back(c);
     }
   }
-  // Blockwise FP8 with H = 1152: 9 scale columns, fewer than one tile of the throughput path's
-  // staged scales (16 columns: staged_scales in src/kernels/dispatch/recv.cuh), so only its
-  // partial-tile code runs, and the low-latency path's last part is short (128 of 1024 values);
-  // up to 100 tokens a rank, not a multiple of the 32-row tiles.
+  // Blockwise FP8 with H = 1152: 9 scale columns (an odd count), and the low-latency path's last
+  // part is short (128 of 1024 values); up to 100 tokens a rank.
   SweepCase c;
   c.format = TokenFormat::kFp8Blockwise;
   c.n_ranks = 2;

@@ -133,11 +133,6 @@ struct GroupView {
   EPCOMM_HD ExpertMap experts() const { return ExpertMap{n_experts, n_ranks}; }
   EPCOMM_HD NodeMap nodes() const { return NodeMap{n_ranks, ranks_per_node}; }
   EPCOMM_HD bool multi_node() const { return ranks_per_node < n_ranks; }
-  // The dispatch receive stages the scales (RankScratch::row_msg, staged_scales in
-  // dispatch/recv.cuh): FP8 blockwise, packed layout, throughput path.
-  EPCOMM_HD bool staged_scales() const {
-    return format == TokenFormat::kFp8Blockwise && capacity == 0 && !low_latency;
-  }
   EPCOMM_HD OutboxLayout outbox_layout() const {
     const int32_t n_remote = nodes().n_remote();
     const int64_t staged = int64_t(n_remote) * max_tokens;
@@ -164,11 +159,6 @@ struct RankScratch {
   // rank's own messages. The fused combine reads those rows in place (no copy through the
   // combine buffer).
   int32_t* self_row;
-  // [output rows] FP8 blockwise, packed layout, throughput path only (else null): the byte
-  // offset in this rank's window of the message each output row came from (-1: a padding row),
-  // written as the rows are expanded; the scales are then moved from the messages to the
-  // column-major scale output in tiles of 32 rows (staged_scales in dispatch/recv.cuh).
-  int64_t* row_msg;
 };
 
 struct DispatchParams {

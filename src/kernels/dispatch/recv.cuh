@@ -1,8 +1,7 @@
 // Dispatch stage 4, receive: wait for every source's meta record, lay out the output (row_offsets
 // with the format's padding, each (source, group) base row; padding rows and unused scale slots
 // written before any data), then expand each chunk (or, on the low-latency path, each part) as
-// its flag arrives: one read of the message, up to K output rows (blockwise FP8's column-major
-// scales on the throughput path are moved after a grid barrier instead: staged_scales).
+// its flag arrives: one read of the message, up to K output rows.
 //
 // Who waits on what: a warp waits on one chunk flag of one source (or a part's flag and part
 // 0's, which carries the header), so rows are expanded while later chunks are still in flight.
@@ -128,71 +127,11 @@ struct PartScales {
   }
 };
 
-// The FP8 blockwise packed layout's scales on the throughput path are staged: scale c of output
-// row r sits at c * ld + r (column-major, as grouped GEMMs read them), so a row's scales stored
-// from its message are cols scattered 4-byte stores, as many L1 store requests as all the rows'
-// codes together (Nsight Compute, prefill-fp8 with 8 SMs: 1.90 M against 1.84 M). Instead each
-// expanded row records where its message lies (RankScratch::row_msg), and after a grid barrier
-// staged_scales moves the scales of 32 rows at a time: read row by row from the messages, then
-// written column by column, 128 contiguous bytes a store. The low-latency path keeps
-// PartScales (no barrier in its chain).
-template <TokenFormat F, bool kPadded, bool kLowLatency>
-constexpr bool kStagedScales = F == TokenFormat::kFp8Blockwise && !kPadded && !kLowLatency;
-
-// staged_scales' tiles in the kernel's dynamic shared memory (dispatch_smem_bytes): per warp
-// 32 rows of kStagedCols columns, column j of row r at j ^ (r / 2), so that neither a store of
-// two half rows nor a read of one column meets a bank twice.
-constexpr int kStagedCols = 16;
-using StagedTile = float[kWarpSize][kStagedCols];
-constexpr int64_t kStagedScaleSmem = int64_t(kWarps) * sizeof(StagedTile);
-
-// Output rows [0, rows) in tiles of 32, dealt over the grid's warps; a tile's scales pass
-// through shared memory kStagedCols columns at a time (`smem`: the receive's RecvGroups are no
-// longer read). Rows whose row_msg is negative (padding: their zero scales are written by
-// fill_padding) are skipped. Called by every thread of every block, after the barrier that
-// follows the last row's expansion.
-__device__ void staged_scales(const DispatchParams& p, int64_t rows, char* smem) {
-  constexpr int kCols = kStagedCols;
-  const GroupView& g = p.g;
-  const Fp8ScaleLayout l = g.output().fp8();
-  const int32_t cols = l.cols();
-  const char* window = window_at(g, g.rank, 0);
-  const int64_t scales_at = g.layout().msg().scales_offset();
-  float* out = static_cast<float*>(p.out_scales);
-  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
-  StagedTile& t = reinterpret_cast<StagedTile*>(smem)[warp];
-  const int64_t warps = int64_t(gridDim.x) * kWarps;
-  for (int64_t r0 = (int64_t(blockIdx.x) * kWarps + warp) * kWarpSize; r0 < rows;
-       r0 += warps * kWarpSize) {
-    const int64_t row = r0 + lane;
-    const int64_t at = row < rows ? p.scratch.row_msg[row] : -1;
-    for (int32_t c0 = 0; c0 < cols; c0 += kCols) {
-      // Two rows a load: lanes 0-15 columns c0 .. c0 + 15 of row i, lanes 16-31 of row i + 1.
-      const int32_t c = c0 + lane % kCols;
-#pragma unroll 4
-      for (int i = 0; i < kWarpSize; i += 2) {
-        const int r = i + lane / kCols;
-        const int64_t m = __shfl_sync(0xffffffffu, at, r);
-        if (m >= 0 && c < cols)
-          t[r][(lane % kCols) ^ (r / 2)] =
-              *reinterpret_cast<const float*>(window + m + scales_at + 4 * c);
-      }
-      __syncwarp();
-      const int32_t n = min(kCols, cols - c0);
-      if (at >= 0)
-        for (int32_t k = 0; k < n; ++k)
-          out[l.offset(row, c0 + k)] = t[lane][k ^ (lane / 2)];
-      __syncwarp();  // the tile is refilled next
-    }
-  }
-}
-
 // Expands units [unit_begin, unit_end) of message m of source src (8 values each: the whole
 // message, or one part) into its rows: one wire copy, up to K output rows; the part at unit 0
 // also writes the rows' src_info. `in_place` (self_in_place): this rank's own messages are
-// headers, their rows read from p.tokens. Called by the whole warp. kLowLatency: the group's
-// path (the low-latency path never stages scales).
-template <TokenFormat F, bool kPadded, bool kLowLatency>
+// headers, their rows read from p.tokens. Called by the whole warp.
+template <TokenFormat F, bool kPadded>
 __device__ void expand_message(const DispatchParams& p, const RecvGroups& rg, int32_t src,
                                int32_t m, int32_t unit_begin, int32_t unit_end,
                                bool in_place = false) {
@@ -244,8 +183,6 @@ __device__ void expand_message(const DispatchParams& p, const RecvGroups& rg, in
     }
     if (row >= 0 && unit_begin == 0) {
       p.src_info[row] = SrcInfo{token, int16_t(g.route.caller_rank(src)), int16_t(e.slot())};
-      if constexpr (kStagedScales<F, kPadded, kLowLatency>)
-        if (g.staged_scales()) p.scratch.row_msg[row] = msg - window_at(g, g.rank, 0);
       if constexpr (kPadded)
         if (p.slot_token != nullptr && at >= 0) p.slot_token[at] = token;
     }
@@ -267,8 +204,6 @@ __device__ void expand_message(const DispatchParams& p, const RecvGroups& rg, in
                });
   if constexpr (F != TokenFormat::kBF16) {
     constexpr int32_t kUnitsPerScale = format_scale_group(F) / kLaneValues;
-    if constexpr (kStagedScales<F, kPadded, kLowLatency>)
-      if (g.staged_scales()) return;  // staged_scales places them
     PartScales<F, kPadded>(p, rg, msg + ml.scales_offset(), unit_begin / kUnitsPerScale,
                            unit_end / kUnitsPerScale)
         .place(n, at, grp);
@@ -279,7 +214,7 @@ __device__ void expand_message(const DispatchParams& p, const RecvGroups& rg, in
 // counts): FP8's padding rows (src_info {-1,-1,-1}, zero codes, zero scales), and the swizzled
 // layouts' unused scale slots (the rest of each group's last tile, and the tiles no group uses).
 // Spread over every warp of the grid.
-template <TokenFormat F, bool kPadded, bool kLowLatency>
+template <TokenFormat F, bool kPadded>
 __device__ void fill_padding(const DispatchParams& p, const RecvGroups& rg, int32_t rb,
                              int32_t n_rb) {
   const GroupView& g = p.g;
@@ -298,8 +233,6 @@ __device__ void fill_padding(const DispatchParams& p, const RecvGroups& rg, int3
       const int64_t row = int64_t(rg.row_offset[grp]) + rg.rows[grp] + i % kPad;
       if (row >= rg.row_offset[grp + 1]) continue;
       if (lane == 0) p.src_info[row] = SrcInfo{-1, -1, -1};
-      if constexpr (kStagedScales<F, kPadded, kLowLatency>)
-        if (lane == 0 && g.staged_scales()) p.scratch.row_msg[row] = -1;
       char* codes = static_cast<char*>(p.out_tokens) + row * row_bytes;
       for (int64_t v = lane; v < row_bytes / 16; v += kWarpSize)
         st_v4(codes + v * 16, make_uint4(0, 0, 0, 0));
@@ -394,7 +327,7 @@ __device__ void expand_parts(const DispatchParams& p, const RecvGroups& rg, unsi
     const int32_t m = int32_t(i / (int64_t(n_parts) * n_ranks));
     if (m >= rg.stream_count[s]) continue;
     if (!warp_wait_part(g, s, m, part, seq)) break;
-    expand_message<F, kPadded, true>(p, rg, s, m, part * kPartUnits, (part + 1) * kPartUnits);
+    expand_message<F, kPadded>(p, rg, s, m, part * kPartUnits, (part + 1) * kPartUnits);
   }
 }
 
@@ -437,7 +370,7 @@ __device__ void expand_chunks(const DispatchParams& p, const RecvGroups& rg, uns
     const int32_t m = starts[c] + slot;
     if (m >= end) continue;  // no message in this slot: nothing to wait for
     if (!warp_wait_chunk(g, s, c, seq)) break;
-    expand_message<F, kPadded, false>(p, rg, s, m, 0, g.hidden / kLaneValues, in_place);
+    expand_message<F, kPadded>(p, rg, s, m, 0, g.hidden / kLaneValues, in_place);
   }
 }
 
@@ -558,21 +491,12 @@ __device__ __noinline__ void dispatch_recv(const DispatchParams& p, unsigned lon
       }
     }
   }
-  if (rb >= 0) fill_padding<F, kPadded, kLowLatency>(p, rg, rb, n_rb);
+  if (rb >= 0) fill_padding<F, kPadded>(p, rg, rb, n_rb);
   trace_mark(g, kTraceDispatch, kTraceReady);
   if constexpr (kLowLatency)
     expand_parts<F, kPadded>(p, rg, seq, rb, n_rb);
   else
     expand_chunks<F, kPadded>(p, rg, seq, in_place);
-  if constexpr (kStagedScales<F, kPadded, kLowLatency>) {
-    if (g.staged_scales()) {
-      // Every block's rows are expanded (and every padding row marked) before any moves; the
-      // barrier's __syncthreads also ends the block's reads of rg, whose memory the tiles reuse.
-      const int64_t rows = min(int64_t(rg.row_offset[n_local]), g.output().rows);
-      if (block_aborted(g) || !grid_barrier(g)) return;
-      staged_scales(p, rows, smem);
-    }
-  }
   // A warp that gave up has set the abort flag (or found it set): the block stops here.
   if (block_aborted(g)) return;
   dispatch_done(g, seq);
