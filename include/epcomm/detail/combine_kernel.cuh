@@ -23,7 +23,6 @@
 #include <utility>
 
 #include "epcomm/config.h"
-#include "epcomm/detail/bulk.cuh"
 #include "epcomm/detail/device.cuh"
 #include "epcomm/detail/launch.h"
 #include "epcomm/detail/transport.cuh"
@@ -31,13 +30,11 @@
 namespace epcomm {
 namespace detail {
 
-// Whole rows put in flight to L2 (bulk prefetch) before a warp sums them: off. It was faster
-// with one rank (prefill, 8 to 24 SMs) while the sum held 8 loads a lane, and slower with 8
-// ranks sharing one GPU, whose prefetches evict each other from L2
-// (docs/results/2026-11-25_h100_floor_154b545.md). With 16 loads a lane and 4 ranks over
-// NVLink (4 x H200, 24 SMs), prefill combine took 754 us with it and 736 without (bf16; 758
-// and 731 in the FP8 run), decode level (docs/results/2026-11-26_h200x4_dceca44.md).
-constexpr bool kPrefetchRows = false;
+// No row is bulk-prefetched to L2 before a warp sums it. That was faster with one rank while the
+// sum held 8 loads a lane, but over NVLink (4 x H200, 24 SMs) prefill combine took 754 us with it
+// and 736 without (16 loads a lane, docs/results/2026-11-26_h200x4_dceca44.md), and in the
+// NVSHMEM build (8 loads a lane) 750 with it and 690 without
+// (docs/results/2026-11-26_h200x4_ab_061786c.md); it was removed.
 
 // The library's epilogue: round to bf16 and store out[token, column].
 struct StoreBf16 {
@@ -87,11 +84,6 @@ struct WorkSplit {
 constexpr int32_t kNoSlot = INT32_MIN;
 __device__ __forceinline__ GroupSlots expert_slots(const CombineParams& p) {
   return GroupSlots{p.row_offsets, p.g.n_local(), p.expert_capacity};
-}
-
-// Puts a whole row in flight to L2 (kPrefetchRows) when the item is the whole row.
-__device__ __forceinline__ void prefetch_whole_row(const char* row, int32_t H, int32_t stride) {
-  if (kPrefetchRows && stride == kCombineStep && row != nullptr) prefetch_l2(row, uint32_t(H) * 2);
 }
 
 // The weighted sum of up to kMaxTopK rows, the one reduction of every combine path: lane j < n
@@ -178,11 +170,11 @@ __device__ __forceinline__ void sum_rows_by(const char* row, float w, int32_t n,
 // on one H100, prefill combine with 32 SMs 332 -> 315 us and the token side with 8 SMs 930 ->
 // 913 against 4 steps of 2 rows; 2 steps of 8 rows lost: 870 -> 1012 us, expert side, 8 SMs);
 // otherwise one step of up to 8 rows (decode, a row split over many warps). Either is exact for
-// any item.
-// With kPrefetchRows, each lane's row is first put in flight to L2 whole when the item is the
-// whole row. The build with NVSHMEM (relocatable device code: its puts are calls, which hold
-// registers across them) keeps 4 steps of 2 rows: with 4 x 4 its fused expert-side kernel spilled
-// 620 bytes, and prefill combine over 4 x H200 (NVSHMEM benchmark, 1 x 4) took 998 us against 810
+// any item. Over NVLink (4 x H200, 4 ranks) 4 x 2 lost to 4 x 4 as well: prefill combine 742
+// against 727 us at 24 SMs, prefill-fp8 combine 1660 against 1564 at 8 SMs.
+// The build with NVSHMEM (relocatable device code: its puts are calls, which hold registers
+// across them) keeps 4 steps of 2 rows: with 4 x 4 its fused expert-side kernel spilled 620
+// bytes, and prefill combine over 4 x H200 (NVSHMEM benchmark, 1 x 4) took 998 us against 810
 // with 4 x 2.
 #if EPCOMM_NVSHMEM
 constexpr int kWholeRowsPerStep = 2;
@@ -192,7 +184,6 @@ constexpr int kWholeRowsPerStep = 4;
 template <bool kWholeRows, class Load, class Out>
 __device__ __forceinline__ void sum_rows(const char* row, float w, int32_t n, int32_t H,
                                          int32_t part, int32_t stride, Load load, Out& out) {
-  prefetch_whole_row(row, H, stride);
   if constexpr (kWholeRows)
     sum_rows_by<4, kWholeRowsPerStep>(row, w, n, H, part, stride, load, out);
   else
@@ -414,7 +405,6 @@ __device__ void combine_recv(const CombineParams& p, unsigned long long seq, Epi
       sum_rows<kWholeRows>(mine, w, K, H, part, stride, LoadOnce{}, emit);
     } else {
       // No weights: each slot's row as it is, zeros for a masked one.
-      prefetch_whole_row(mine, H, stride);
       char* out = static_cast<char*>(p.out) + int64_t(t) * K * H * 2;
       for (int32_t k = 0; k < K; ++k) {
         const char* src = reinterpret_cast<const char*>(
