@@ -23,10 +23,13 @@ curve() {  # curve WORKLOAD PATH SMS...: one run per SM count, no baseline, no c
   done
 }
 mkdir -p "$OUT/curves"
-curve prefill auto ${SMS_CURVE:-8 16 32 64}
-for w in decode decode-bf16; do
-  for path in throughput low-latency; do curve $w $path ${DECODE_SMS_CURVE:-16 24 32 64 132}; done
-done
+# The curves' lines also go to curves.txt (a caller's output tail may cut them).
+{
+  curve prefill auto ${SMS_CURVE:-8 16 32 64}
+  for w in decode decode-bf16; do
+    for path in throughput low-latency; do curve $w $path ${DECODE_SMS_CURVE:-16 24 32 64 132}; done
+  done
+} | tee "$OUT/curves.txt"
 python3 bench/plot.py "$OUT/bench.png" "$OUT/bench.json" >/dev/null 2>>"$OUT/bench.err" &&
   echo "plot: bench.png" || echo "plot failed: $(tail -1 "$OUT/bench.err")"
 # The fused SiLU kernels on GPU 0 against their memory floor (bench/silu_bench.cpp).
@@ -40,6 +43,6 @@ else
   echo "silu bench: $SILU_BENCH not built"
 fi
 # The curves' JSON and the error logs in one file: the device tool brings back at most 8 (this
-# leaves bench.txt, bench.json, bench.png, silu.txt, silu.json and logs.tgz).
+# leaves bench.txt, bench.json, bench.png, curves.txt, silu.txt, silu.json and logs.tgz).
 (cd "$OUT" && tar czf logs.tgz curves $(ls bench.err curve.err silu.err 2>/dev/null) &&
   rm -rf curves bench.err curve.err silu.err)
