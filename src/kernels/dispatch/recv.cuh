@@ -14,6 +14,7 @@
 
 #include <cub/block/block_scan.cuh>
 
+#include "epcomm/detail/bulk.cuh"
 #include "epcomm/detail/transport.cuh"
 #include "kernels/dispatch/common.cuh"
 #include "kernels/dispatch/meta.cuh"
