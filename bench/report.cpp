@@ -64,6 +64,9 @@ double WorkloadResult::bytes_per_rank(const std::string& op) const {
   double mean = 0;
   for (double m : messages)
     mean += m / double(messages.size());
+  // "dispatch+combine": the round trip's messages, one of each.
+  if (op.rfind("dispatch+combine", 0) == 0)
+    return mean * (dispatch_message_bytes + combine_message_bytes);
   return mean * (op.rfind("dispatch", 0) == 0 ? dispatch_message_bytes : combine_message_bytes);
 }
 
@@ -233,7 +236,7 @@ void print_preamble(const RunInfo& info) {
 }
 
 void print_table_header() {
-  std::printf("%-12s %-20s %9s %9s %9s %8s  %9s %8s  %8s\n", "workload", "op", "median", "min",
+  std::printf("%-12s %-27s %9s %9s %9s %8s  %9s %8s  %8s\n", "workload", "op", "median", "min",
               "max", "GB/s", "NCCL med", "GB/s", "speed-up");
   std::fflush(stdout);
 }
@@ -339,7 +342,7 @@ void print_workload(const WorkloadResult& r) {
   }
   for (const OpResult& op : r.ops) {
     if (op.impl != "epcomm") continue;
-    std::printf("%-12s %-20s %9.1f %9.1f %9.1f %8.1f", r.workload.name.c_str(), op.op.c_str(),
+    std::printf("%-12s %-27s %9.1f %9.1f %9.1f %8.1f", r.workload.name.c_str(), op.op.c_str(),
                 op.median_us(), op.min_us(), op.max_us(), op.gbps());
     const OpResult* base = r.find(op.op.substr(0, op.op.find(' ')), "nccl");
     if (base && op.median_us() > 0)

@@ -51,6 +51,17 @@ const char* form_suffix(Form f) {
 
 using Samples = std::vector<std::vector<float>>;  // [local rank][iteration], us
 
+// Per rank and iteration, a dispatch's time plus the combine's after it. A rank that ends its
+// dispatch early waits for the others inside its combine, so skew between the ranks moves time
+// from one figure to the other; their sum per iteration does not depend on where it lands.
+Samples round_trip(const Samples& dispatch_us, const Samples& combine_us) {
+  Samples sum(dispatch_us.size());
+  for (size_t i = 0; i < dispatch_us.size(); ++i)
+    for (size_t k = 0; k < dispatch_us[i].size() && k < combine_us[i].size(); ++k)
+      sum[i].push_back(dispatch_us[i][k] + combine_us[i][k]);
+  return sum;
+}
+
 struct RankInputs {  // one input set of one rank, on its device
   DeviceArray<uint16_t> tokens;
   DeviceArray<int32_t> topk_ids;
@@ -141,6 +152,8 @@ class WorkloadRun {
       time_epcomm(form, &dispatch_us, &combine_us, form == Form::kAsyncWait ? halves : nullptr);
       result_.ops.push_back(summarize_op("dispatch" + suffix, "epcomm", dispatch_us));
       result_.ops.push_back(summarize_op("combine" + suffix, "epcomm", combine_us));
+      result_.ops.push_back(
+          summarize_op("dispatch+combine" + suffix, "epcomm", round_trip(dispatch_us, combine_us)));
       if (form == Form::kAsyncWait) {
         // The halves of the async+wait pair, each from the start of its launch to the next:
         // the wait half includes any time spent waiting for slower peers.
@@ -892,6 +905,8 @@ class WorkloadRun {
     }
     result_.ops.push_back(summarize_op("dispatch", "nccl", dispatch_us));
     result_.ops.push_back(summarize_op("combine", "nccl", combine_us));
+    result_.ops.push_back(
+        summarize_op("dispatch+combine", "nccl", round_trip(dispatch_us, combine_us)));
     if (opt_.check) result_.checks.push_back(check_nccl(nccl));
   }
 
