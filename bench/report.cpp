@@ -229,6 +229,8 @@ void print_preamble(const RunInfo& info) {
       "iterations.\nGB/s = logical bytes received per rank / median, one message per (token, "
       "rank), local ones included: a dispatch message is the format's codes + scales of one token "
       "(bf16 2H, FP8 blockwise H + 4H/128, MXFP4 H/2 + H/32), a combine message bf16 (2H).\n"
+      "dispatch+combine: per rank and iteration the two times summed (ranks are not re-aligned "
+      "between them, so skew moves time from one to the other, not out of the sum).\n"
       "NCCL: %s%s.\n\n",
       info.nccl_version.empty() ? "not run" : "send/recv baseline, NCCL ",
       info.nccl_version.c_str());
