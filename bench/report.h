@@ -13,7 +13,7 @@ namespace epbench {
 // One operation of one implementation, over every rank.
 struct OpResult {
   std::string op;  // "dispatch", "combine", "dispatch+combine" (per iteration, the two summed),
-                   // each with " async+wait" for that form; the halves
+                   // each with " async+wait" for that form; and the async+wait halves
   std::string impl;           // "epcomm" or "nccl"
   std::vector<Stats> ranks;   // per rank, in rank order
   double bytes_per_rank = 0;  // logical bytes received per rank (mean over ranks and input sets)
