@@ -150,10 +150,7 @@ class WorkloadRun {
       const std::string suffix = form_suffix(form);
       Samples dispatch_us, combine_us, halves[4];
       time_epcomm(form, &dispatch_us, &combine_us, form == Form::kAsyncWait ? halves : nullptr);
-      result_.ops.push_back(summarize_op("dispatch" + suffix, "epcomm", dispatch_us));
-      result_.ops.push_back(summarize_op("combine" + suffix, "epcomm", combine_us));
-      result_.ops.push_back(
-          summarize_op("dispatch+combine" + suffix, "epcomm", round_trip(dispatch_us, combine_us)));
+      add_ops("epcomm", suffix, dispatch_us, combine_us);
       if (form == Form::kAsyncWait) {
         // The halves of the async+wait pair, each from the start of its launch to the next:
         // the wait half includes any time spent waiting for slower peers.
@@ -903,10 +900,7 @@ class WorkloadRun {
         }
       env_.progress.tick(it + 1, total);
     }
-    result_.ops.push_back(summarize_op("dispatch", "nccl", dispatch_us));
-    result_.ops.push_back(summarize_op("combine", "nccl", combine_us));
-    result_.ops.push_back(
-        summarize_op("dispatch+combine", "nccl", round_trip(dispatch_us, combine_us)));
+    add_ops("nccl", "", dispatch_us, combine_us);
     if (opt_.check) result_.checks.push_back(check_nccl(nccl));
   }
 
@@ -990,6 +984,15 @@ class WorkloadRun {
       c.pass = false;
     }
     return c;
+  }
+
+  // The dispatch, combine and dispatch+combine rows of one implementation and form.
+  void add_ops(const std::string& impl, const std::string& suffix, const Samples& dispatch_us,
+               const Samples& combine_us) {
+    result_.ops.push_back(summarize_op("dispatch" + suffix, impl, dispatch_us));
+    result_.ops.push_back(summarize_op("combine" + suffix, impl, combine_us));
+    result_.ops.push_back(
+        summarize_op("dispatch+combine" + suffix, impl, round_trip(dispatch_us, combine_us)));
   }
 
   OpResult summarize_op(const std::string& op, const std::string& impl, const Samples& samples) {
