@@ -189,7 +189,7 @@ size_t dispatch_smem_bytes(const GroupView& g) {
   const size_t send = g.low_latency
                           ? size_t(LocalRanks::smem_bytes(int32_t(nk), g.max_tokens, g.top_k))
                           : kWarps * nk * (sizeof(uint32_t) + sizeof(uint16_t));
-  const size_t recv = sizeof(int32_t) * size_t(RecvGroups::smem_words(g.n_ranks, g.n_local()));
+  const size_t recv = size_t(RecvRing::end(g));
   return align_up(int64_t(send > recv ? send : recv), 16);
 }
 

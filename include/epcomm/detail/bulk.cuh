@@ -82,6 +82,11 @@ __device__ __forceinline__ void bulk_wait() {
 __device__ __forceinline__ void fence_proxy_async_smem() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
+// The same for global memory: what this thread's generic accesses saw (for example bytes of
+// another GPU's stores, acquired through a flag) before its later bulk copies read them.
+__device__ __forceinline__ void fence_proxy_async_global() {
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
 
 // One thread moves its items q = 0 .. n-1 through a ring of `slots` slots of slot_bytes at
 // `ring` (barriers bars[0 .. slots), initialised): load(q, slot, bar) expects the item's bytes on

@@ -128,14 +128,83 @@ struct PartScales {
   }
 };
 
+// The throughput receive's bulk-copy ring, for the quantised formats: one shared-memory slot per
+// warp that holds a message's payload (codes, then scales). The warp's lane 0 loads the payload
+// with one bulk copy, issued before the header is read, and stores the codes to each of the
+// message's rows with one bulk copy a row; the lanes store the scales from the slot. The copy
+// engine keeps a message's K rows in flight with no register held, where a register copy holds
+// 8 loads a lane and issues K stores per load. Laid out after the receive's RecvGroups (the send's
+// shared memory is free once a block receives): kWarps mbarriers, then kWarps slots on 128-byte
+// lines. Used only where every slot fits kMaxBytes (bf16 rows of H 7168 do not: they keep the
+// register copy, which the fused kernel's own rows need anyway).
+struct RecvRing {
+  static constexpr int64_t kMaxBytes = 192 * 1024;
+  __host__ __device__ static int64_t offset(const GroupView& g) {
+    return align_up(int64_t(sizeof(int32_t)) * RecvGroups::smem_words(g.n_ranks, g.n_local()), 128);
+  }
+  __host__ __device__ static int64_t slot_bytes(const GroupView& g) {
+    return align_up(g.layout().msg().payload_bytes(), 128);
+  }
+  __host__ __device__ static int64_t bytes(const GroupView& g) {
+    return align_up(int64_t(kWarps) * 8, 128) + int64_t(kWarps) * slot_bytes(g);
+  }
+  __host__ __device__ static bool used(const GroupView& g) {
+    return !g.low_latency && g.format != TokenFormat::kBF16 && offset(g) + bytes(g) <= kMaxBytes;
+  }
+  // The end of the receive's shared memory.
+  __host__ __device__ static int64_t end(const GroupView& g) {
+    return used(g) ? offset(g) + bytes(g)
+                   : int64_t(sizeof(int32_t)) * RecvGroups::smem_words(g.n_ranks, g.n_local());
+  }
+};
+
+// This warp's slot of the ring (data == nullptr: no ring) and the phase its barrier is in.
+struct RingSlot {
+  char* data = nullptr;
+  uint64_t* bar = nullptr;
+  uint32_t phase = 0;
+
+  // Whole warp, once per kernel (shared memory starts undefined).
+  __device__ static RingSlot carve(const GroupView& g, char* smem) {
+    RingSlot r;
+    if (!RecvRing::used(g)) return r;
+    const int32_t w = int32_t(threadIdx.x / kWarpSize);
+    char* base = smem + RecvRing::offset(g);
+    r.bar = reinterpret_cast<uint64_t*>(base) + w;
+    r.data = base + align_up(int64_t(kWarps) * 8, 128) + int64_t(w) * RecvRing::slot_bytes(g);
+    if (threadIdx.x % kWarpSize == 0) mbar_init(r.bar);
+    __syncwarp();
+    return r;
+  }
+  // Lane 0: bring `bytes` at src into the slot, once the previous message's stores have read it.
+  __device__ void load(const char* src, uint32_t bytes) {
+    bulk_wait_read<0>();
+    fence_proxy_async_smem();    // the lanes' reads of the previous scales, before the refill
+    fence_proxy_async_global();  // the chunk's bytes, acquired through its flag
+    mbar_expect(bar, bytes);
+    bulk_load(data, src, bytes, bar);
+  }
+  // Whole warp: until the load has landed.
+  __device__ void wait() {
+    mbar_wait(bar, phase);
+    phase ^= 1u;
+  }
+  // Lane 0: every store issued, until they are complete.
+  __device__ void drain() const {
+    if (data != nullptr && threadIdx.x % kWarpSize == 0) bulk_wait<0>();
+    __syncwarp();
+  }
+};
+
 // Expands units [unit_begin, unit_end) of message m of source src (8 values each: the whole
 // message, or one part) into its rows: one wire copy, up to K output rows; the part at unit 0
 // also writes the rows' src_info. `in_place` (self_in_place): this rank's own messages are
-// headers, their rows read from p.tokens. Called by the whole warp.
+// headers, their rows read from p.tokens. `ring`: this warp's slot of the bulk-copy ring
+// (quantised formats, whole messages; see RecvRing), or none. Called by the whole warp.
 template <TokenFormat F, bool kPadded>
 __device__ void expand_message(const DispatchParams& p, const RecvGroups& rg, int32_t src,
                                int32_t m, int32_t unit_begin, int32_t unit_end,
-                               bool in_place = false) {
+                               bool in_place = false, RingSlot* ring = nullptr) {
   const GroupView& g = p.g;
   const WindowLayout wl = g.layout();
   const MessageLayout ml = wl.msg();
@@ -153,8 +222,12 @@ __device__ void expand_message(const DispatchParams& p, const RecvGroups& rg, in
   const char* msg = window_at(g, g.rank, wl.dispatch_recv_offset() + wl.dispatch_recv().offset(src, m));
   const int32_t units = g.hidden / kLaneValues;
   in_place = F == TokenFormat::kBF16 && in_place && src == g.rank;
-  // A whole message: its payload into L2 at once, while the header is read.
-  if (lane == 0 && unit_begin == 0 && unit_end >= units && !in_place)
+  // The ring takes whole messages of the quantised formats (never in place).
+  const bool bulk = F != TokenFormat::kBF16 && ring != nullptr && ring->data != nullptr;
+  // A whole message: its payload into the slot (or into L2) at once, while the header is read.
+  if (lane == 0 && bulk)
+    ring->load(msg + ml.payload_offset(), uint32_t(ml.payload_bytes()));
+  else if (lane == 0 && unit_begin == 0 && unit_end >= units && !in_place)
     prefetch_l2(msg + ml.payload_offset(), uint32_t(align_up(ml.payload_bytes(), 16)));
   const MessageHeader* h = reinterpret_cast<const MessageHeader*>(msg);
   MessageEntry e{};
@@ -198,16 +271,28 @@ __device__ void expand_message(const DispatchParams& p, const RecvGroups& rg, in
   // The shuffles below sit in loops every lane runs the same number of times (n and the vector
   // count are the warp's).
   if (payload == nullptr) return;
-  copy_vectors(payload + first, int32_t((unit_end - unit_begin) * unit_bytes / 16), n,
-               LoadCoherent{}, [&](int32_t j) {
-                 const int64_t r = __shfl_sync(0xffffffffu, at, j);
-                 return r < 0 ? nullptr : out + r * row_bytes + first;
-               });
+  if (bulk) {  // the codes from the slot, one bulk copy a row
+    ring->wait();
+    for (int32_t j = 0; j < n; ++j) {
+      const int64_t r = __shfl_sync(0xffffffffu, at, j);
+      if (lane == 0 && r >= 0) bulk_store(out + r * row_bytes, ring->data, uint32_t(row_bytes));
+    }
+    if (lane == 0) bulk_commit();
+  } else {
+    copy_vectors(payload + first, int32_t((unit_end - unit_begin) * unit_bytes / 16), n,
+                 LoadCoherent{}, [&](int32_t j) {
+                   const int64_t r = __shfl_sync(0xffffffffu, at, j);
+                   return r < 0 ? nullptr : out + r * row_bytes + first;
+                 });
+  }
   if constexpr (F != TokenFormat::kBF16) {
     constexpr int32_t kUnitsPerScale = format_scale_group(F) / kLaneValues;
-    PartScales<F, kPadded>(p, rg, msg + ml.scales_offset(), unit_begin / kUnitsPerScale,
-                           unit_end / kUnitsPerScale)
+    // With the ring, the scales are read from the slot.
+    const char* scales =
+        bulk ? ring->data + (ml.scales_offset() - ml.payload_offset()) : msg + ml.scales_offset();
+    PartScales<F, kPadded>(p, rg, scales, unit_begin / kUnitsPerScale, unit_end / kUnitsPerScale)
         .place(n, at, grp);
+    if (bulk) __syncwarp();  // the lanes' reads of the slot, before lane 0 refills it
   }
 }
 
@@ -336,7 +421,7 @@ __device__ void expand_parts(const DispatchParams& p, const RecvGroups& rg, unsi
 // messages.
 template <TokenFormat F, bool kPadded>
 __device__ void expand_chunks(const DispatchParams& p, const RecvGroups& rg, unsigned long long seq,
-                              bool in_place) {
+                              bool in_place, char* smem) {
   const GroupView& g = p.g;
   const int32_t n_ranks = g.n_ranks;
   const MetaLayout ml = g.layout().meta();
@@ -355,6 +440,7 @@ __device__ void expand_chunks(const DispatchParams& p, const RecvGroups& rg, uns
     max_chunks = max(max_chunks, rg.n_chunks[s]);
   const int64_t cells = max(int64_t(1), int64_t(max_chunks) * n_ranks);
   const int64_t items = cells * kChunkTokens;
+  RingSlot ring = F == TokenFormat::kBF16 ? RingSlot{} : RingSlot::carve(g, smem);
   unsigned long long* counter = &g.state->recv_item[seq & 1];
   unsigned long long taken = lane == 0 ? atomicAdd(counter, 1ull) : 0ull;
   for (;;) {
@@ -371,8 +457,9 @@ __device__ void expand_chunks(const DispatchParams& p, const RecvGroups& rg, uns
     const int32_t m = starts[c] + slot;
     if (m >= end) continue;  // no message in this slot: nothing to wait for
     if (!warp_wait_chunk(g, s, c, seq)) break;
-    expand_message<F, kPadded>(p, rg, s, m, 0, g.hidden / kLaneValues, in_place);
+    expand_message<F, kPadded>(p, rg, s, m, 0, g.hidden / kLaneValues, in_place, &ring);
   }
+  ring.drain();
 }
 
 // Receiver block rb of n_rb (all blocks of dispatch_wait; the non-senders of the fused kernel),
@@ -497,7 +584,7 @@ __device__ __noinline__ void dispatch_recv(const DispatchParams& p, unsigned lon
   if constexpr (kLowLatency)
     expand_parts<F, kPadded>(p, rg, seq, rb, n_rb);
   else
-    expand_chunks<F, kPadded>(p, rg, seq, in_place);
+    expand_chunks<F, kPadded>(p, rg, seq, in_place, smem);
   // A warp that gave up has set the abort flag (or found it set): the block stops here.
   if (block_aborted(g)) return;
   dispatch_done(g, seq);
