@@ -18,6 +18,7 @@
 #include "epcomm/detail/transport.cuh"
 #include "kernels/dispatch/common.cuh"
 #include "kernels/dispatch/meta.cuh"
+#include "kernels/dispatch/send.cuh"
 
 namespace epcomm {
 namespace detail {
@@ -158,6 +159,20 @@ struct RecvRing {
   }
 };
 
+// Whether this rank's own messages carry no payload: in the fused kernel (send and receive one
+// launch, so the caller's input is there throughout) of the throughput path, a message to this
+// rank is its header alone and the receive reads the row from p.tokens: bf16 copies it, the
+// quantised formats quantise it into the warp's ring slot and store it from there as they store
+// a received payload (so only where the ring is used). That saves the send a read and a write of
+// every own message (all of them with one rank, 1 / R of them with R) and the receive its read;
+// bf16's send, bound by its warps' loads in flight, took longer over them than the receive's
+// K-row expansion per byte. The split form keeps the copy: between dispatch_async and
+// dispatch_wait the caller may reuse its input; the low-latency path keeps it too.
+template <TokenFormat F>
+__host__ __device__ __forceinline__ bool self_in_place(const GroupView& g, bool fused) {
+  return fused && !g.low_latency && (F == TokenFormat::kBF16 || RecvRing::used(g));
+}
+
 // This warp's slot of the ring (data == nullptr: no ring) and the phase its barrier is in.
 struct RingSlot {
   char* data = nullptr;
@@ -196,11 +211,23 @@ struct RingSlot {
   }
 };
 
+// The whole warp: quantises this rank's bf16 row into a ring slot, laid out as a message's
+// payload. Out of line: inlined, the quantiser's registers made the receive spill.
+template <TokenFormat F>
+__device__ __noinline__ void quantize_into_slot(const GroupView& g, const uint16_t* row,
+                                                char* slot) {
+  Dests d;
+  d.add(g.rank, 0, slot);
+  quantize_to<F, true>(row, g.hidden, g.nvfp4_global_scale, g.fp8_pow2 != 0, g.layout().msg(), d, 0,
+                       g.hidden / kLaneValues);
+}
+
 // Expands units [unit_begin, unit_end) of message m of source src (8 values each: the whole
 // message, or one part) into its rows: one wire copy, up to K output rows; the part at unit 0
 // also writes the rows' src_info. `in_place` (self_in_place): this rank's own messages are
-// headers, their rows read from p.tokens. `ring`: this warp's slot of the bulk-copy ring
-// (quantised formats, whole messages; see RecvRing), or none. Called by the whole warp.
+// headers, their rows read from p.tokens (the quantised formats quantise them into the ring's
+// slot). `ring`: this warp's slot of the bulk-copy ring (quantised formats, whole messages; see
+// RecvRing), or none. Called by the whole warp.
 template <TokenFormat F, bool kPadded>
 __device__ void expand_message(const DispatchParams& p, const RecvGroups& rg, int32_t src,
                                int32_t m, int32_t unit_begin, int32_t unit_end,
@@ -221,11 +248,11 @@ __device__ void expand_message(const DispatchParams& p, const RecvGroups& rg, in
 
   const char* msg = window_at(g, g.rank, wl.dispatch_recv_offset() + wl.dispatch_recv().offset(src, m));
   const int32_t units = g.hidden / kLaneValues;
-  in_place = F == TokenFormat::kBF16 && in_place && src == g.rank;
-  // The ring takes whole messages of the quantised formats (never in place).
+  // The ring takes whole messages of the quantised formats.
   const bool bulk = F != TokenFormat::kBF16 && ring != nullptr && ring->data != nullptr;
+  in_place = (F == TokenFormat::kBF16 || bulk) && in_place && src == g.rank;
   // A whole message: its payload into the slot (or into L2) at once, while the header is read.
-  if (lane == 0 && bulk)
+  if (lane == 0 && bulk && !in_place)
     ring->load(msg + ml.payload_offset(), uint32_t(ml.payload_bytes()));
   else if (lane == 0 && unit_begin == 0 && unit_end >= units && !in_place)
     prefetch_l2(msg + ml.payload_offset(), uint32_t(align_up(ml.payload_bytes(), 16)));
@@ -272,7 +299,17 @@ __device__ void expand_message(const DispatchParams& p, const RecvGroups& rg, in
   // count are the warp's).
   if (payload == nullptr) return;
   if (bulk) {  // the codes from the slot, one bulk copy a row
-    ring->wait();
+    if (in_place) {  // this rank's own row, quantised into the slot
+      if constexpr (F != TokenFormat::kBF16) {
+        if (lane == 0) bulk_wait_read<0>();  // the previous message's stores have read the slot
+        __syncwarp();
+        quantize_into_slot<F>(g, reinterpret_cast<const uint16_t*>(payload), ring->data);
+        fence_proxy_async_smem();  // each lane's stores to the slot, before bulk stores read it
+        __syncwarp();
+      }
+    } else {
+      ring->wait();
+    }
     for (int32_t j = 0; j < n; ++j) {
       const int64_t r = __shfl_sync(0xffffffffu, at, j);
       if (lane == 0 && r >= 0) bulk_store(out + r * row_bytes, ring->data, uint32_t(row_bytes));
