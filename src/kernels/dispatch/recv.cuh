@@ -212,9 +212,9 @@ struct RingSlot {
 };
 
 // The whole warp: quantises this rank's bf16 row into a ring slot, laid out as a message's
-// payload. Out of line: inlined, the quantiser's registers made the receive spill.
+// payload.
 template <TokenFormat F>
-__device__ __noinline__ void quantize_into_slot(const GroupView& g, const uint16_t* row,
+__device__ __forceinline__ void quantize_into_slot(const GroupView& g, const uint16_t* row,
                                                 char* slot) {
   Dests d;
   d.add(g.rank, 0, slot);
