@@ -182,13 +182,20 @@ void with_format(const GroupView& g, Fn fn) {
     with_format_on<false>(g, fn);
 }
 
-}  // namespace
-
-size_t dispatch_smem_bytes(const GroupView& g) {
+// What the send alone needs: the ranking's bitmaps (throughput path) or the low-latency path's
+// shared ranking.
+size_t dispatch_send_smem_bytes(const GroupView& g) {
   const size_t nk = size_t(g.experts().num_keys());
   const size_t send = g.low_latency
                           ? size_t(LocalRanks::smem_bytes(int32_t(nk), g.max_tokens, g.top_k))
                           : kWarps * nk * (sizeof(uint32_t) + sizeof(uint16_t));
+  return align_up(int64_t(send), 16);
+}
+
+}  // namespace
+
+size_t dispatch_smem_bytes(const GroupView& g) {
+  const size_t send = dispatch_send_smem_bytes(g);
   const size_t recv = size_t(RecvRing::end(g));
   return align_up(int64_t(send > recv ? send : recv), 16);
 }
@@ -201,7 +208,8 @@ int dispatch_unit_tokens() {
 }
 
 void launch_dispatch(const DispatchParams& p, bool send, bool recv, cudaStream_t stream) {
-  const size_t smem = dispatch_smem_bytes(p.g);
+  // The send half needs no receive ring: less shared memory leaves more of the SM's L1 to it.
+  const size_t smem = recv ? dispatch_smem_bytes(p.g) : dispatch_send_smem_bytes(p.g);
   with_format(p.g, [&](auto k) {
     using K = decltype(k);
     launch_cooperative(send && recv ? K::fused : K::split, p.g.num_blocks, kThreads, smem, stream,

@@ -136,8 +136,8 @@ struct PartScales {
 // engine keeps a message's K rows in flight with no register held, where a register copy holds
 // 8 loads a lane and issues K stores per load. Laid out after the receive's RecvGroups (the send's
 // shared memory is free once a block receives): kWarps mbarriers, then kWarps slots on 128-byte
-// lines. Used only where every slot fits kMaxBytes (bf16 rows of H 7168 do not: they keep the
-// register copy, which the fused kernel's own rows need anyway).
+// lines. Used only where every slot fits kMaxBytes; where they do not (bf16 rows of H 7168; FP8
+// from H of about 12 K) the receive keeps the register copy.
 struct RecvRing {
   static constexpr int64_t kMaxBytes = 192 * 1024;
   __host__ __device__ static int64_t offset(const GroupView& g) {
@@ -161,16 +161,22 @@ struct RecvRing {
 
 // Whether this rank's own messages carry no payload: in the fused kernel (send and receive one
 // launch, so the caller's input is there throughout) of the throughput path, a message to this
-// rank is its header alone and the receive reads the row from p.tokens: bf16 copies it, the
-// quantised formats quantise it into the warp's ring slot and store it from there as they store
-// a received payload (so only where the ring is used). That saves the send a read and a write of
-// every own message (all of them with one rank, 1 / R of them with R) and the receive its read;
-// bf16's send, bound by its warps' loads in flight, took longer over them than the receive's
-// K-row expansion per byte. The split form keeps the copy: between dispatch_async and
-// dispatch_wait the caller may reuse its input; the low-latency path keeps it too.
+// rank is its header alone and the receive reads the row from p.tokens. bf16 copies it: that
+// saves the send a read and a write of every own row (all of them with one rank, 1 / R of them
+// with R), which the send, bound by its warps' loads in flight, took longer over than the
+// receive's K-row expansion per byte. The quantised formats do it in a group of one rank (a
+// skip_a2a group's view among them), where the ring is used: the receive quantises the row into
+// its ring slot and stores it from there as it stores a received payload, and the send writes
+// headers only. With more ranks most tokens also go to another rank, so their row would be
+// quantised twice (by the sender for the others, by the receive for this rank): on 2 × H200
+// (2026-11-27) that took 2-rank gpt-oss dispatch from 99 to 122 µs and decode from 74 to 81,
+// while one rank gained 15% (FP8 prefill, 8 SMs). The split form keeps the copy: between
+// dispatch_async and dispatch_wait the caller may reuse its input; the low-latency path keeps it
+// too.
 template <TokenFormat F>
 __host__ __device__ __forceinline__ bool self_in_place(const GroupView& g, bool fused) {
-  return fused && !g.low_latency && (F == TokenFormat::kBF16 || RecvRing::used(g));
+  return fused && !g.low_latency &&
+         (F == TokenFormat::kBF16 || (g.n_ranks == 1 && RecvRing::used(g)));
 }
 
 // This warp's slot of the ring (data == nullptr: no ring) and the phase its barrier is in.
@@ -249,7 +255,8 @@ __device__ void expand_message(const DispatchParams& p, const RecvGroups& rg, in
   const char* msg = window_at(g, g.rank, wl.dispatch_recv_offset() + wl.dispatch_recv().offset(src, m));
   const int32_t units = g.hidden / kLaneValues;
   // The ring takes whole messages of the quantised formats.
-  const bool bulk = F != TokenFormat::kBF16 && ring != nullptr && ring->data != nullptr;
+  const bool bulk = F != TokenFormat::kBF16 && ring != nullptr && ring->data != nullptr &&
+                    unit_begin == 0 && unit_end >= units;
   in_place = (F == TokenFormat::kBF16 || bulk) && in_place && src == g.rank;
   // A whole message: its payload into the slot (or into L2) at once, while the header is read.
   if (lane == 0 && bulk && !in_place)
