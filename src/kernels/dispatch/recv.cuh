@@ -165,18 +165,23 @@ struct RecvRing {
 // saves the send a read and a write of every own row (all of them with one rank, 1 / R of them
 // with R), which the send, bound by its warps' loads in flight, took longer over than the
 // receive's K-row expansion per byte. The quantised formats do it in a group of one rank (a
-// skip_a2a group's view among them), where the ring is used: the receive quantises the row into
-// its ring slot and stores it from there as it stores a received payload, and the send writes
-// headers only. With more ranks most tokens also go to another rank, so their row would be
-// quantised twice (by the sender for the others, by the receive for this rank): on 2 × H200
-// (2026-11-27) that took 2-rank gpt-oss dispatch from 99 to 122 µs and decode from 74 to 81,
-// while one rank gained 15% (FP8 prefill, 8 SMs). The split form keeps the copy: between
-// dispatch_async and dispatch_wait the caller may reuse its input; the low-latency path keeps it
-// too.
-template <TokenFormat F>
-__host__ __device__ __forceinline__ bool self_in_place(const GroupView& g, bool fused) {
-  return fused && !g.low_latency &&
-         (F == TokenFormat::kBF16 || (g.n_ranks == 1 && RecvRing::used(g)));
+// skip_a2a group's view among them) where the ring is used (solo_in_place): the receive
+// quantises the row into its ring slot and stores it from there as it stores a received payload,
+// and the send writes headers only. That group has fused kernels of its own (kSolo), so the
+// quantiser's registers (the receive spilled 8-72 B with it) stay out of every other kernel:
+// with it compiled into all of them, 2-rank FP8 prefill dispatch was 0.8% slower and one-rank
+// async + wait 0.7% (2 x H200, 2026-11-27). With more ranks most tokens also go to another rank,
+// so their row would be quantised twice (by the sender for the others, by the receive for this
+// rank): that took 2-rank gpt-oss dispatch from 99 to 122 us and decode from 74 to 81. The split
+// form keeps the copy: between dispatch_async and dispatch_wait the caller may reuse its input;
+// the low-latency path keeps it too.
+__host__ __device__ inline bool solo_in_place(const GroupView& g) {
+  return !g.low_latency && g.format != TokenFormat::kBF16 && g.n_ranks == 1 && RecvRing::used(g);
+}
+// In the fused kernel of format F (kSolo: the kernel of a solo_in_place group).
+template <TokenFormat F, bool kSolo>
+__device__ __forceinline__ bool self_in_place(const GroupView& g) {
+  return F == TokenFormat::kBF16 ? !g.low_latency : kSolo;
 }
 
 // This warp's slot of the ring (data == nullptr: no ring) and the phase its barrier is in.
@@ -234,7 +239,7 @@ __device__ __forceinline__ void quantize_into_slot(const GroupView& g, const uin
 // headers, their rows read from p.tokens (the quantised formats quantise them into the ring's
 // slot). `ring`: this warp's slot of the bulk-copy ring (quantised formats, whole messages; see
 // RecvRing), or none. Called by the whole warp.
-template <TokenFormat F, bool kPadded>
+template <TokenFormat F, bool kPadded, bool kSolo = false>
 __device__ void expand_message(const DispatchParams& p, const RecvGroups& rg, int32_t src,
                                int32_t m, int32_t unit_begin, int32_t unit_end,
                                bool in_place = false, RingSlot* ring = nullptr) {
@@ -257,7 +262,7 @@ __device__ void expand_message(const DispatchParams& p, const RecvGroups& rg, in
   // The ring takes whole messages of the quantised formats.
   const bool bulk = F != TokenFormat::kBF16 && ring != nullptr && ring->data != nullptr &&
                     unit_begin == 0 && unit_end >= units;
-  in_place = (F == TokenFormat::kBF16 || bulk) && in_place && src == g.rank;
+  in_place = (F == TokenFormat::kBF16 || (kSolo && bulk)) && in_place && src == g.rank;
   // A whole message: its payload into the slot (or into L2) at once, while the header is read.
   if (lane == 0 && bulk && !in_place)
     ring->load(msg + ml.payload_offset(), uint32_t(ml.payload_bytes()));
@@ -307,7 +312,7 @@ __device__ void expand_message(const DispatchParams& p, const RecvGroups& rg, in
   if (payload == nullptr) return;
   if (bulk) {  // the codes from the slot, one bulk copy a row
     if (in_place) {  // this rank's own row, quantised into the slot
-      if constexpr (F != TokenFormat::kBF16) {
+      if constexpr (F != TokenFormat::kBF16 && kSolo) {
         if (lane == 0) bulk_wait_read<0>();  // the previous message's stores have read the slot
         __syncwarp();
         quantize_into_slot<F>(g, reinterpret_cast<const uint16_t*>(payload), ring->data);
@@ -463,7 +468,7 @@ __device__ void expand_parts(const DispatchParams& p, const RecvGroups& rg, unsi
 
 // The throughput path's receive: work items (chunk, source, message slot) of the chunks'
 // messages.
-template <TokenFormat F, bool kPadded>
+template <TokenFormat F, bool kPadded, bool kSolo>
 __device__ void expand_chunks(const DispatchParams& p, const RecvGroups& rg, unsigned long long seq,
                               bool in_place, char* smem) {
   const GroupView& g = p.g;
@@ -501,7 +506,7 @@ __device__ void expand_chunks(const DispatchParams& p, const RecvGroups& rg, uns
     const int32_t m = starts[c] + slot;
     if (m >= end) continue;  // no message in this slot: nothing to wait for
     if (!warp_wait_chunk(g, s, c, seq)) break;
-    expand_message<F, kPadded>(p, rg, s, m, 0, g.hidden / kLaneValues, in_place, &ring);
+    expand_message<F, kPadded, kSolo>(p, rg, s, m, 0, g.hidden / kLaneValues, in_place, &ring);
   }
   ring.drain();
 }
@@ -510,7 +515,7 @@ __device__ void expand_chunks(const DispatchParams& p, const RecvGroups& rg, uns
 // or a sender of the fused kernel that has sent its chunks and joins in (rb < 0: it takes work
 // items only; the receivers write the padding and the combine's bookkeeping). kLowLatency: the
 // group's path (GroupView::low_latency), which picks how rows are expanded.
-template <TokenFormat F, bool kPadded, bool kLowLatency>
+template <TokenFormat F, bool kPadded, bool kLowLatency, bool kSolo = false>
 __device__ __noinline__ void dispatch_recv(const DispatchParams& p, unsigned long long seq,
                                            char* smem, int32_t rb, int32_t n_rb, bool in_place) {
   const GroupView& g = p.g;
@@ -628,7 +633,7 @@ __device__ __noinline__ void dispatch_recv(const DispatchParams& p, unsigned lon
   if constexpr (kLowLatency)
     expand_parts<F, kPadded>(p, rg, seq, rb, n_rb);
   else
-    expand_chunks<F, kPadded>(p, rg, seq, in_place, smem);
+    expand_chunks<F, kPadded, kSolo>(p, rg, seq, in_place, smem);
   // A warp that gave up has set the abort flag (or found it set): the block stops here.
   if (block_aborted(g)) return;
   dispatch_done(g, seq);
