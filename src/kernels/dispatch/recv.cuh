@@ -181,7 +181,7 @@ __host__ __device__ inline bool solo_in_place(const GroupView& g) {
 // In the fused kernel of format F (kSolo: the kernel of a solo_in_place group).
 template <TokenFormat F, bool kSolo>
 __device__ __forceinline__ bool self_in_place(const GroupView& g) {
-  return F == TokenFormat::kBF16 ? !g.low_latency : kSolo;
+  return F == TokenFormat::kBF16 ? !g.low_latency : kSolo && RecvRing::used(g);
 }
 
 // This warp's slot of the ring (data == nullptr: no ring) and the phase its barrier is in.
