@@ -104,7 +104,7 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(Case{1, 7168, 8, 256, 128, 0.0, "r1_h7168_k8_e256"},
                       Case{2, 7168, 8, 256, 128, 0.0, "r2_h7168_k8_e256"},
                       Case{2, 2048, 1, 8, 200, 0.0, "r2_h2048_k1_e8"},
-                      // The receive ring's bf16 pieces: 2 of 5120 B; 5, the last one shorter.
+                      // Wide rows: 10 KB and 32 KB of bf16.
                       Case{1, 5120, 8, 64, 64, 0.0, "r1_h5120_k8_e64"},
                       Case{2, 16384, 8, 64, 48, 0.1, "r2_h16384_k8_e64_masked"},
                       Case{2, 2880, 4, 128, 96, 0.2, "r2_h2880_k4_e128_masked"},
