@@ -72,7 +72,7 @@ void expect_combine_refused(LocalGroup& lg, const CombineInput& in, const char* 
 }  // namespace
 
 // Random routing over the shapes of the issue: 1/2/3/4/8/16/40/64 ranks (sharing GPUs where there
-// are fewer), hidden 1024-7168, K = 1/4/8/16, 8..256 experts, fused and async+wait forms; weighted
+// are fewer), hidden 1024-16384, K = 1/4/8/16, 8..256 experts, fused and async+wait forms; weighted
 // (token side) and un-reduced combine, and the expert-side reduction (weights given to dispatch).
 TEST_P(Sweep, MatchesReference) {
   const Case c = GetParam();
@@ -104,6 +104,9 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(Case{1, 7168, 8, 256, 128, 0.0, "r1_h7168_k8_e256"},
                       Case{2, 7168, 8, 256, 128, 0.0, "r2_h7168_k8_e256"},
                       Case{2, 2048, 1, 8, 200, 0.0, "r2_h2048_k1_e8"},
+                      // Wide rows: 10 KB and 32 KB of bf16.
+                      Case{1, 5120, 8, 64, 64, 0.0, "r1_h5120_k8_e64"},
+                      Case{2, 16384, 8, 64, 48, 0.1, "r2_h16384_k8_e64_masked"},
                       Case{2, 2880, 4, 128, 96, 0.2, "r2_h2880_k4_e128_masked"},
                       Case{3, 7168, 8, 96, 128, 0.0, "r3_h7168_k8_e96"},
                       Case{3, 2048, 4, 12, 150, 0.1, "r3_h2048_k4_e12_masked"},

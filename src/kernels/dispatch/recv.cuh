@@ -140,22 +140,26 @@ struct PartScales {
 // from H of about 12 K) the receive keeps the register copy.
 struct RecvRing {
   static constexpr int64_t kMaxBytes = 192 * 1024;
+  static constexpr int64_t kBarBytes = (kWarps * 8 + 127) / 128 * 128;  // the mbarriers' lines
+  // The receive's RecvGroups, which the ring follows.
+  __host__ __device__ static int64_t groups_bytes(const GroupView& g) {
+    return int64_t(sizeof(int32_t)) * RecvGroups::smem_words(g.n_ranks, g.n_local());
+  }
   __host__ __device__ static int64_t offset(const GroupView& g) {
-    return align_up(int64_t(sizeof(int32_t)) * RecvGroups::smem_words(g.n_ranks, g.n_local()), 128);
+    return align_up(groups_bytes(g), 128);
   }
   __host__ __device__ static int64_t slot_bytes(const GroupView& g) {
     return align_up(g.layout().msg().payload_bytes(), 128);
   }
   __host__ __device__ static int64_t bytes(const GroupView& g) {
-    return align_up(int64_t(kWarps) * 8, 128) + int64_t(kWarps) * slot_bytes(g);
+    return kBarBytes + int64_t(kWarps) * slot_bytes(g);
   }
   __host__ __device__ static bool used(const GroupView& g) {
     return !g.low_latency && g.format != TokenFormat::kBF16 && offset(g) + bytes(g) <= kMaxBytes;
   }
   // The end of the receive's shared memory.
   __host__ __device__ static int64_t end(const GroupView& g) {
-    return used(g) ? offset(g) + bytes(g)
-                   : int64_t(sizeof(int32_t)) * RecvGroups::smem_words(g.n_ranks, g.n_local());
+    return used(g) ? offset(g) + bytes(g) : groups_bytes(g);
   }
 };
 
@@ -197,7 +201,7 @@ struct RingSlot {
     const int32_t w = int32_t(threadIdx.x / kWarpSize);
     char* base = smem + RecvRing::offset(g);
     r.bar = reinterpret_cast<uint64_t*>(base) + w;
-    r.data = base + align_up(int64_t(kWarps) * 8, 128) + int64_t(w) * RecvRing::slot_bytes(g);
+    r.data = base + RecvRing::kBarBytes + int64_t(w) * RecvRing::slot_bytes(g);
     if (threadIdx.x % kWarpSize == 0) mbar_init(r.bar);
     __syncwarp();
     return r;
