@@ -78,8 +78,9 @@ static_assert(fused_senders(24, TokenFormat::kBF16, 0) == 1, "no tokens: one sen
 
 // One form of dispatch: the send half, the receive half, or both (the fused form); kPadded: the
 // receive writes the padded layout (GroupView::capacity > 0); kLowLatency: the group's path
-// (GroupView::low_latency), so each kernel holds one path's code only.
-template <bool kSend, bool kRecv, TokenFormat F, bool kPadded, bool kLowLatency>
+// (GroupView::low_latency), so each kernel holds one path's code only; kSolo: the fused kernel of
+// a solo_in_place group (one rank, a quantised format: the receive quantises its own rows).
+template <bool kSend, bool kRecv, TokenFormat F, bool kPadded, bool kLowLatency, bool kSolo>
 __device__ __forceinline__ void dispatch_form(const DispatchParams& p) {
   extern __shared__ __align__(16) char smem[];
   const unsigned long long seq = p.g.state->dispatch_seq + 1;  // in flight with the abort flag
@@ -108,7 +109,7 @@ __device__ __forceinline__ void dispatch_form(const DispatchParams& p) {
       return;
     }
     const int32_t senders = fused_senders(blocks, F, p.num_tokens);
-    const bool in_place = self_in_place<F>(p.g, true);
+    const bool in_place = self_in_place<F, kSolo>(p.g);
     if (!dispatch_send<F>(p, seq, smem, senders, in_place)) return;
     if (block_aborted(p.g)) return;
     // Every block receives (no split), or the blocks after the senders, joined by each sender
@@ -116,7 +117,7 @@ __device__ __forceinline__ void dispatch_form(const DispatchParams& p) {
     // kernel's code, and instruction fetch is part of the latency here.
     trace_mark(p.g, kTraceDispatch, kTraceRecvStart);
     const int32_t first = senders == blocks ? 0 : senders;
-    dispatch_recv<F, kPadded, false>(p, seq, smem, b - first, blocks - first, in_place);
+    dispatch_recv<F, kPadded, false, kSolo>(p, seq, smem, b - first, blocks - first, in_place);
   }
 }
 
@@ -124,25 +125,34 @@ __device__ __forceinline__ void dispatch_form(const DispatchParams& p) {
 // (dispatch_async's send, dispatch_wait's receive: `recv_half` picks). A profiler then sees one
 // kernel name per operation and form; DeepEP's test programs and profiling helpers find an
 // operation's kernels by name and expect one name (a hook-mode call counts two launches of it).
-template <bool kFused, TokenFormat F, bool kPadded, bool kLowLatency>
+template <bool kFused, TokenFormat F, bool kPadded, bool kLowLatency, bool kSolo = false>
 __global__ void __launch_bounds__(kThreads, 1)
     dispatch_kernel(const __grid_constant__ DispatchParams p, int32_t recv_half) {
   if constexpr (kFused)
-    dispatch_form<true, true, F, kPadded, kLowLatency>(p);
+    dispatch_form<true, true, F, kPadded, kLowLatency, kSolo>(p);
   else if (recv_half)
-    dispatch_form<false, true, F, kPadded, kLowLatency>(p);
+    dispatch_form<false, true, F, kPadded, kLowLatency, false>(p);
   else
-    dispatch_form<true, false, F, kPadded, kLowLatency>(p);
+    dispatch_form<true, false, F, kPadded, kLowLatency, false>(p);
 }
 
-// The two kernels of format F, layout (packed, or padded) and path.
-template <TokenFormat F, bool kPadded, bool kLowLatency>
+// The two kernels of format F, layout (packed, or padded) and path; kSolo: a solo_in_place
+// group's (its fused kernel is its own; the split form is every group's).
+template <TokenFormat F, bool kPadded, bool kLowLatency, bool kSolo = false>
 struct DispatchKernels {
   static constexpr void (*fused)(DispatchParams,
-                                 int32_t) = dispatch_kernel<true, F, kPadded, kLowLatency>;
+                                 int32_t) = dispatch_kernel<true, F, kPadded, kLowLatency, kSolo>;
   static constexpr void (*split)(DispatchParams,
                                  int32_t) = dispatch_kernel<false, F, kPadded, kLowLatency>;
 };
+
+// Calls f(DispatchKernels<F, kPadded, kLowLatency, solo>{}), solo for a solo_in_place group.
+template <TokenFormat F, bool kPadded, bool kLowLatency, class Fn>
+void with_kernels(const GroupView& g, Fn fn) {
+  if constexpr (F != TokenFormat::kBF16 && !kLowLatency)
+    if (solo_in_place(g)) return fn(DispatchKernels<F, kPadded, kLowLatency, true>{});
+  fn(DispatchKernels<F, kPadded, kLowLatency>{});
+}
 
 // Calls f(DispatchKernels<F, padded, low_latency>{}) for the group's format, layout and path:
 // the padded layout has kernels of its own (bf16 and fp8-blockwise, the formats Config allows
@@ -154,23 +164,23 @@ void with_format_on(const GroupView& g, Fn fn) {
   const TokenFormat f = g.format;
   constexpr bool L = kLowLatency;
   if (g.capacity > 0) {
-    if (f == TokenFormat::kBF16) return fn(DispatchKernels<TokenFormat::kBF16, true, L>{});
+    if (f == TokenFormat::kBF16) return with_kernels<TokenFormat::kBF16, true, L>(g, fn);
     if (f == TokenFormat::kFp8Blockwise)
-      return fn(DispatchKernels<TokenFormat::kFp8Blockwise, true, L>{});
+      return with_kernels<TokenFormat::kFp8Blockwise, true, L>(g, fn);
     throw Error(ErrorCode::kInvalidArgument,
                 std::string("dispatch: the padded layout with format ") + token_format_name(f));
   }
   switch (f) {
     case TokenFormat::kBF16:
-      return fn(DispatchKernels<TokenFormat::kBF16, false, L>{});
+      return with_kernels<TokenFormat::kBF16, false, L>(g, fn);
     case TokenFormat::kFp8Blockwise:
-      return fn(DispatchKernels<TokenFormat::kFp8Blockwise, false, L>{});
+      return with_kernels<TokenFormat::kFp8Blockwise, false, L>(g, fn);
     case TokenFormat::kNvfp4:
-      return fn(DispatchKernels<TokenFormat::kNvfp4, false, L>{});
+      return with_kernels<TokenFormat::kNvfp4, false, L>(g, fn);
     case TokenFormat::kMxfp8:
-      return fn(DispatchKernels<TokenFormat::kMxfp8, false, L>{});
+      return with_kernels<TokenFormat::kMxfp8, false, L>(g, fn);
     case TokenFormat::kMxfp4:
-      return fn(DispatchKernels<TokenFormat::kMxfp4, false, L>{});
+      return with_kernels<TokenFormat::kMxfp4, false, L>(g, fn);
   }
   throw Error(ErrorCode::kInvalidArgument, "dispatch: unknown token format");
 }
@@ -182,13 +192,20 @@ void with_format(const GroupView& g, Fn fn) {
     with_format_on<false>(g, fn);
 }
 
-}  // namespace
-
-size_t dispatch_smem_bytes(const GroupView& g) {
+// What the send alone needs: the ranking's bitmaps (throughput path) or the low-latency path's
+// shared ranking.
+size_t dispatch_send_smem_bytes(const GroupView& g) {
   const size_t nk = size_t(g.experts().num_keys());
   const size_t send = g.low_latency
                           ? size_t(LocalRanks::smem_bytes(int32_t(nk), g.max_tokens, g.top_k))
                           : kWarps * nk * (sizeof(uint32_t) + sizeof(uint16_t));
+  return align_up(int64_t(send), 16);
+}
+
+}  // namespace
+
+size_t dispatch_smem_bytes(const GroupView& g) {
+  const size_t send = dispatch_send_smem_bytes(g);
   const size_t recv = size_t(RecvRing::end(g));
   return align_up(int64_t(send > recv ? send : recv), 16);
 }
@@ -201,7 +218,8 @@ int dispatch_unit_tokens() {
 }
 
 void launch_dispatch(const DispatchParams& p, bool send, bool recv, cudaStream_t stream) {
-  const size_t smem = dispatch_smem_bytes(p.g);
+  // The send half needs no receive ring: less shared memory leaves more of the SM's L1 to it.
+  const size_t smem = recv ? dispatch_smem_bytes(p.g) : dispatch_send_smem_bytes(p.g);
   with_format(p.g, [&](auto k) {
     using K = decltype(k);
     launch_cooperative(send && recv ? K::fused : K::split, p.g.num_blocks, kThreads, smem, stream,

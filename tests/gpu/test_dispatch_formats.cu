@@ -215,17 +215,18 @@ std::vector<SweepCase> sweep_cases() {
       }
     }
   }
-  // Blockwise FP8 with power-of-two scales (Config::fp8_pow2_scales), on 2 and 8 ranks.
+  // Blockwise FP8 with power-of-two scales (Config::fp8_pow2_scales), on 1, 2 and 8 ranks (one
+  // rank: the fused kernel quantises its own rows in the receive).
   for (int32_t H : hidden_sizes(TokenFormat::kFp8Blockwise)) {
-    for (int n : {2, 8}) {
+    for (int n : {1, 2, 8}) {
       SweepCase c;
       c.format = TokenFormat::kFp8Blockwise;
       c.n_ranks = n;
       c.hidden = H;
-      c.top_k = n == 2 ? 8 : 4;
-      c.n_experts = n == 2 ? 64 : 256;
+      c.top_k = n == 8 ? 4 : 8;
+      c.n_experts = n == 8 ? 256 : 64;
       c.max_tokens = 64;
-      c.mask_prob = n == 2 ? 0.2 : 0.0;
+      c.mask_prob = n == 8 ? 0.0 : 0.2;
       c.zipf_s = 0.0;
       c.gs = kNvfp4Gs;
       c.pow2 = true;

@@ -71,6 +71,28 @@ TEST(PaddedDispatch, MatchesThePaddedReference) {
   }
 }
 
+// One rank, fused (its FP8 kernels quantise the rank's own rows in the receive and store them
+// from there): every FP8 variant, at the least capacity and 3 more, both reductions.
+TEST(PaddedDispatch, OneRankFused) {
+  EPCOMM_REQUIRE_GPU();
+  uint64_t seed = 950;
+  for (const Variant& v : kVariants) {
+    if (v.format == TokenFormat::kBF16) continue;
+    for (int64_t extra : {0, 3}) {
+      LocalGroup lg(padded_cfg(v, DispatchPath::kThroughput, 1, 2048, 96, extra), 1);
+      for (bool expert_side : {false, true}) {
+        const auto p =
+            reference::make_problem(1, 2048, 8, 8, random_counts(1, 96, seed), seed, 0.0, 0.1);
+        RoundOptions o = every_combine(Form::kFused, expert_side);
+        if (expert_side) o.padded_extra_slots = extra;
+        EXPECT_EQ(run_round(lg, p, o), "") << v.name << ", capacity + " << extra
+                                           << (expert_side ? ", expert side" : ", token side");
+        ++seed;
+      }
+    }
+  }
+}
+
 // The edges, at H = 7168 (the low-latency path's seven parts; UE8M0 words across part
 // boundaries): no tokens anywhere; every token of every rank to one expert (its group full: the
 // last slot written, nothing past it); then a random round after the full one, where counts and

@@ -24,19 +24,6 @@ constexpr int32_t kPartUnits = kPartValues / kLaneValues;  // 16-byte bf16 units
 static_assert(kPartUnits == kWarpSize * kUnroll, "a part is one step of quantize_to");
 static_assert(kUnitTokens >= kLowLatencyMaxTokens, "one block ranks a low-latency call");
 
-// Whether this rank's own messages carry no payload: in the fused kernel (send and receive one
-// launch, so the caller's input is there throughout) of the bf16 throughput path, a message to
-// this rank is its header alone and the receive copies the row from p.tokens. That saves the
-// send a read and a write of every own row (all of them with one rank, 1 / R of them with R),
-// which the send, bound by its warps' loads in flight, took longer over than the receive's
-// K-row expansion per byte. The split form keeps the copy: between dispatch_async and
-// dispatch_wait the caller may reuse its input; the quantised formats and the low-latency path
-// keep it too (their rows are quantised by the sender).
-template <TokenFormat F>
-__device__ __forceinline__ bool self_in_place(const GroupView& g, bool fused) {
-  return F == TokenFormat::kBF16 && fused && !g.low_latency;
-}
-
 // The whole warp: v[0] + ... + v[n - 1], in every lane (lanes read strided, then a butterfly),
 // so a sum over a rank's groups costs n / 32 loads per lane, not n dependent ones in one thread.
 __device__ __forceinline__ int64_t warp_sum(const int32_t* v, int32_t n) {

@@ -18,6 +18,7 @@
 #include "epcomm/detail/transport.cuh"
 #include "kernels/dispatch/common.cuh"
 #include "kernels/dispatch/meta.cuh"
+#include "kernels/dispatch/send.cuh"
 
 namespace epcomm {
 namespace detail {
@@ -135,8 +136,8 @@ struct PartScales {
 // engine keeps a message's K rows in flight with no register held, where a register copy holds
 // 8 loads a lane and issues K stores per load. Laid out after the receive's RecvGroups (the send's
 // shared memory is free once a block receives): kWarps mbarriers, then kWarps slots on 128-byte
-// lines. Used only where every slot fits kMaxBytes (bf16 rows of H 7168 do not: they keep the
-// register copy, which the fused kernel's own rows need anyway).
+// lines. Used only where every slot fits kMaxBytes; where they do not (bf16 rows of H 7168; FP8
+// from H of about 12 K) the receive keeps the register copy.
 struct RecvRing {
   static constexpr int64_t kMaxBytes = 192 * 1024;
   static constexpr int64_t kBarBytes = (kWarps * 8 + 127) / 128 * 128;  // the mbarriers' lines
@@ -161,6 +162,31 @@ struct RecvRing {
     return used(g) ? offset(g) + bytes(g) : groups_bytes(g);
   }
 };
+
+// Whether this rank's own messages carry no payload: in the fused kernel (send and receive one
+// launch, so the caller's input is there throughout) of the throughput path, a message to this
+// rank is its header alone and the receive reads the row from p.tokens. bf16 copies it: that
+// saves the send a read and a write of every own row (all of them with one rank, 1 / R of them
+// with R), which the send, bound by its warps' loads in flight, took longer over than the
+// receive's K-row expansion per byte. The quantised formats do it in a group of one rank (a
+// skip_a2a group's view among them) where the ring is used (solo_in_place): the receive
+// quantises the row into its ring slot and stores it from there as it stores a received payload,
+// and the send writes headers only. That group has fused kernels of its own (kSolo), so the
+// quantiser's registers (the receive spilled 8-72 B with it) stay out of every other kernel:
+// with it compiled into all of them, 2-rank FP8 prefill dispatch was 0.8% slower and one-rank
+// async + wait 0.7% (2 x H200, 2026-11-27). With more ranks most tokens also go to another rank,
+// so their row would be quantised twice (by the sender for the others, by the receive for this
+// rank): that took 2-rank gpt-oss dispatch from 99 to 122 us and decode from 74 to 81. The split
+// form keeps the copy: between dispatch_async and dispatch_wait the caller may reuse its input;
+// the low-latency path keeps it too.
+__host__ __device__ inline bool solo_in_place(const GroupView& g) {
+  return !g.low_latency && g.format != TokenFormat::kBF16 && g.n_ranks == 1 && RecvRing::used(g);
+}
+// In the fused kernel of format F (kSolo: the kernel of a solo_in_place group).
+template <TokenFormat F, bool kSolo>
+__device__ __forceinline__ bool self_in_place(const GroupView& g) {
+  return F == TokenFormat::kBF16 ? !g.low_latency : kSolo && RecvRing::used(g);
+}
 
 // This warp's slot of the ring (data == nullptr: no ring) and the phase its barrier is in.
 struct RingSlot {
@@ -200,12 +226,24 @@ struct RingSlot {
   }
 };
 
+// The whole warp: quantises this rank's bf16 row into a ring slot, laid out as a message's
+// payload.
+template <TokenFormat F>
+__device__ __forceinline__ void quantize_into_slot(const GroupView& g, const uint16_t* row,
+                                                char* slot) {
+  Dests d;
+  d.add(g.rank, 0, slot);
+  quantize_to<F, true>(row, g.hidden, g.nvfp4_global_scale, g.fp8_pow2 != 0, g.layout().msg(), d, 0,
+                       g.hidden / kLaneValues);
+}
+
 // Expands units [unit_begin, unit_end) of message m of source src (8 values each: the whole
 // message, or one part) into its rows: one wire copy, up to K output rows; the part at unit 0
 // also writes the rows' src_info. `in_place` (self_in_place): this rank's own messages are
-// headers, their rows read from p.tokens. `ring`: this warp's slot of the bulk-copy ring
-// (quantised formats, whole messages; see RecvRing), or none. Called by the whole warp.
-template <TokenFormat F, bool kPadded>
+// headers, their rows read from p.tokens (the quantised formats quantise them into the ring's
+// slot). `ring`: this warp's slot of the bulk-copy ring (quantised formats, whole messages; see
+// RecvRing), or none. Called by the whole warp.
+template <TokenFormat F, bool kPadded, bool kSolo = false>
 __device__ void expand_message(const DispatchParams& p, const RecvGroups& rg, int32_t src,
                                int32_t m, int32_t unit_begin, int32_t unit_end,
                                bool in_place = false, RingSlot* ring = nullptr) {
@@ -225,11 +263,12 @@ __device__ void expand_message(const DispatchParams& p, const RecvGroups& rg, in
 
   const char* msg = window_at(g, g.rank, wl.dispatch_recv_offset() + wl.dispatch_recv().offset(src, m));
   const int32_t units = g.hidden / kLaneValues;
-  in_place = F == TokenFormat::kBF16 && in_place && src == g.rank;
-  // The ring takes whole messages of the quantised formats (never in place).
-  const bool bulk = F != TokenFormat::kBF16 && ring != nullptr && ring->data != nullptr;
+  // The ring takes whole messages of the quantised formats.
+  const bool bulk = F != TokenFormat::kBF16 && ring != nullptr && ring->data != nullptr &&
+                    unit_begin == 0 && unit_end >= units;
+  in_place = (F == TokenFormat::kBF16 || (kSolo && bulk)) && in_place && src == g.rank;
   // A whole message: its payload into the slot (or into L2) at once, while the header is read.
-  if (lane == 0 && bulk)
+  if (lane == 0 && bulk && !in_place)
     ring->load(msg + ml.payload_offset(), uint32_t(ml.payload_bytes()));
   else if (lane == 0 && unit_begin == 0 && unit_end >= units && !in_place)
     prefetch_l2(msg + ml.payload_offset(), uint32_t(align_up(ml.payload_bytes(), 16)));
@@ -276,7 +315,17 @@ __device__ void expand_message(const DispatchParams& p, const RecvGroups& rg, in
   // count are the warp's).
   if (payload == nullptr) return;
   if (bulk) {  // the codes from the slot, one bulk copy a row
-    ring->wait();
+    if (in_place) {  // this rank's own row, quantised into the slot
+      if constexpr (F != TokenFormat::kBF16 && kSolo) {
+        if (lane == 0) bulk_wait_read<0>();  // the previous message's stores have read the slot
+        __syncwarp();
+        quantize_into_slot<F>(g, reinterpret_cast<const uint16_t*>(payload), ring->data);
+        fence_proxy_async_smem();  // each lane's stores to the slot, before bulk stores read it
+        __syncwarp();
+      }
+    } else {
+      ring->wait();
+    }
     for (int32_t j = 0; j < n; ++j) {
       const int64_t r = __shfl_sync(0xffffffffu, at, j);
       if (lane == 0 && r >= 0) bulk_store(out + r * row_bytes, ring->data, uint32_t(row_bytes));
@@ -423,7 +472,7 @@ __device__ void expand_parts(const DispatchParams& p, const RecvGroups& rg, unsi
 
 // The throughput path's receive: work items (chunk, source, message slot) of the chunks'
 // messages.
-template <TokenFormat F, bool kPadded>
+template <TokenFormat F, bool kPadded, bool kSolo>
 __device__ void expand_chunks(const DispatchParams& p, const RecvGroups& rg, unsigned long long seq,
                               bool in_place, char* smem) {
   const GroupView& g = p.g;
@@ -461,7 +510,7 @@ __device__ void expand_chunks(const DispatchParams& p, const RecvGroups& rg, uns
     const int32_t m = starts[c] + slot;
     if (m >= end) continue;  // no message in this slot: nothing to wait for
     if (!warp_wait_chunk(g, s, c, seq)) break;
-    expand_message<F, kPadded>(p, rg, s, m, 0, g.hidden / kLaneValues, in_place, &ring);
+    expand_message<F, kPadded, kSolo>(p, rg, s, m, 0, g.hidden / kLaneValues, in_place, &ring);
   }
   ring.drain();
 }
@@ -470,7 +519,7 @@ __device__ void expand_chunks(const DispatchParams& p, const RecvGroups& rg, uns
 // or a sender of the fused kernel that has sent its chunks and joins in (rb < 0: it takes work
 // items only; the receivers write the padding and the combine's bookkeeping). kLowLatency: the
 // group's path (GroupView::low_latency), which picks how rows are expanded.
-template <TokenFormat F, bool kPadded, bool kLowLatency>
+template <TokenFormat F, bool kPadded, bool kLowLatency, bool kSolo = false>
 __device__ __noinline__ void dispatch_recv(const DispatchParams& p, unsigned long long seq,
                                            char* smem, int32_t rb, int32_t n_rb, bool in_place) {
   const GroupView& g = p.g;
@@ -588,7 +637,7 @@ __device__ __noinline__ void dispatch_recv(const DispatchParams& p, unsigned lon
   if constexpr (kLowLatency)
     expand_parts<F, kPadded>(p, rg, seq, rb, n_rb);
   else
-    expand_chunks<F, kPadded>(p, rg, seq, in_place, smem);
+    expand_chunks<F, kPadded, kSolo>(p, rg, seq, in_place, smem);
   // A warp that gave up has set the abort flag (or found it set): the block stops here.
   if (block_aborted(g)) return;
   dispatch_done(g, seq);

@@ -79,7 +79,9 @@ struct Dests {
 // independent, and a sender warp is bound by its own instruction latency (one block per SM, 4
 // warps per scheduler), so the overlap is what keeps the SM issuing.
 // Units [unit_begin, unit_end) of the row (the low-latency path quantises one part per warp).
-template <TokenFormat F>
+// kShared: the payloads are in shared memory (the receive's ring slot), stored through generic
+// stores (st_v4 stores to global memory).
+template <TokenFormat F, bool kShared = false>
 __device__ void quantize_to(const uint16_t* row, int32_t hidden, float gs, bool pow2,
                             const MessageLayout& ml, const Dests& dests, int32_t unit_begin,
                             int32_t unit_end) {
@@ -159,7 +161,13 @@ __device__ void quantize_to(const uint16_t* row, int32_t hidden, float gs, bool 
         const int32_t unit = base + k * kWarpSize + lane;
         if (!kFull && unit >= units) break;  // so are this lane's later units
         const uint32_t u = uint32_t(unit);
-        if (lane % kPack == 0) st_v4(payload + int64_t(u / kPack) * 16, packed[k]);
+        if (lane % kPack == 0) {
+          char* const at = payload + int64_t(u / kPack) * 16;
+          if constexpr (kShared)
+            *reinterpret_cast<uint4*>(at) = packed[k];
+          else
+            st_v4(at, packed[k]);
+        }
         if (u % kLanes == 0) reinterpret_cast<Scale*>(payload + scales_at)[u / kLanes] = scale[k];
       }
     }
@@ -278,8 +286,8 @@ __device__ LaneRoute route_from_scratch(const DispatchParams& p, int32_t t) {
 // Token t's message to every destination rank it goes to: the header when `headers`, and the
 // payload's units [unit_begin, unit_end) (8 values each: bf16 copied, the other formats
 // quantised in registers). Whole warp. Calls sent(batch) after each batch of destinations.
-// `self_in_place` (self_in_place(): the fused bf16 throughput kernel): this rank's own message
-// is its header alone; the receive reads the row where it is, in p.tokens.
+// `self_in_place` (self_in_place(): the fused throughput kernel): this rank's own message is its
+// header alone; the receive reads the row where it is, in p.tokens.
 template <TokenFormat F, class Sent>
 __device__ void send_token(const DispatchParams& p, int32_t t, const LaneRoute& r,
                            int32_t unit_begin, int32_t unit_end, bool headers, Sent sent,
@@ -293,8 +301,7 @@ __device__ void send_token(const DispatchParams& p, int32_t t, const LaneRoute& 
   const char* src = static_cast<const char*>(p.tokens) + int64_t(t) * g.hidden * 2;
   const int32_t units = g.hidden / kLaneValues;
   // The ranks whose payload this warp writes.
-  const RankMask copied =
-      F == TokenFormat::kBF16 && self_in_place ? dest_mask & ~rank_bit(g.rank) : dest_mask;
+  const RankMask copied = self_in_place ? dest_mask & ~rank_bit(g.rank) : dest_mask;
   if (lane == 0 && unit_begin == 0 && unit_end >= units && copied != 0)
     prefetch_l2(src, uint32_t(g.hidden) * 2);
   unit_end = unit_end < units ? unit_end : units;
@@ -322,7 +329,7 @@ __device__ void send_token(const DispatchParams& p, int32_t t, const LaneRoute& 
       if (d.n > 0)
         copy_vectors(src + int64_t(unit_begin) * 16, unit_end - unit_begin, d.n, LoadNc{},
                      [&](int32_t j) { return d.payload_of(j) + int64_t(unit_begin) * 16; });
-    } else {
+    } else if (d.n > 0) {
       quantize_to<F>(reinterpret_cast<const uint16_t*>(src), g.hidden, g.nvfp4_global_scale,
                      g.fp8_pow2 != 0, ml, d, unit_begin, unit_end);
     }
