@@ -209,6 +209,8 @@ void unpad_expert_rows(const UnpadExpertRows& a);
 // routing_layout (epcomm/routing_layout.h) on host memory: the same arguments, checks and
 // outputs (the counts written outright).
 void routing_layout(const RoutingLayout& a);
+// received_topk (epcomm/routing_layout.h) on host memory (num_rows a host word too).
+void received_topk(const ReceivedTopk& a);
 
 // What a group with Config::padded_capacity = capacity writes on `rank` (the padded per-expert
 // layout; bf16 or blockwise FP8): the packed rows with no format padding (`meta`: row_offsets,

@@ -214,6 +214,61 @@ void bind_silu(nb::module_& m) {
       "Tokens per rank and per expert, and the ranks each token goes to, from top-k ids "
       "(epcomm/routing_layout.h).");
   m.def(
+      "routing_layout_of_mask",
+      [](const Array& token_in_rank, const std::optional<Array>& tokens_per_rank,
+         const Array& rank_ids, uintptr_t stream) {
+        const Ctx c{"epcomm routing_layout", token_in_rank.device_id()};
+        check_array(c, "token_in_rank", token_in_rank, Elem::kBytes, {-1, -1}, "[T, R] bool");
+        epcomm::RoutingLayout a;
+        a.num_tokens = int64_t(token_in_rank.shape(0));
+        a.n_ranks = a.num_experts = int32_t(token_in_rank.shape(1));
+        a.top_k = 0;
+        a.rank_mask = static_cast<const bool*>(token_in_rank.data());
+        check_array(c, "rank_ids", rank_ids, Elem::kI32, {a.num_tokens, a.n_ranks}, "[T, R]");
+        a.rank_ids = static_cast<int32_t*>(rank_ids.data());
+        if (tokens_per_rank) {
+          check_array(c, "tokens_per_rank", *tokens_per_rank, Elem::kI32, {a.n_ranks}, "[R]");
+          a.tokens_per_rank = static_cast<int32_t*>(tokens_per_rank->data());
+        }
+        DeviceGuard guard;
+        cuda_check(cudaSetDevice(c.device), "cudaSetDevice");
+        epcomm::routing_layout(a, as_stream(stream));
+      },
+      "token_in_rank"_a, "tokens_per_rank"_a.none(), "rank_ids"_a, "stream"_a,
+      "The rank ids (r where token t goes to rank r, else -1) and tokens per rank of a routing "
+      "given as a [T, R] bool mask (epcomm/routing_layout.h).");
+  m.def(
+      "received_topk",
+      [](uintptr_t ids, uintptr_t weights, int64_t row_bytes, uintptr_t num_rows, int32_t top_k,
+         int64_t first_expert, const Array& local_ids, const Array& local_weights,
+         const Array& counts, uintptr_t stream) {
+        const Ctx c{"epcomm received_topk", local_ids.device_id()};
+        check_array(c, "local_ids", local_ids, Elem::kI64, {-1, top_k}, "[rows, K]");
+        const int64_t rows = int64_t(local_ids.shape(0));
+        check_array(c, "local_weights", local_weights, Elem::kF32, {rows, top_k}, "[rows, K]");
+        check_array(c, "counts", counts, Elem::kI32, {-1}, "[1 + local experts]");
+        epcomm::ReceivedTopk a;
+        a.ids = reinterpret_cast<const int64_t*>(ids);
+        a.weights = reinterpret_cast<const float*>(weights);
+        a.row_bytes = row_bytes;
+        a.max_rows = rows;
+        a.num_rows = reinterpret_cast<const uint32_t*>(num_rows);
+        a.top_k = top_k;
+        a.first_expert = first_expert;
+        a.n_local = int32_t(counts.shape(0)) - 1;
+        a.local_ids = static_cast<int64_t*>(local_ids.data());
+        a.local_weights = static_cast<float*>(local_weights.data());
+        a.counts = static_cast<int32_t*>(counts.data());
+        DeviceGuard guard;
+        cuda_check(cudaSetDevice(c.device), "cudaSetDevice");
+        epcomm::received_topk(a, as_stream(stream));
+      },
+      "ids"_a, "weights"_a, "row_bytes"_a, "num_rows"_a, "top_k"_a, "first_expert"_a, "local_ids"_a,
+      "local_weights"_a, "counts"_a, "stream"_a,
+      "A dispatch over ranks' received top-k (device addresses ids and weights, rows of "
+      "row_bytes; num_rows the device word of rows received) as this rank's local expert ids and "
+      "weights, and counts = [rows, slots per local expert] (epcomm/routing_layout.h).");
+  m.def(
       "silu_bf16",
       [](const Array& x, const Array& row_offsets, int32_t intermediate, const Array& out,
          uintptr_t stream) {

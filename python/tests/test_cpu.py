@@ -313,6 +313,17 @@ def test_routing_layout_checks_its_arrays():
     with pytest.raises(epcomm.InvalidArgument,
                        match=r"topk_ids must be a CUDA tensor on cuda:0; got cpu memory"):
         C.routing_layout(ids, 8, 2, per_rank, None, None, None, 0)
+    mask = np.zeros((4, 2), dtype=np.bool_)
+    with pytest.raises(epcomm.InvalidArgument,
+                       match=r"epcomm routing_layout: token_in_rank must be .*; got int16"):
+        C.routing_layout_of_mask(mask.astype(np.int16), per_rank, ids, 0)
+    with pytest.raises(epcomm.InvalidArgument,
+                       match=r"token_in_rank must be a CUDA tensor on cuda:0; got cpu memory"):
+        C.routing_layout_of_mask(mask, per_rank, ids.astype(np.int32), 0)
+    local = np.zeros((4, 2), dtype=np.int32)
+    with pytest.raises(epcomm.InvalidArgument,
+                       match=r"epcomm received_topk: local_ids must be int64; got int32"):
+        C.received_topk(0, 0, 32, 0, 2, 0, local, local, per_rank, 0)
 
 
 def test_silu_wrapper_arguments():

@@ -198,34 +198,63 @@ def test_worker_fp8_casts_match_the_reference():
             assert torch.equal(w.ll_scales_f32(strided, "ue8m0")[0], ref_s)
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-def test_normal_rows_carry_ids_scales_and_weights(fp8):
-    """The normal-mode dispatch's rows (_normal_rows) and what a rank reads back from them
-    (_normal_topk), on rows received as sent: the int64 ids travel whole, so an id no int32
-    holds (2^32 + 9, which truncated would be this rank's expert 9) is dropped like any bad id,
-    not taken for another expert."""
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU visible")
+
+
+def _normal_case(fp8):
+    """Normal-mode rows of 5 tokens, top-3, rank 1 of 2 with 8 experts each; the ids hold one no
+    int32 holds (2^32 + 9, which truncated would be this rank's expert 9)."""
     T, H, K, R, E, rank = 5, 256, 3, 2, 16, 1
-    n_local = E // R
     codes = (torch.randint(0, 255, (T, H), dtype=torch.uint8) if fp8
              else torch.randn(T, H).to(torch.bfloat16))
     scales = torch.rand(T, H // 128) if fp8 else None
     idx = torch.tensor([[9, 3, -1], [2**32 + 9, 15, 8], [0, 1, 2], [10, -1, 11], [12, 13, 14]],
                        dtype=deep_ep.topk_idx_t)
     w = torch.rand(T, K)
+    return codes, scales, idx, w, K, E // R, rank
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_normal_rows_carry_ids_scales_and_weights(fp8):
+    """The normal-mode dispatch's rows (_normal_rows): the codes, then the int64 ids, the scales
+    and the weights where _NormalMeta (which _normal_topk's launch reads by) puts them."""
+    codes, scales, idx, w, K, _, _ = _normal_case(fp8)
     rows = deep_ep._normal_rows(codes, scales, idx, w).view(torch.int32)
     cw = codes.view(torch.uint8).size(1) // 4
     S = 0 if scales is None else scales.size(1)
-    assert rows.size(1) % 4 == 0 and rows.size(1) >= cw + 3 * K + S
+    layout = deep_ep._NormalMeta(K, S)
+    assert rows.size(1) % 4 == 0 and rows.size(1) >= cw + layout.words
     assert torch.equal(rows[:, :cw], codes.view(torch.uint8).view(torch.int32))
     meta = rows[:, cw:]
+    assert torch.equal(meta[:, layout.ids].contiguous().view(deep_ep.topk_idx_t), idx)
+    assert torch.equal(meta[:, layout.weights].view(torch.float32), w)
     if fp8:
-        assert torch.equal(meta[:, 2 * K:2 * K + S].view(torch.float32), scales)
-    received = torch.tensor([4])  # rows past the fourth did not arrive
-    ids, weights, ok = deep_ep._normal_topk(meta, K, S, rank * n_local, n_local, received)
+        assert torch.equal(meta[:, layout.scales].view(torch.float32), scales)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+def test_normal_topk_reads_the_received_rows(fp8):
+    """What a rank reads back from received rows (_normal_topk, one launch of received_topk):
+    its experts as local ids, their weights, the rows received and the slots per local expert;
+    the int64 ids travel whole, so 2^32 + 9 is dropped like any bad id, not taken for expert 1.
+    Outputs past the received rows are -1 / 0."""
+    codes, scales, idx, w, K, n_local, rank = _normal_case(fp8)
+    dev = torch.device("cuda")
+    rows = deep_ep._normal_rows(codes.to(dev), None if scales is None else scales.to(dev),
+                                idx.to(dev), w.to(dev)).view(torch.int32)
+    cw = codes.view(torch.uint8).size(1) // 4
+    S = 0 if scales is None else scales.size(1)
+    received = torch.tensor([4], dtype=torch.int32, device=dev)  # the fifth row did not arrive
+    stream = torch.cuda.current_stream()
+    ids, weights, counts = deep_ep._normal_topk(rows, cw, K, S, rank * n_local, n_local,
+                                                received, stream.cuda_stream)
+    torch.cuda.synchronize()
     want = torch.tensor([[1, -1, -1], [-1, 7, 0], [-1, -1, -1], [2, -1, 3], [-1, -1, -1]])
-    assert ids.dtype == deep_ep.topk_idx_t and torch.equal(ids, want)
-    assert torch.equal(ok, want >= 0)
-    assert torch.equal(weights, torch.where(want >= 0, w, 0.0))
+    assert ids.dtype == deep_ep.topk_idx_t and torch.equal(ids.cpu(), want)
+    assert torch.equal(weights.cpu(), torch.where(want >= 0, w, 0.0))
+    assert counts.cpu().tolist() == [4, 1, 1, 1, 1, 0, 0, 0, 1]
 
 
 def test_normal_rows_take_ids_of_any_contiguous_strides():
@@ -236,8 +265,8 @@ def test_normal_rows_take_ids_of_any_contiguous_strides():
     codes = torch.randn(T, H).to(torch.bfloat16)
     w = torch.rand(T, 1)
     meta = deep_ep._normal_rows(codes, None, idx, w).view(torch.int32)[:, H // 2:]
-    ids, _, _ = deep_ep._normal_topk(meta, 1, 0, 8, 8, torch.tensor([T]))
-    assert torch.equal(ids.flatten(), torch.tensor([1, -1, 0, -1, 7]))
+    layout = deep_ep._NormalMeta(1, 0)
+    assert torch.equal(meta[:, layout.ids].contiguous().view(deep_ep.topk_idx_t), idx)
 
 
 def test_max_tokens_from_the_environment(world, monkeypatch):
@@ -267,9 +296,6 @@ def test_low_latency_needs_the_mode(world):
 def test_destroyed_buffer_refuses_calls(buf):
     buf.destroy()
     raises("destroyed", buf.get_dispatch_layout, torch.zeros((1, 1), dtype=torch.int64), 8)
-
-
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU visible")
 
 
 def torchrun(nproc, *args, timeout=500):

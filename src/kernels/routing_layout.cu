@@ -9,6 +9,7 @@
 // blocks add theirs in.
 #include <algorithm>
 #include <string>
+#include <type_traits>
 
 #include "epcomm/detail/device.cuh"
 #include "epcomm/detail/launch.h"
@@ -22,6 +23,7 @@ constexpr int kThreads = 1024;
 constexpr int64_t kTokensPerThread = 8;
 constexpr int32_t kMaskRanks = 64;
 
+// Id: the top-k ids' type; bool: the routing is a.rank_mask.
 template <class Id>
 __global__ void __launch_bounds__(kThreads) routing_layout_kernel(RoutingLayout a) {
   extern __shared__ int32_t hist[];  // [num_experts] experts, then [n_ranks] ranks
@@ -37,14 +39,19 @@ __global__ void __launch_bounds__(kThreads) routing_layout_kernel(RoutingLayout 
     const Id* row = ids + t * a.ids_stride;
     for (int32_t base = 0; base < R; base += kMaskRanks) {
       uint64_t mask = 0;
-      for (int32_t k = 0; k < a.top_k; ++k) {
-        const int64_t e = int64_t(row[k]);
-        if (e < 0 || e >= E) continue;  // a masked slot
-        if (base == 0) atomicAdd(&experts[e], 1);
-        const int32_t r = int32_t(e / per_rank) - base;
-        if (r >= 0 && r < kMaskRanks) mask |= uint64_t(1) << r;
-      }
       const int32_t n = min(kMaskRanks, R - base);
+      if constexpr (std::is_same<Id, bool>::value) {
+        for (int32_t j = 0; j < n; ++j)
+          if (a.rank_mask[t * R + base + j]) mask |= uint64_t(1) << j;
+      } else {
+        for (int32_t k = 0; k < a.top_k; ++k) {
+          const int64_t e = int64_t(row[k]);
+          if (e < 0 || e >= E) continue;  // a masked slot
+          if (base == 0) atomicAdd(&experts[e], 1);
+          const int32_t r = int32_t(e / per_rank) - base;
+          if (r >= 0 && r < kMaskRanks) mask |= uint64_t(1) << r;
+        }
+      }
       for (int32_t j = 0; j < n; ++j) {
         const bool in = ((mask >> j) & 1u) != 0;
         const int64_t at = t * R + base + j;
@@ -65,6 +72,57 @@ __global__ void __launch_bounds__(kThreads) routing_layout_kernel(RoutingLayout 
     else if (hist[i] != 0)
       atomicAdd(&out[j], hist[i]);
   }
+}
+
+// received_topk: one thread a (row, slot), in a grid-stride loop; the kept slots counted per local
+// expert in shared memory, then once a block (outright with one block, else added into counts
+// cleared on the stream).
+constexpr int kTopkThreads = 512;
+constexpr int64_t kSlotsPerThread = 8;
+
+__global__ void __launch_bounds__(kTopkThreads) received_topk_kernel(ReceivedTopk a) {
+  extern __shared__ int32_t local[];  // [n_local]
+  for (int32_t i = threadIdx.x; i < a.n_local; i += kTopkThreads)
+    local[i] = 0;
+  __syncthreads();
+  const int64_t rows = min(int64_t(*a.num_rows), a.max_rows);
+  const int64_t slots = a.max_rows * a.top_k;
+  for (int64_t s = int64_t(blockIdx.x) * kTopkThreads + threadIdx.x; s < slots;
+       s += int64_t(gridDim.x) * kTopkThreads) {
+    const int64_t i = s / a.top_k;
+    const int64_t k = s - i * a.top_k;
+    int64_t id = -1;
+    float w = 0.f;
+    if (i < rows) {
+      const int64_t e = *reinterpret_cast<const int64_t*>(reinterpret_cast<const char*>(a.ids) +
+                                                          i * a.row_bytes + k * 8);
+      if (e >= a.first_expert && e - a.first_expert < a.n_local) {  // no overflow either way
+        id = e - a.first_expert;
+        w = *reinterpret_cast<const float*>(reinterpret_cast<const char*>(a.weights) +
+                                            i * a.row_bytes + k * 4);
+        atomicAdd(&local[id], 1);
+      }
+    }
+    a.local_ids[s] = id;
+    a.local_weights[s] = w;
+  }
+  __syncthreads();
+  const bool one_block = gridDim.x == 1;
+  for (int32_t e = threadIdx.x; e < a.n_local; e += kTopkThreads) {
+    if (one_block)
+      a.counts[1 + e] = local[e];
+    else if (local[e] != 0)
+      atomicAdd(&a.counts[1 + e], local[e]);
+  }
+  if (blockIdx.x == 0 && threadIdx.x == 0) a.counts[0] = int32_t(rows);
+}
+
+int64_t sms_of_device() {
+  int device = 0, sms = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
+             "cudaDeviceGetAttribute");
+  return sms;
 }
 
 size_t hist_bytes(const RoutingLayout& a) {
@@ -96,8 +154,19 @@ void check_routing_layout(const RoutingLayout& a) {
   if (int64_t(a.num_experts) + a.n_ranks > 12288)
     invalid(op, "num_experts + n_ranks = " + std::to_string(int64_t(a.num_experts) + a.n_ranks) +
                     " is more than 12288");
-  if (a.num_tokens > 0 && a.top_k > 0)
+  if (a.rank_mask != nullptr) {
+    if (a.topk_ids != nullptr || a.top_k != 0)
+      invalid(op, "rank_mask and topk_ids are both given (one routing: topk_ids null, top_k 0)");
+    if (a.num_experts != a.n_ranks)
+      invalid(op, "num_experts = " + std::to_string(a.num_experts) +
+                      " with rank_mask: the ranks are the experts (n_ranks = " +
+                      std::to_string(a.n_ranks) + ")");
+    if (a.tokens_per_expert != nullptr || a.token_in_rank != nullptr)
+      invalid(op, "with rank_mask only tokens_per_rank and rank_ids are written");
+    if (a.num_tokens > 0) check_pointer(op, "rank_mask", a.rank_mask, 1);
+  } else if (a.num_tokens > 0 && a.top_k > 0) {
     check_pointer(op, "topk_ids", a.topk_ids, size_t(a.id_bytes));
+  }
   if (a.tokens_per_rank == nullptr && a.tokens_per_expert == nullptr &&
       a.token_in_rank == nullptr && a.rank_ids == nullptr)
     invalid(op, "no output given");
@@ -113,11 +182,7 @@ void routing_layout(const RoutingLayout& a, cudaStream_t stream) {
   check_routing_layout(a);
   const int64_t need =
       (a.num_tokens + kThreads * kTokensPerThread - 1) / (kThreads * kTokensPerThread);
-  int device = 0, sms = 0;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
-             "cudaDeviceGetAttribute");
-  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(need, sms));
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(need, sms_of_device()));
   if (blocks > 1) {
     if (a.tokens_per_rank != nullptr)
       check_cuda(cudaMemsetAsync(a.tokens_per_rank, 0, size_t(a.n_ranks) * 4, stream),
@@ -127,11 +192,52 @@ void routing_layout(const RoutingLayout& a, cudaStream_t stream) {
                  "cudaMemsetAsync");
   }
   const size_t smem = hist_bytes(a);
-  if (a.id_bytes == 8)
+  if (a.rank_mask != nullptr)
+    routing_layout_kernel<bool><<<unsigned(blocks), kThreads, smem, stream>>>(a);
+  else if (a.id_bytes == 8)
     routing_layout_kernel<int64_t><<<unsigned(blocks), kThreads, smem, stream>>>(a);
   else
     routing_layout_kernel<int32_t><<<unsigned(blocks), kThreads, smem, stream>>>(a);
   check_cuda(cudaGetLastError(), op);
+}
+
+void check_received_topk(const ReceivedTopk& a) {
+  using namespace detail;
+  const char* op = "received_topk";
+  if (a.top_k < 0 || a.top_k > 1024)
+    invalid(op, "top_k = " + std::to_string(a.top_k) + " is outside [0, 1024]");
+  if (a.max_rows < 0 || a.max_rows * a.top_k >= (int64_t(1) << 31))
+    invalid(op, "max_rows = " + std::to_string(a.max_rows) +
+                    " with top_k = " + std::to_string(a.top_k) + ": outside [0, 2^31) slots");
+  if (a.row_bytes % 8 != 0 || a.row_bytes < int64_t(8) * a.top_k)
+    invalid(op, "row_bytes = " + std::to_string(a.row_bytes) +
+                    " must be a multiple of 8 and hold top_k = " + std::to_string(a.top_k) +
+                    " int64 ids");
+  if (a.n_local < 1 || a.n_local > 12288)  // the counts gather in 48 KB of shared memory
+    invalid(op, "n_local = " + std::to_string(a.n_local) + " is outside [1, 12288]");
+  if (a.first_expert < 0)
+    invalid(op, "first_expert = " + std::to_string(a.first_expert) + " is negative");
+  check_pointer(op, "num_rows", a.num_rows, 4);
+  check_pointer(op, "counts", a.counts, 4);
+  if (a.max_rows * a.top_k > 0) {
+    check_pointer(op, "ids", a.ids, 8);
+    check_pointer(op, "weights", a.weights, 4);
+    check_pointer(op, "local_ids", a.local_ids, 8);
+    check_pointer(op, "local_weights", a.local_weights, 4);
+  }
+}
+
+void received_topk(const ReceivedTopk& a, cudaStream_t stream) {
+  using namespace detail;
+  check_received_topk(a);
+  const int64_t slots = a.max_rows * a.top_k;
+  const int64_t need =
+      (slots + kTopkThreads * kSlotsPerThread - 1) / (kTopkThreads * kSlotsPerThread);
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(need, sms_of_device()));
+  if (blocks > 1)
+    check_cuda(cudaMemsetAsync(a.counts, 0, size_t(1 + a.n_local) * 4, stream), "cudaMemsetAsync");
+  received_topk_kernel<<<unsigned(blocks), kTopkThreads, size_t(a.n_local) * 4, stream>>>(a);
+  check_cuda(cudaGetLastError(), "received_topk");
 }
 
 }  // namespace epcomm

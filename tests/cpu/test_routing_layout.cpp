@@ -1,9 +1,11 @@
 // reference::routing_layout (the CPU model of epcomm/routing_layout.h): a worked example by hand
 // (masked and out-of-range slots, a token with two experts on one rank, int32 and int64 ids, a
-// row stride past top_k), a group of more than 64 ranks, and the refusals.
+// row stride past top_k), a group of more than 64 ranks, a routing given as a rank mask, and the
+// refusals; reference::received_topk by hand.
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "epcomm/error.h"
@@ -124,6 +126,125 @@ TEST(RoutingLayoutReference, RefusesBadArgumentsAndTakesAnyOutputs) {
   a.topk_ids = nullptr;
   reference::routing_layout(a);
   EXPECT_EQ(o.per_expert, (std::vector<int32_t>{0, 0, 0, 0}));
+}
+
+// A routing over ranks given as a mask (DeepEP's is_token_in_rank): rank ids and per-rank counts.
+TEST(RoutingLayoutReference, TakesARankMask) {
+  const int64_t T = 3;
+  const int32_t R = 3;
+  const bool mask[T * R] = {true, false, true, false, false, false, true, true, true};
+  Out o(T, R, R);
+  RoutingLayout a;
+  a.rank_mask = mask;
+  a.top_k = 0;
+  a.num_tokens = T;
+  a.num_experts = a.n_ranks = R;
+  a.tokens_per_rank = o.per_rank.data();
+  a.rank_ids = o.rank_ids.data();
+  reference::routing_layout(a);
+  EXPECT_EQ(o.per_rank, (std::vector<int32_t>{2, 1, 2}));
+  EXPECT_EQ(o.rank_ids, (std::vector<int32_t>{0, -1, 2, -1, -1, -1, 0, 1, 2}));
+  // Refused: top-k ids too, experts other than the ranks, outputs a mask cannot give.
+  const std::vector<int64_t> ids(T * 2, 0);
+  RoutingLayout b = a;
+  b.topk_ids = ids.data();
+  b.top_k = b.ids_stride = 2;
+  EXPECT_THROW(reference::routing_layout(b), Error);
+  b = a;
+  b.num_experts = 2 * R;
+  EXPECT_THROW(reference::routing_layout(b), Error);
+  b = a;
+  b.tokens_per_expert = o.per_expert.data();
+  EXPECT_THROW(reference::routing_layout(b), Error);
+  b = a;
+  b.token_in_rank = reinterpret_cast<bool*>(o.in_rank.data());
+  EXPECT_THROW(reference::routing_layout(b), Error);
+}
+
+// Received rows of 40 bytes: 3 int64 ids at 0, 3 fp32 weights at 24, 4 bytes of padding. Rank 1 of
+// 2, 8 experts each (first_expert 8). 5 rows, of which 4 arrived.
+struct Received {
+  static constexpr int32_t K = 3, kLocal = 8;
+  static constexpr int64_t kRowBytes = 40, kRows = 5;
+  std::vector<uint64_t> words = std::vector<uint64_t>(kRows * kRowBytes / 8, 0xdeadbeefdeadbeefull);
+  std::vector<int64_t> ids = std::vector<int64_t>(kRows * K, 77);
+  std::vector<float> weights = std::vector<float>(kRows * K, 77.f);
+  std::vector<int32_t> counts = std::vector<int32_t>(1 + kLocal, 77);
+  uint32_t num_rows = 4;
+  Received(const std::vector<int64_t>& in_ids, const std::vector<float>& in_w) {
+    char* base = reinterpret_cast<char*>(words.data());
+    for (int64_t i = 0; i < kRows; ++i)
+      for (int32_t k = 0; k < K; ++k) {
+        std::memcpy(base + i * kRowBytes + 8 * k, &in_ids[size_t(i * K + k)], 8);
+        std::memcpy(base + i * kRowBytes + 24 + 4 * k, &in_w[size_t(i * K + k)], 4);
+      }
+  }
+  ReceivedTopk args() {
+    ReceivedTopk a;
+    const char* base = reinterpret_cast<const char*>(words.data());
+    a.ids = reinterpret_cast<const int64_t*>(base);
+    a.weights = reinterpret_cast<const float*>(base + 24);
+    a.row_bytes = kRowBytes;
+    a.max_rows = kRows;
+    a.num_rows = &num_rows;
+    a.top_k = K;
+    a.first_expert = 8;
+    a.n_local = kLocal;
+    a.local_ids = ids.data();
+    a.local_weights = weights.data();
+    a.counts = counts.data();
+    return a;
+  }
+};
+
+TEST(RoutingLayoutReference, ReceivedTopkKeepsThisRanksExperts) {
+  // Row 1's 2^32 + 9 would be this rank's expert 1 if truncated to int32; INT64_MIN must not
+  // overflow the subtraction; row 4 did not arrive (its ids would count).
+  const std::vector<int64_t> in_ids = {
+      9, 3, -1, (int64_t(1) << 32) + 9, 15, 8, INT64_MIN, 16, 2, 10, -1, 11, 12, 13, 14};
+  std::vector<float> in_w(in_ids.size());
+  for (size_t i = 0; i < in_w.size(); ++i)
+    in_w[i] = 0.5f + float(i);
+  Received r(in_ids, in_w);
+  reference::received_topk(r.args());
+  EXPECT_EQ(r.ids, (std::vector<int64_t>{1, -1, -1, -1, 7, 0, -1, -1, -1, 2, -1, 3, -1, -1, -1}));
+  for (size_t i = 0; i < r.ids.size(); ++i)
+    EXPECT_EQ(r.weights[i], r.ids[i] >= 0 ? in_w[i] : 0.f) << "slot " << i;
+  EXPECT_EQ(r.counts, (std::vector<int32_t>{4, 1, 1, 1, 1, 0, 0, 0, 1}));
+  // A count past max_rows reads max_rows.
+  r.num_rows = 9;
+  reference::received_topk(r.args());
+  EXPECT_EQ(r.counts[0], 5);
+  EXPECT_EQ(r.ids[12], 4);
+}
+
+TEST(RoutingLayoutReference, ReceivedTopkRefusesBadArguments) {
+  Received r(std::vector<int64_t>(15, 8), std::vector<float>(15, 1.f));
+  const auto refused = [&](const ReceivedTopk& a) {
+    EXPECT_THROW(reference::received_topk(a), Error);
+    EXPECT_EQ(r.counts, std::vector<int32_t>(1 + Received::kLocal, 77)) << "written before";
+  };
+  ReceivedTopk a = r.args();
+  a.row_bytes = 20;  // not a multiple of 8
+  refused(a);
+  a = r.args();
+  a.row_bytes = 16;  // holds 2 ids, not 3
+  refused(a);
+  a = r.args();
+  a.n_local = 0;
+  refused(a);
+  a = r.args();
+  a.first_expert = -8;
+  refused(a);
+  a = r.args();
+  a.num_rows = nullptr;
+  refused(a);
+  a = r.args();
+  a.ids = reinterpret_cast<const int64_t*>(reinterpret_cast<const char*>(a.ids) + 4);
+  refused(a);
+  a = r.args();
+  a.max_rows = int64_t(1) << 30;
+  refused(a);
 }
 
 }  // namespace

@@ -1,11 +1,13 @@
 // routing_layout (epcomm/routing_layout.h) on the GPU against reference::routing_layout: random
 // top-k ids (masked and out-of-range slots among them), int32 and int64, a row stride past top_k,
 // one block and many (a call past one block's tokens clears the counts and adds into them),
-// more than 64 ranks, no tokens; every output poisoned first, compared element for element. And
-// bad arguments refused before anything is written. Skips without a GPU.
+// more than 64 ranks, no tokens; every output poisoned first, compared element for element; the
+// routing given as a rank mask. received_topk against reference::received_topk likewise. And bad
+// arguments refused before anything is written. Skips without a GPU.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -116,6 +118,124 @@ TEST(RoutingLayout, MatchesTheReference) {
   for (unsigned outputs : {2u, 11u, 4u}) {
     check_case<int64_t>(cases[0], seed++, outputs);
     check_case<int64_t>(cases[3], seed++, outputs);
+  }
+}
+
+// A rank mask in (DeepEP's is_token_in_rank): rank ids and per-rank counts, one block and many.
+TEST(RoutingLayout, RankMaskMatchesTheReference) {
+  EPCOMM_REQUIRE_GPU();
+  uint64_t seed = 400;
+  for (const auto& [T, R] :
+       {std::pair<int64_t, int32_t>{4096, 8}, {50000, 8}, {9000, 70}, {3, 1}}) {
+    std::mt19937_64 rng(seed++);
+    std::vector<char> mask(size_t(T * R));
+    for (auto& m : mask)
+      m = char(rng() % 3 == 0);
+    std::vector<int32_t> want_rank(static_cast<size_t>(R)), want_ids(static_cast<size_t>(T * R));
+    RoutingLayout a;
+    a.rank_mask = reinterpret_cast<const bool*>(mask.data());
+    a.top_k = 0;
+    a.num_tokens = T;
+    a.num_experts = a.n_ranks = R;
+    a.tokens_per_rank = want_rank.data();
+    a.rank_ids = want_ids.data();
+    reference::routing_layout(a);
+    DeviceBuffer d_mask(0, mask.size()), d_rank(0, want_rank.size() * 4),
+        d_ids(0, want_ids.size() * 4);
+    d_mask.upload(mask.data(), mask.size());
+    d_rank.fill(0x5a);
+    d_ids.fill(0x5a);
+    a.rank_mask = d_mask.get<bool>();
+    a.tokens_per_rank = d_rank.get<int32_t>();
+    a.rank_ids = d_ids.get<int32_t>();
+    routing_layout(a, nullptr);
+    EPCOMM_CUDA_OK(cudaDeviceSynchronize());
+    std::vector<int32_t> got_rank(want_rank.size()), got_ids(want_ids.size());
+    d_rank.download(got_rank.data(), got_rank.size() * 4);
+    d_ids.download(got_ids.data(), got_ids.size() * 4);
+    EXPECT_EQ(got_rank, want_rank) << "T " << T << ", R " << R;
+    EXPECT_EQ(got_ids, want_ids) << "T " << T << ", R " << R;
+  }
+}
+
+// received_topk on random received rows (ids of this rank's experts, of others', masked and past
+// the int32 range; padding between the ids and the weights, as DeepEP's normal rows have the
+// scales there), some rows not received; one block and many; outputs poisoned.
+TEST(RoutingLayout, ReceivedTopkMatchesTheReference) {
+  EPCOMM_REQUIRE_GPU();
+  struct RCase {
+    int64_t max_rows;
+    uint32_t num_rows;
+    int32_t top_k, n_local, rank;
+  };
+  uint64_t seed = 500;
+  for (const RCase& c :
+       {RCase{32768, 30000, 8, 32, 3}, RCase{256, 256, 8, 256, 0}, RCase{1000, 0, 4, 16, 1},
+        RCase{5000, 7000, 1, 12, 2}, RCase{0, 0, 8, 32, 0}}) {
+    std::mt19937_64 rng(seed++);
+    const int64_t ids_bytes = 8 * c.top_k, pad = 56,
+                  row_bytes = (ids_bytes + pad + 4 * c.top_k + 7) / 8 * 8;
+    std::vector<char> rows(size_t(std::max<int64_t>(1, c.max_rows * row_bytes)));
+    for (auto& b : rows)
+      b = char(rng());
+    const int64_t E = int64_t(c.n_local) * 8, first = int64_t(c.rank) * c.n_local;
+    for (int64_t i = 0; i < c.max_rows; ++i)
+      for (int32_t k = 0; k < c.top_k; ++k) {
+        const uint64_t p = rng() % 20;
+        const int64_t id = p == 0   ? -1
+                           : p == 1 ? (int64_t(1) << 32) + first + 1
+                                    : int64_t(rng() % E);
+        const float w = float(rng() % 1000) / 7.f;
+        std::memcpy(&rows[size_t(i * row_bytes + 8 * k)], &id, 8);
+        std::memcpy(&rows[size_t(i * row_bytes + ids_bytes + pad + 4 * k)], &w, 4);
+      }
+    const size_t slots = size_t(c.max_rows * c.top_k);
+    std::vector<int64_t> want_ids(slots);
+    std::vector<float> want_w(slots);
+    std::vector<int32_t> want_counts(size_t(1 + c.n_local));
+    uint32_t num_rows = c.num_rows;
+    ReceivedTopk a;
+    a.ids = reinterpret_cast<const int64_t*>(rows.data());
+    a.weights = reinterpret_cast<const float*>(rows.data() + ids_bytes + pad);
+    a.row_bytes = row_bytes;
+    a.max_rows = c.max_rows;
+    a.num_rows = &num_rows;
+    a.top_k = c.top_k;
+    a.first_expert = first;
+    a.n_local = c.n_local;
+    a.local_ids = want_ids.data();
+    a.local_weights = want_w.data();
+    a.counts = want_counts.data();
+    reference::received_topk(a);
+    DeviceBuffer d_rows(0, rows.size()), d_n(0, 4), d_ids(0, std::max<size_t>(8, slots * 8)),
+        d_w(0, std::max<size_t>(4, slots * 4)), d_counts(0, want_counts.size() * 4);
+    d_rows.upload(rows.data(), rows.size());
+    d_n.upload(&num_rows, 4);
+    for (DeviceBuffer* b : {&d_ids, &d_w, &d_counts})
+      b->fill(0x5a);
+    a.ids = d_rows.get<const int64_t>();
+    a.weights = reinterpret_cast<const float*>(d_rows.get<char>() + ids_bytes + pad);
+    a.num_rows = d_n.get<uint32_t>();
+    a.local_ids = d_ids.get<int64_t>();
+    a.local_weights = d_w.get<float>();
+    a.counts = d_counts.get<int32_t>();
+    received_topk(a, nullptr);
+    EPCOMM_CUDA_OK(cudaDeviceSynchronize());
+    std::vector<int64_t> got_ids(slots);
+    std::vector<float> got_w(slots);
+    std::vector<int32_t> got_counts(want_counts.size());
+    d_ids.download(got_ids.data(), slots * 8);
+    d_w.download(got_w.data(), slots * 4);
+    d_counts.download(got_counts.data(), got_counts.size() * 4);
+    const std::string what = "max_rows " + std::to_string(c.max_rows) + ", received " +
+                             std::to_string(c.num_rows) + ", K " + std::to_string(c.top_k);
+    EXPECT_EQ(got_ids, want_ids) << what;
+    EXPECT_EQ(got_w, want_w) << what;  // exact: copied or zero
+    EXPECT_EQ(got_counts, want_counts) << what;
+    int64_t kept = 0;
+    for (int64_t id : want_ids)
+      kept += id >= 0;
+    if (c.num_rows > 0 && c.max_rows > 0) EXPECT_GT(kept, 0) << what << ": nothing kept";
   }
 }
 
