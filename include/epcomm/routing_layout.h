@@ -13,7 +13,9 @@
 // ids_stride elements (top_k for a contiguous array). A routing already over ranks may be given as
 // a mask instead (rank_mask [num_tokens, n_ranks] bool, contiguous, topk_ids null, top_k 0,
 // num_experts = n_ranks): then only tokens_per_rank and rank_ids are written (DeepEP's dispatch
-// takes is_token_in_rank, and its rows go to ranks as experts). Outputs are written in full: the
+// takes is_token_in_rank, and its rows go to ranks as experts). A mask byte other than 0 counts
+// as true. With no tokens the mask may be null (an empty array's address): the call then reads as
+// top_k 0 and writes the same zero counts. Outputs are written in full: the
 // counts are zeroed on the stream first, so the outputs need no clearing by the caller. Bad
 // arguments throw Error(kInvalidArgument) before anything is launched; a failed launch throws
 // Error(kCuda).

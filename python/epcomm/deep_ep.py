@@ -636,7 +636,7 @@ class Buffer:
                 # The returned top-k, for every row the rank can receive, and the rows received
                 # with the slots per local expert, in one launch before the host waits for them
                 # (the caller gets the first N rows, views): after the wait the GPU idles while
-                # the host launches.
+                # the host launches. (With num_worst_tokens the counts go unread: same launch.)
                 all_topk_idx, all_topk_weights, received = _normal_topk(
                     rows, cw, K, S, self.rank * n_local, n_local, recv_dev, stream)
             counts = None  # per local expert, where the host learns them

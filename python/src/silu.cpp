@@ -242,6 +242,8 @@ void bind_silu(nb::module_& m) {
       [](uintptr_t ids, uintptr_t weights, int64_t row_bytes, uintptr_t num_rows, int32_t top_k,
          int64_t first_expert, const Array& local_ids, const Array& local_weights,
          const Array& counts, uintptr_t stream) {
+        // ids, weights and num_rows are raw device addresses (strided views of a dispatch
+        // output): the caller keeps local_ids' rows within the rows those addresses hold.
         const Ctx c{"epcomm received_topk", local_ids.device_id()};
         check_array(c, "local_ids", local_ids, Elem::kI64, {-1, top_k}, "[rows, K]");
         const int64_t rows = int64_t(local_ids.shape(0));

@@ -8,6 +8,7 @@
 // counts outright (no clearing launch before it); a larger one clears them on the stream and its
 // blocks add theirs in.
 #include <algorithm>
+#include <atomic>
 #include <string>
 #include <type_traits>
 
@@ -33,17 +34,18 @@ __global__ void __launch_bounds__(kThreads) routing_layout_kernel(RoutingLayout 
   for (int32_t i = threadIdx.x; i < E + R; i += kThreads)
     hist[i] = 0;
   __syncthreads();
-  const Id* ids = static_cast<const Id*>(a.topk_ids);
   for (int64_t t = int64_t(blockIdx.x) * kThreads + threadIdx.x; t < a.num_tokens;
        t += int64_t(gridDim.x) * kThreads) {
-    const Id* row = ids + t * a.ids_stride;
     for (int32_t base = 0; base < R; base += kMaskRanks) {
       uint64_t mask = 0;
       const int32_t n = min(kMaskRanks, R - base);
       if constexpr (std::is_same<Id, bool>::value) {
+        // As bytes: a mask from a 1-byte type other than bool may hold values past 1.
+        const uint8_t* in = reinterpret_cast<const uint8_t*>(a.rank_mask) + t * R + base;
         for (int32_t j = 0; j < n; ++j)
-          if (a.rank_mask[t * R + base + j]) mask |= uint64_t(1) << j;
+          if (in[j] != 0) mask |= uint64_t(1) << j;
       } else {
+        const Id* row = static_cast<const Id*>(a.topk_ids) + t * a.ids_stride;
         for (int32_t k = 0; k < a.top_k; ++k) {
           const int64_t e = int64_t(row[k]);
           if (e < 0 || e >= E) continue;  // a masked slot
@@ -117,11 +119,22 @@ __global__ void __launch_bounds__(kTopkThreads) received_topk_kernel(ReceivedTop
   if (blockIdx.x == 0 && threadIdx.x == 0) a.counts[0] = int32_t(rows);
 }
 
+// The current device's SM count, asked once a device (these launches sit on a host path that
+// frameworks take every step).
 int64_t sms_of_device() {
-  int device = 0, sms = 0;
+  constexpr int kDevices = 64;
+  static std::atomic<int> known[kDevices] = {};
+  int device = 0;
   check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  const bool cached = device >= 0 && device < kDevices;
+  if (cached) {
+    const int sms = known[device].load(std::memory_order_relaxed);
+    if (sms > 0) return sms;
+  }
+  int sms = 0;
   check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
              "cudaDeviceGetAttribute");
+  if (cached) known[device].store(sms, std::memory_order_relaxed);
   return sms;
 }
 
@@ -156,7 +169,8 @@ void check_routing_layout(const RoutingLayout& a) {
                     " is more than 12288");
   if (a.rank_mask != nullptr) {
     if (a.topk_ids != nullptr || a.top_k != 0)
-      invalid(op, "rank_mask and topk_ids are both given (one routing: topk_ids null, top_k 0)");
+      invalid(op, "rank_mask is given with topk_ids or top_k = " + std::to_string(a.top_k) +
+                      " (one routing: with a mask, topk_ids is null and top_k 0)");
     if (a.num_experts != a.n_ranks)
       invalid(op, "num_experts = " + std::to_string(a.num_experts) +
                       " with rank_mask: the ranks are the experts (n_ranks = " +
@@ -206,13 +220,15 @@ void check_received_topk(const ReceivedTopk& a) {
   const char* op = "received_topk";
   if (a.top_k < 0 || a.top_k > 1024)
     invalid(op, "top_k = " + std::to_string(a.top_k) + " is outside [0, 1024]");
-  if (a.max_rows < 0 || a.max_rows * a.top_k >= (int64_t(1) << 31))
+  if (a.max_rows < 0 || a.max_rows >= (int64_t(1) << 31) ||
+      a.max_rows * a.top_k >= (int64_t(1) << 31))
     invalid(op, "max_rows = " + std::to_string(a.max_rows) +
                     " with top_k = " + std::to_string(a.top_k) + ": outside [0, 2^31) slots");
-  if (a.row_bytes % 8 != 0 || a.row_bytes < int64_t(8) * a.top_k)
+  if (a.row_bytes % 8 != 0 || a.row_bytes < int64_t(8) * a.top_k ||
+      a.row_bytes >= (int64_t(1) << 32))
     invalid(op, "row_bytes = " + std::to_string(a.row_bytes) +
-                    " must be a multiple of 8 and hold top_k = " + std::to_string(a.top_k) +
-                    " int64 ids");
+                    " must be a multiple of 8 below 2^32 and hold top_k = " +
+                    std::to_string(a.top_k) + " int64 ids");
   if (a.n_local < 1 || a.n_local > 12288)  // the counts gather in 48 KB of shared memory
     invalid(op, "n_local = " + std::to_string(a.n_local) + " is outside [1, 12288]");
   if (a.first_expert < 0)

@@ -17,7 +17,7 @@ void routing_layout(const RoutingLayout& a) {
     std::fill(in.begin(), in.end(), 0);
     if (a.rank_mask != nullptr)
       for (int32_t r = 0; r < R; ++r)
-        in[size_t(r)] = a.rank_mask[t * R + r] ? 1 : 0;
+        in[size_t(r)] = reinterpret_cast<const uint8_t*>(a.rank_mask)[t * R + r] != 0 ? 1 : 0;
     for (int32_t k = 0; k < a.top_k; ++k) {
       const int64_t i = t * a.ids_stride + k;
       const int64_t e = a.id_bytes == 8 ? static_cast<const int64_t*>(a.topk_ids)[i]

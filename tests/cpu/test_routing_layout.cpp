@@ -132,10 +132,11 @@ TEST(RoutingLayoutReference, RefusesBadArgumentsAndTakesAnyOutputs) {
 TEST(RoutingLayoutReference, TakesARankMask) {
   const int64_t T = 3;
   const int32_t R = 3;
-  const bool mask[T * R] = {true, false, true, false, false, false, true, true, true};
+  // Any byte other than 0 is true (a mask of another 1-byte type).
+  const uint8_t mask[T * R] = {1, 0, 2, 0, 0, 0, 255, 1, 1};
   Out o(T, R, R);
   RoutingLayout a;
-  a.rank_mask = mask;
+  a.rank_mask = reinterpret_cast<const bool*>(mask);
   a.top_k = 0;
   a.num_tokens = T;
   a.num_experts = a.n_ranks = R;
@@ -244,6 +245,17 @@ TEST(RoutingLayoutReference, ReceivedTopkRefusesBadArguments) {
   refused(a);
   a = r.args();
   a.max_rows = int64_t(1) << 30;
+  refused(a);
+  a = r.args();  // max_rows * top_k would wrap to 0
+  a.max_rows = int64_t(1) << 61;
+  a.top_k = 8;
+  a.row_bytes = 64;
+  refused(a);
+  a = r.args();
+  a.row_bytes = -40;
+  refused(a);
+  a = r.args();
+  a.row_bytes = int64_t(1) << 32;
   refused(a);
 }
 

@@ -125,12 +125,15 @@ TEST(RoutingLayout, MatchesTheReference) {
 TEST(RoutingLayout, RankMaskMatchesTheReference) {
   EPCOMM_REQUIRE_GPU();
   uint64_t seed = 400;
-  for (const auto& [T, R] :
-       {std::pair<int64_t, int32_t>{4096, 8}, {50000, 8}, {9000, 70}, {3, 1}}) {
+  for (const auto& [T, R] : {std::pair<int64_t, int32_t>{4096, 8},
+                             {50000, 8},
+                             {9000, 70},
+                             {3, 1},
+                             {100, 6144}}) {  // the last: E + R at the 12288 limit
     std::mt19937_64 rng(seed++);
     std::vector<char> mask(size_t(T * R));
-    for (auto& m : mask)
-      m = char(rng() % 3 == 0);
+    for (auto& m : mask)  // 0, 1 and 2: any byte other than 0 is true
+      m = char(rng() % 3 == 0 ? 1 + rng() % 2 : 0);
     std::vector<int32_t> want_rank(static_cast<size_t>(R)), want_ids(static_cast<size_t>(T * R));
     RoutingLayout a;
     a.rank_mask = reinterpret_cast<const bool*>(mask.data());
@@ -171,7 +174,8 @@ TEST(RoutingLayout, ReceivedTopkMatchesTheReference) {
   uint64_t seed = 500;
   for (const RCase& c :
        {RCase{32768, 30000, 8, 32, 3}, RCase{256, 256, 8, 256, 0}, RCase{1000, 0, 4, 16, 1},
-        RCase{5000, 7000, 1, 12, 2}, RCase{0, 0, 8, 32, 0}}) {
+        RCase{5000, 7000, 1, 12, 2}, RCase{0, 0, 8, 32, 0},
+        RCase{3000, 2500, 8, 12288, 1}}) {  // the last: 48 KB of counts
     std::mt19937_64 rng(seed++);
     const int64_t ids_bytes = 8 * c.top_k, pad = 56,
                   row_bytes = (ids_bytes + pad + 4 * c.top_k + 7) / 8 * 8;
