@@ -161,6 +161,26 @@ struct CrossNodeTraffic {
 std::vector<CrossNodeTraffic> cross_node_traffic(const Problem& p, int32_t ranks_per_node,
                                                  const CrossNodeSizes& sizes);
 
+// What sender s forwards to one other node (docs/multinode.md, forwarding): its forwarded
+// stream, one message per token that reaches the node, in token order, to the node's relay
+// (ForwardPlan::relay); slot[t] is token t's message index in it (-1: the token does not reach
+// the node), and chunk_start[c] the index of chunk c's first message (tokens of chunk c:
+// [c * kChunkTokens, (c + 1) * kChunkTokens)), num_chunks(tokens) + 1 entries, the last the
+// count: the forward record's fields (RelayLayout::meta()). The oracle of the sender's ranking
+// by node.
+struct ForwardStream {
+  int32_t node = 0;
+  int32_t relay = 0;
+  std::vector<int32_t> slot;
+  std::vector<int32_t> chunk_start;
+  int32_t count() const { return chunk_start.empty() ? 0 : chunk_start.back(); }
+};
+// One entry per other node, nodes ascending (ForwardPlan::relayed_index order at the relay):
+// what sender s's forwarded streams hold for p. A rank whose topk_ids the device refuses, and
+// skip_a2a, forward nothing (empty streams: every slot -1). Throws Error(kInvalidArgument) for
+// ranks_per_node not dividing n_ranks or s out of range.
+std::vector<ForwardStream> forward_streams(const Problem& p, int32_t s, int32_t ranks_per_node);
+
 // Routing generators (docs/results/method.md): for each token, K distinct experts, the top-K of |randn| + 1
 // scores (uniform popularity), or with expert e's score scaled by a Zipf(s) popularity when
 // zipf_s > 0. mask_prob masks each slot independently (-1).

@@ -385,6 +385,38 @@ std::vector<CrossNodeTraffic> cross_node_traffic(const Problem& p, int32_t ranks
   return out;
 }
 
+std::vector<ForwardStream> forward_streams(const Problem& p, int32_t s, int32_t ranks_per_node) {
+  check_problem(p);
+  if (ranks_per_node < 1 || p.n_ranks % ranks_per_node != 0)
+    bad_argument("forward_streams: ranks_per_node = " + std::to_string(ranks_per_node) +
+                 " does not divide n_ranks = " + std::to_string(p.n_ranks));
+  const RankInput& in = rank_input(p, s, "forward_streams");
+  const ForwardPlan plan = ForwardPlan::make(p.n_ranks, ranks_per_node);
+  const detail::NodeMap& nm = plan.nodes;
+  const uint64_t node_bits =
+      ranks_per_node >= 64 ? ~uint64_t(0) : (uint64_t(1) << ranks_per_node) - 1;
+  const bool any = sends(p, s);
+  const int32_t chunks = detail::num_chunks(in.num_tokens);
+  std::vector<ForwardStream> out;
+  for (int32_t node = 0; node < plan.n_nodes(); ++node) {
+    if (node == nm.node_of(s)) continue;
+    ForwardStream f;
+    f.node = node;
+    f.relay = plan.relay(s, node);
+    f.slot.assign(static_cast<size_t>(in.num_tokens), -1);
+    f.chunk_start.assign(static_cast<size_t>(chunks) + 1, 0);
+    int32_t n = 0;
+    for (int32_t t = 0; t < in.num_tokens; ++t) {
+      if (t % detail::kChunkTokens == 0) f.chunk_start[size_t(t / detail::kChunkTokens)] = n;
+      const uint64_t dest = any ? destination_ranks(p, s, t) : 0;
+      if ((dest >> (node * ranks_per_node)) & node_bits) f.slot[size_t(t)] = n++;
+    }
+    f.chunk_start[size_t(chunks)] = n;
+    out.push_back(std::move(f));
+  }
+  return out;
+}
+
 std::vector<int32_t> make_topk(int32_t num_tokens, int32_t top_k, int32_t n_experts,
                                std::mt19937_64& rng, double zipf_s, double mask_prob) {
   if (num_tokens < 0 || top_k < 1 || n_experts < top_k)

@@ -252,6 +252,84 @@ TEST(Forwarding, ByteModelMatchesABruteForceCountOnRandomRoutings) {
   }
 }
 
+// The forwarded streams (reference::forward_streams), the oracle of the sender's ranking by node:
+// by hand on 2 nodes x 2 ranks, then on random routings of every split against their definition
+// and against the byte model's forwarded message count.
+TEST(Forwarding, ForwardStreamsByHand) {
+  // 4 ranks of 2 experts each (8 experts), top-2, 20 tokens on rank 0 (chunks of 16: 0-15,
+  // 16-19). Node 1 is ranks 2 and 3 (experts 4-7). Tokens 1, 2, 17 and 19 reach node 1 (token 2
+  // at both of its ranks: one message still).
+  Problem p = make_problem(4, 8, 2, 8, {20, 0, 0, 0}, 1);
+  std::vector<int32_t>& ids = p.ranks[0].topk_ids;
+  for (int32_t t = 0; t < 20; ++t) {
+    ids[size_t(2 * t)] = 0;
+    ids[size_t(2 * t + 1)] = t % 2 == 0 ? 2 : -1;  // node 0 only
+  }
+  ids[2 * 1 + 1] = 5;
+  ids[2 * 2] = 4;
+  ids[2 * 2 + 1] = 7;
+  ids[2 * 17 + 1] = 6;
+  ids[2 * 19] = 1;
+  ids[2 * 19 + 1] = 4;
+  const std::vector<reference::ForwardStream> f = reference::forward_streams(p, 0, 2);
+  ASSERT_EQ(f.size(), 1u);
+  EXPECT_EQ(f[0].node, 1);
+  EXPECT_EQ(f[0].relay, 2);  // rank 0's local index in node 1
+  std::vector<int32_t> want(20, -1);
+  want[1] = 0;
+  want[2] = 1;
+  want[17] = 2;
+  want[19] = 3;
+  EXPECT_EQ(f[0].slot, want);
+  EXPECT_EQ(f[0].chunk_start, (std::vector<int32_t>{0, 2, 4}));
+  EXPECT_EQ(f[0].count(), 4);
+  // Rank 3 (node 1, local 1) has no tokens: one empty stream to node 0's relay, rank 1.
+  const std::vector<reference::ForwardStream> g = reference::forward_streams(p, 3, 2);
+  ASSERT_EQ(g.size(), 1u);
+  EXPECT_EQ(g[0].relay, 1);
+  EXPECT_EQ(g[0].chunk_start, (std::vector<int32_t>{0}));
+  // A refused routing forwards nothing; a split that does not divide the group is refused.
+  ids[1] = ids[0];
+  EXPECT_EQ(reference::forward_streams(p, 0, 2)[0].count(), 0);
+  EXPECT_THROW(reference::forward_streams(p, 0, 3), Error);
+  EXPECT_THROW(reference::forward_streams(p, 4, 2), Error);
+}
+
+TEST(Forwarding, ForwardStreamsMatchTheirDefinitionAndTheByteModel) {
+  for (const auto& [nodes, rpn] : kSplits) {
+    SCOPED_TRACE(std::to_string(nodes) + "x" + std::to_string(rpn));
+    const int32_t R = nodes * rpn;
+    std::vector<int32_t> tokens(static_cast<size_t>(R));
+    for (int32_t r = 0; r < R; ++r)
+      tokens[size_t(r)] = 37 + 29 * r;  // partial last chunks
+    const Problem p = make_problem(R, 8, 4, 8 * R, tokens, 21, 0.0, 0.2);
+    const std::vector<CrossNodeTraffic> m = cross_node_traffic(p, rpn, CrossNodeSizes{});
+    for (int32_t s = 0; s < R; ++s) {
+      const std::vector<reference::ForwardStream> f = reference::forward_streams(p, s, rpn);
+      ASSERT_EQ(int32_t(f.size()), nodes - 1);
+      int64_t messages = 0;
+      for (const reference::ForwardStream& st : f) {
+        EXPECT_NE(st.node, s / rpn);
+        EXPECT_EQ(st.relay, st.node * rpn + s % rpn);
+        int32_t n = 0;
+        for (int32_t t = 0; t < tokens[size_t(s)]; ++t) {
+          if (t % detail::kChunkTokens == 0)
+            EXPECT_EQ(st.chunk_start[size_t(t / detail::kChunkTokens)], n) << "token " << t;
+          const uint64_t dest = reference::destination_ranks(p, s, t);
+          const bool reaches = ((dest >> (st.node * rpn)) & ((uint64_t(1) << rpn) - 1)) != 0;
+          EXPECT_EQ(st.slot[size_t(t)], reaches ? n : -1) << "token " << t;
+          n += reaches;
+        }
+        EXPECT_EQ(st.count(), n);
+        EXPECT_EQ(int32_t(st.chunk_start.size()), detail::num_chunks(tokens[size_t(s)]) + 1);
+        messages += n;
+      }
+      EXPECT_EQ(messages, m[size_t(s)].forwarded.dispatch_messages) << "sender " << s;
+      if (nodes > 1) EXPECT_GT(messages, 0) << "sender " << s << " forwards nothing";
+    }
+  }
+}
+
 TEST(Forwarding, ByteModelOnAHotNode) {
   // 2 nodes x 4 ranks, 32 experts (4 per rank): every token of every rank picks 8 of node 1's
   // 16 experts, spread over its 4 ranks. Direct: node 0's tokens cross 4 times each (one per

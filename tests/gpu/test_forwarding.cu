@@ -1,8 +1,9 @@
 // The forwarded header written and read by warps (detail/forward_warp.cuh) against the scalar
 // functions the CPU tests check against the direct path (write_forward_header,
 // ForwardHeaderView::rebuild_direct; tests/cpu/test_forwarding.cpp): for random routings on the
-// declared splits and 2 x 8, 8 x 8 (64 ranks: the mask's high bits), top-1 to top-16, masked
-// slots, with and without weights, every byte of every forwarded header and every rebuilt
+// declared splits, 2 x 8 and 64 ranks as 8 x 8, 2 x 32 and 1 x 64, top-1 to top-16 and 17 (the
+// shared expert's slot), masked slots, lanes past top-k holding values to ignore, with and
+// without weights, every byte of every forwarded header and every rebuilt
 // direct header equal, the buffers poisoned alike first so a stray or missing write shows.
 // Skips without a GPU.
 #include <cuda_runtime.h>
@@ -35,17 +36,26 @@ __global__ void forward_headers(Routed in, ExpertMap em, detail::NodeMap nodes,
                                 detail::ForwardHeaderLayout fl, int64_t direct_bytes, char* fwd,
                                 char* direct) {
   const int32_t t = blockIdx.x, K = fl.top_k, lane = threadIdx.x;
-  const int32_t id = lane < K ? in.ids[t * K + lane] : -1;
-  const int32_t pos = lane < K ? in.pos[t * K + lane] : 0;
-  const float w = lane < K ? in.weight[t * K + lane] : 0.f;
-  const int32_t rank = id >= 0 ? em.rank_of(id) : -1;
+  // Lanes past top_k hold valid-looking values, which the functions must ignore.
+  const int32_t id = lane < K ? in.ids[t * K + lane] : (lane * 7 + t) % em.n_experts;
+  const int32_t pos = lane < K ? in.pos[t * K + lane] : 1234;
+  const float w = lane < K ? in.weight[t * K + lane] : 5.f;
+  const int32_t rank = lane < K && id >= 0 ? em.rank_of(id) : -1;
   unsigned long long mask = 0;
   for (int q = 0; q < detail::kWarpSize; ++q) {
     const int32_t r = __shfl_sync(0xffffffffu, rank, q);
     if (r >= 0) mask |= 1ull << r;
   }
+  // As LaneRoute::slot_of: lane l holds rank l's stream index and rank l + 32's, and a
+  // destination's comes by shuffle (every lane calls it).
   const int32_t* slots = in.slots + int64_t(t) * nodes.n_ranks;
-  auto slot_of = [&](int32_t r) { return slots[r]; };
+  const int32_t lo = lane < nodes.n_ranks ? slots[lane] : -1;
+  const int32_t hi = lane + 32 < nodes.n_ranks ? slots[lane + 32] : -1;
+  auto slot_of = [&](int32_t r) {
+    const int32_t a = __shfl_sync(0xffffffffu, lo, r % detail::kWarpSize);
+    const int32_t b = __shfl_sync(0xffffffffu, hi, r % detail::kWarpSize);
+    return r < detail::kWarpSize ? a : b;
+  };
   const int32_t max_d = fl.max_dests();
   for (int32_t node = 0; node < nodes.n_nodes(); ++node) {
     const int64_t at = int64_t(t) * nodes.n_nodes() + node;
@@ -61,12 +71,14 @@ __global__ void forward_headers(Routed in, ExpertMap em, detail::NodeMap nodes,
 TEST(ForwardWarp, MatchesTheScalarHeaders) {
   EPCOMM_REQUIRE_GPU();
   std::mt19937 rng(11);
-  const std::vector<std::pair<int32_t, int32_t>> splits = {{1, 4}, {2, 2}, {4, 1}, {2, 4},
-                                                           {4, 2}, {4, 4}, {2, 8}, {8, 8}};
+  // The declared splits, 8 ranks a node, and 64 ranks three ways (the mask's high bits; a node
+  // of 64 ranks).
+  const std::vector<std::pair<int32_t, int32_t>> splits = {
+      {1, 4}, {2, 2}, {4, 1}, {2, 4}, {4, 2}, {4, 4}, {2, 8}, {8, 8}, {2, 32}, {1, 64}};
   const int32_t T = 96;
   int64_t headers_checked = 0;
   for (const auto& [n_nodes, rpn] : splits) {
-    for (int32_t K : {1, 2, 4, 8, 16}) {
+    for (int32_t K : {1, 2, 3, 4, 6, 8, 16, 17}) {  // 17: top-16 and the shared expert
       const int32_t R = n_nodes * rpn, E = 8 * R;
       const std::string what =
           std::to_string(n_nodes) + "x" + std::to_string(rpn) + " top-" + std::to_string(K);

@@ -8,16 +8,22 @@
 
 #include <cstdint>
 
+#include "epcomm/config.h"
 #include "epcomm/detail/device.cuh"
 #include "epcomm/forwarding.h"
 
 namespace epcomm {
 namespace detail {
 
+// A lane per top-k slot (the shared expert's included) and per destination of a node.
+static_assert(kMaxTopK + 1 <= kWarpSize, "a warp holds every top-k slot");
+
 // Whole warp. Lane k < v.l.top_k holds top-k slot k of the group view: id (expert, -1 masked),
 // pos (the token's position among this rank's tokens for that expert) and weight (0 where the
 // dispatch carries none); other lanes' values are ignored. dest_mask: every rank the token goes
-// to. slot_of(rank): a whole-warp call (LaneRoute::slot_of) giving the message's index in that
+// to, which must be the ranks of the valid slots' experts (send_token's LaneRoute::dests(): a
+// mask that disagreed would give a record without entries or entries without a record).
+// slot_of(rank): a whole-warp call (LaneRoute::slot_of) giving the message's index in that
 // rank's stream from this rank. Writes the header for node `node` and returns its number of
 // destinations (every lane); 0: the token does not reach the node, and nothing is written.
 template <class SlotOf>
