@@ -195,6 +195,38 @@ struct RelayLayout {
   EPCOMM_HD int64_t zeroed_bytes() const { return relayed == 0 ? 0 : message_offset(0, 0); }
 };
 
+// The sender's outbox where the group forwards, in place of OutboxLayout's (which it leaves as
+// the direct path has it): each remote rank's meta record (meta records are not forwarded; the
+// messages are), then one forwarded stream per other node j (nodes ascending, this rank's own
+// skipped; relay.relayed of them): the forward record for that node's relay, then max_tokens
+// forwarded messages with the relay's stride (RelayLayout::message_offset), so chunk c's
+// messages are one put of the same bytes at both ends; then the combine rows.
+struct ForwardOutboxLayout {
+  OutboxLayout direct;  // the meta records' and combine rows' sizes (window, n_remote, rows)
+  RelayLayout relay;    // the forwarded records' and messages' sizes; relayed = other nodes
+
+  EPCOMM_HD int64_t peer_bytes() const { return align_up(direct.meta_bytes(), 256); }
+  EPCOMM_HD int64_t meta_offset(int32_t i) const { return i * peer_bytes(); }
+  EPCOMM_HD int64_t record_bytes() const {
+    return align_up(relay.meta().bytes(), MessageLayout::kAlign);
+  }
+  EPCOMM_HD int64_t stream_bytes() const {
+    return align_up(record_bytes() + int64_t(relay.max_tokens) * relay.message_bytes(), 256);
+  }
+  EPCOMM_HD int64_t forward_record_offset(int32_t j) const {
+    return direct.n_remote * peer_bytes() + j * stream_bytes();
+  }
+  EPCOMM_HD int64_t forward_message_offset(int32_t j, int32_t m) const {
+    return forward_record_offset(j) + record_bytes() + int64_t(m) * relay.message_bytes();
+  }
+  EPCOMM_HD int64_t combine_offset(int64_t row) const {
+    return forward_record_offset(relay.relayed) + row * direct.window.combine_recv().row_bytes();
+  }
+  EPCOMM_HD int64_t bytes() const {
+    return direct.n_remote == 0 ? 0 : align_up(combine_offset(direct.combine_rows), 256);
+  }
+};
+
 // The sender's forwarded header of one token for node `node` of `nodes` (not its own), at v:
 // the token's destinations there are the ranks of that node owning one of its top-k experts
 // (ids[k] >= 0), ascending; each destination's entries are its top-k slots k, ascending, as

@@ -638,6 +638,52 @@ TEST(Forwarding, RelayRebuildsTheDirectHeaders) {
 // The forwarding region: every field of every relayed source and message has a place of its
 // own, flags and meta records before the messages (zeroed together), messages on a line, the
 // part flags only on the low-latency path, and nothing where the group does not forward.
+// The sender's outbox where the group forwards (ForwardOutboxLayout): remote ranks' meta
+// records, then one forwarded stream per other node (its forward record, then max_tokens
+// forwarded messages laid out as the relay's slice of this sender, so chunk c's messages are one
+// contiguous put of the same bytes at both ends), then the combine rows; all disjoint, messages
+// on a line.
+TEST(Forwarding, OutboxStagesOneStreamPerOtherNode) {
+  for (const auto& [nodes, rpn] : kSplits) {
+    if (nodes == 1) continue;
+    const int32_t R = nodes * rpn;
+    for (TokenFormat f : {TokenFormat::kBF16, TokenFormat::kFp8Blockwise}) {
+      SCOPED_TRACE(std::to_string(nodes) + "x" + std::to_string(rpn) + " " + token_format_name(f));
+      const int32_t T = 100, H = 7168, K = 8;
+      const detail::WindowLayout wl{R, H, K, 8 * R, T, f, 0};
+      const detail::RelayLayout rl{nodes - 1, T, rpn, wl.msg(), 0};
+      const int32_t n_remote = R - rpn;
+      const int64_t combine_rows = int64_t(n_remote) * T;
+      const detail::OutboxLayout direct{wl, n_remote, combine_rows};
+      const detail::ForwardOutboxLayout fwd{direct, rl};
+      std::vector<std::pair<int64_t, int64_t>> ranges;
+      for (int32_t i = 0; i < n_remote; ++i)
+        ranges.push_back({fwd.meta_offset(i), wl.meta().bytes()});
+      for (int32_t j = 0; j < nodes - 1; ++j) {
+        ranges.push_back({fwd.forward_record_offset(j), rl.meta().bytes()});
+        for (int32_t m = 0; m < T; ++m) {
+          ranges.push_back({fwd.forward_message_offset(j, m), rl.message_bytes()});
+          EXPECT_EQ(fwd.forward_message_offset(j, m) % detail::MessageLayout::kAlign, 0);
+          // The same stride as the relay's slice: messages [a, b) are one run at both ends.
+          EXPECT_EQ(fwd.forward_message_offset(j, m) - fwd.forward_message_offset(j, 0),
+                    rl.message_offset(0, m) - rl.message_offset(0, 0));
+        }
+      }
+      ranges.push_back({fwd.combine_offset(0), combine_rows * wl.combine_recv().row_bytes()});
+      std::sort(ranges.begin(), ranges.end());
+      for (size_t r = 1; r < ranges.size(); ++r)
+        EXPECT_LE(ranges[r - 1].first + ranges[r - 1].second, ranges[r].first) << "range " << r;
+      EXPECT_LE(ranges.back().first + ranges.back().second, fwd.bytes());
+      // Each remote rank's meta record, padded as the direct outbox pads it.
+      EXPECT_GE(fwd.peer_bytes(), wl.meta().bytes());
+      EXPECT_EQ(fwd.record_bytes() % detail::MessageLayout::kAlign, 0);
+      // Forwarding stages nodes - 1 streams instead of n_remote: less with two ranks a node or
+      // more (a forwarded message is a little longer than a direct one).
+      if (rpn >= 2) EXPECT_LT(fwd.bytes(), direct.bytes());
+    }
+  }
+}
+
 TEST(Forwarding, RelayRegionsDoNotOverlap) {
   for (const auto& [nodes, rpn] : kSplits) {
     const int32_t relayed = ForwardPlan::make(nodes * rpn, rpn).relayed_sources();
