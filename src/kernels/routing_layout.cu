@@ -8,7 +8,6 @@
 // counts outright (no clearing launch before it); a larger one clears them on the stream and its
 // blocks add theirs in.
 #include <algorithm>
-#include <atomic>
 #include <string>
 #include <type_traits>
 
@@ -119,25 +118,6 @@ __global__ void __launch_bounds__(kTopkThreads) received_topk_kernel(ReceivedTop
   if (blockIdx.x == 0 && threadIdx.x == 0) a.counts[0] = int32_t(rows);
 }
 
-// The current device's SM count, asked once a device (these launches sit on a host path that
-// frameworks take every step).
-int64_t sms_of_device() {
-  constexpr int kDevices = 64;
-  static std::atomic<int> known[kDevices] = {};
-  int device = 0;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  const bool cached = device >= 0 && device < kDevices;
-  if (cached) {
-    const int sms = known[device].load(std::memory_order_relaxed);
-    if (sms > 0) return sms;
-  }
-  int sms = 0;
-  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
-             "cudaDeviceGetAttribute");
-  if (cached) known[device].store(sms, std::memory_order_relaxed);
-  return sms;
-}
-
 size_t hist_bytes(const RoutingLayout& a) {
   return size_t(a.num_experts + a.n_ranks) * sizeof(int32_t);
 }
@@ -196,7 +176,7 @@ void routing_layout(const RoutingLayout& a, cudaStream_t stream) {
   check_routing_layout(a);
   const int64_t need =
       (a.num_tokens + kThreads * kTokensPerThread - 1) / (kThreads * kTokensPerThread);
-  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(need, sms_of_device()));
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(need, device_sms()));
   if (blocks > 1) {
     if (a.tokens_per_rank != nullptr)
       check_cuda(cudaMemsetAsync(a.tokens_per_rank, 0, size_t(a.n_ranks) * 4, stream),
@@ -249,7 +229,7 @@ void received_topk(const ReceivedTopk& a, cudaStream_t stream) {
   const int64_t slots = a.max_rows * a.top_k;
   const int64_t need =
       (slots + kTopkThreads * kSlotsPerThread - 1) / (kTopkThreads * kSlotsPerThread);
-  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(need, sms_of_device()));
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(need, device_sms()));
   if (blocks > 1)
     check_cuda(cudaMemsetAsync(a.counts, 0, size_t(1 + a.n_local) * 4, stream), "cudaMemsetAsync");
   received_topk_kernel<<<unsigned(blocks), kTopkThreads, size_t(a.n_local) * 4, stream>>>(a);

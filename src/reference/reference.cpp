@@ -393,8 +393,6 @@ std::vector<ForwardStream> forward_streams(const Problem& p, int32_t s, int32_t 
   const RankInput& in = rank_input(p, s, "forward_streams");
   const ForwardPlan plan = ForwardPlan::make(p.n_ranks, ranks_per_node);
   const detail::NodeMap& nm = plan.nodes;
-  const uint64_t node_bits =
-      ranks_per_node >= 64 ? ~uint64_t(0) : (uint64_t(1) << ranks_per_node) - 1;
   const bool any = sends(p, s);
   const int32_t chunks = detail::num_chunks(in.num_tokens);
   std::vector<ForwardStream> out;
@@ -409,7 +407,7 @@ std::vector<ForwardStream> forward_streams(const Problem& p, int32_t s, int32_t 
     for (int32_t t = 0; t < in.num_tokens; ++t) {
       if (t % detail::kChunkTokens == 0) f.chunk_start[size_t(t / detail::kChunkTokens)] = n;
       const uint64_t dest = any ? destination_ranks(p, s, t) : 0;
-      if ((dest >> (node * ranks_per_node)) & node_bits) f.slot[size_t(t)] = n++;
+      if (nm.local_ranks(dest, node) != 0) f.slot[size_t(t)] = n++;
     }
     f.chunk_start[size_t(chunks)] = n;
     out.push_back(std::move(f));

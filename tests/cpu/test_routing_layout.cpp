@@ -221,42 +221,33 @@ TEST(RoutingLayoutReference, ReceivedTopkKeepsThisRanksExperts) {
 
 TEST(RoutingLayoutReference, ReceivedTopkRefusesBadArguments) {
   Received r(std::vector<int64_t>(15, 8), std::vector<float>(15, 1.f));
-  const auto refused = [&](const ReceivedTopk& a) {
-    EXPECT_THROW(reference::received_topk(a), Error);
-    EXPECT_EQ(r.counts, std::vector<int32_t>(1 + Received::kLocal, 77)) << "written before";
+  // Each case changes one thing (two for the wrapping product) in otherwise good arguments.
+  using Change = void (*)(ReceivedTopk&);
+  const Change bad[] = {
+      [](ReceivedTopk& a) { a.row_bytes = 20; },  // not a multiple of 8
+      [](ReceivedTopk& a) { a.row_bytes = 16; },  // holds 2 ids, not 3
+      [](ReceivedTopk& a) { a.n_local = 0; },
+      [](ReceivedTopk& a) { a.first_expert = -8; },
+      [](ReceivedTopk& a) { a.num_rows = nullptr; },
+      [](ReceivedTopk& a) {
+        a.ids = reinterpret_cast<const int64_t*>(reinterpret_cast<const char*>(a.ids) + 4);
+      },
+      [](ReceivedTopk& a) { a.max_rows = int64_t(1) << 30; },
+      [](ReceivedTopk& a) {  // max_rows * top_k would wrap to 0
+        a.max_rows = int64_t(1) << 61;
+        a.top_k = 8;
+        a.row_bytes = 64;
+      },
+      [](ReceivedTopk& a) { a.row_bytes = -40; },
+      [](ReceivedTopk& a) { a.row_bytes = int64_t(1) << 32; },
   };
-  ReceivedTopk a = r.args();
-  a.row_bytes = 20;  // not a multiple of 8
-  refused(a);
-  a = r.args();
-  a.row_bytes = 16;  // holds 2 ids, not 3
-  refused(a);
-  a = r.args();
-  a.n_local = 0;
-  refused(a);
-  a = r.args();
-  a.first_expert = -8;
-  refused(a);
-  a = r.args();
-  a.num_rows = nullptr;
-  refused(a);
-  a = r.args();
-  a.ids = reinterpret_cast<const int64_t*>(reinterpret_cast<const char*>(a.ids) + 4);
-  refused(a);
-  a = r.args();
-  a.max_rows = int64_t(1) << 30;
-  refused(a);
-  a = r.args();  // max_rows * top_k would wrap to 0
-  a.max_rows = int64_t(1) << 61;
-  a.top_k = 8;
-  a.row_bytes = 64;
-  refused(a);
-  a = r.args();
-  a.row_bytes = -40;
-  refused(a);
-  a = r.args();
-  a.row_bytes = int64_t(1) << 32;
-  refused(a);
+  for (size_t c = 0; c < sizeof(bad) / sizeof(bad[0]); ++c) {
+    ReceivedTopk a = r.args();
+    bad[c](a);
+    EXPECT_THROW(reference::received_topk(a), Error) << "case " << c;
+    EXPECT_EQ(r.counts, std::vector<int32_t>(1 + Received::kLocal, 77))
+        << "written before, case " << c;
+  }
 }
 
 }  // namespace

@@ -33,8 +33,7 @@ __device__ int32_t write_forward_header_warp(const ForwardHeaderView& v, const E
                                              unsigned long long dest_mask, SlotOf slot_of) {
   const int lane = threadIdx.x % kWarpSize;
   const int32_t rpn = nodes.ranks_per_node, first = node * rpn;
-  const unsigned long long node_bits = rpn >= 64 ? ~0ull : (1ull << rpn) - 1ull;
-  const unsigned long long here_ranks = (dest_mask >> first) & node_bits;
+  const unsigned long long here_ranks = nodes.local_ranks(dest_mask, node);
   const int32_t n = __popcll(here_ranks);
   if (n == 0) return 0;
   const int32_t dest = lane < v.l.top_k && id >= 0 ? em.rank_of(id) : -1;

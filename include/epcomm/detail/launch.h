@@ -29,6 +29,15 @@ inline void check_pointer(const char* op, const char* name, const void* p, size_
     invalid(op, std::string(name) + " is not " + std::to_string(align) + "-byte aligned");
 }
 
+// The current device's SM count.
+inline int64_t device_sms() {
+  int device = 0, sms = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
+             "cudaDeviceGetAttribute");
+  return sms;
+}
+
 // Threads of a dispatch block, for tools that launch grids shaped like epcomm's (the benchmark's
 // latency floor).
 int dispatch_threads();
@@ -45,11 +54,7 @@ int64_t resident_wave() {
                "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
     return n > 1 ? n : 1;
   }();
-  int device = 0, sms = 0;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
-             "cudaDeviceGetAttribute");
-  return int64_t(sms) * per_sm;
+  return device_sms() * per_sm;
 }
 
 template <class Kernel, class... Args>

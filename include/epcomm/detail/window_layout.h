@@ -261,6 +261,11 @@ struct NodeMap {
   EPCOMM_HD int32_t n_nodes() const { return n_ranks / ranks_per_node; }
   EPCOMM_HD bool remote(int32_t me, int32_t peer) const { return node_of(me) != node_of(peer); }
   EPCOMM_HD int32_t n_remote() const { return n_ranks - ranks_per_node; }
+  // The ranks of `ranks` (bit r: rank r) in node `node`, by local index (bit j: local rank j).
+  EPCOMM_HD unsigned long long local_ranks(unsigned long long ranks, int32_t node) const {
+    const unsigned long long all = ranks_per_node >= 64 ? ~0ull : (1ull << ranks_per_node) - 1ull;
+    return (ranks >> (node * ranks_per_node)) & all;
+  }
   // Index of a rank of another node among the ranks of other nodes, in rank order.
   EPCOMM_HD int32_t remote_index(int32_t me, int32_t peer) const {
     return peer < node_of(me) * ranks_per_node ? peer : peer - ranks_per_node;
