@@ -274,6 +274,7 @@ class Buffer:
         self._ll_parity = 0
         self._stream = None
         self._comm_handle = None  # self._stream's CUDA handle, set where it is made
+        self._comm_unjoined = False  # an async call's work on the comm stream may be unawaited
         self._destroyed = False
         # torch.compile: the operators below find this Buffer by its id, and a traced
         # low-latency combine finds its dispatch's handle by the src_info tensor it returned
@@ -404,12 +405,33 @@ class Buffer:
             self._groups[key] = g
         return g
 
+    def _on_comm(self, previous_event, async_finish) -> bool:
+        """Whether a call runs on the comm stream, as DeepEP's do (after previous_event, else
+        after the current stream; without async_finish the current stream then waits for it),
+        or on the current stream itself. A plain call (neither previous_event nor async_finish)
+        is ordered the same either way, and on the current stream it costs no fork and join:
+        the host's two event records and two waits, and the GPU's latency between streams.
+        Except where an async call has left work on the comm stream that the current stream
+        may not have waited for: the call then goes behind it there, and its join orders all
+        of it before what the current stream runs next."""
+        if async_finish:
+            self._comm_unjoined = True
+            return True
+        if previous_event is None and not self._comm_unjoined:
+            return False
+        self._comm_unjoined = False
+        return True
+
     def _streams(self, call, previous_event, async_finish, allocate_on_comm_stream):
-        """DeepEP's stream discipline: the work runs on the comm stream after previous_event
-        (else after the current stream); without async_finish the current stream then waits."""
+        """(compute, comm): the current stream and the one the call runs on (_on_comm: the
+        Buffer's comm stream, after previous_event or else after the current stream; or the
+        current stream itself for a plain call); without async_finish, _finish then makes the
+        current stream wait for it."""
         if allocate_on_comm_stream and (previous_event is None or not async_finish):
             _bad(call, "allocate_on_comm_stream=True needs previous_event and async_finish=True")
         compute = torch.cuda.current_stream()
+        if not self._on_comm(previous_event, async_finish):
+            return compute, compute
         comm = self._comm_stream
         ev = getattr(previous_event, "event", None) if previous_event is not None else None
         if ev is not None:
@@ -418,13 +440,14 @@ class Buffer:
             comm.wait_stream(compute)
         return compute, comm
 
-    def _ll_stream_handles(self, return_recv_hook):
+    def _ll_stream_handles(self, return_recv_hook, async_finish):
         """(compute, comm) CUDA stream handles of a low-latency call: the current stream, and
-        the Buffer's comm stream (the current one again with a receive hook, which receives
-        there). The C++ call orders them as _streams and _finish do (comm after compute;
-        without async_finish, compute after comm)."""
+        the one the call runs on: the current one again with a receive hook (which receives
+        there) or for a plain call (_on_comm), else the Buffer's comm stream. The C++ call
+        orders them as _streams and _finish do (comm after compute; without async_finish,
+        compute after comm; nothing where they are one stream)."""
         compute = _current_stream_handle(self.device)
-        if return_recv_hook:
+        if return_recv_hook or not self._on_comm(None, async_finish):
             return compute, compute
         if self._comm_handle is None:
             self._comm_stream  # creates the stream, and its handle with it
@@ -446,7 +469,8 @@ class Buffer:
 
     def _finish(self, compute, comm, async_finish, tensors) -> EventOverlap:
         if not async_finish:
-            compute.wait_stream(comm)
+            if comm is not compute:
+                compute.wait_stream(comm)
             return EventOverlap(None)
         live = [t for t in tensors if isinstance(t, torch.Tensor)]
         for t in live:
@@ -847,7 +871,7 @@ class Buffer:
         handle = _LowLatencyHandle(
             _ll_handle_items(src_info, layout_range, max_t, H, num_experts), g, key,
             tuple(topk_idx.shape))
-        compute, comm = self._ll_stream_handles(return_recv_hook)
+        compute, comm = self._ll_stream_handles(return_recv_hook, async_finish)
         # The group's last dispatch may change now: its previous handle must not combine, even
         # if the call fails.
         self._routing.pop(key, None)
@@ -986,7 +1010,7 @@ class Buffer:
                                                            device=x.device)
         # Combine reads the expert outputs in DeepEP's padded layout where they are
         # ([E_l, R * max, H]: CombineInput::expert_out_capacity), no unpad copy.
-        compute, comm = self._ll_stream_handles(return_recv_hook)
+        compute, comm = self._ll_stream_handles(return_recv_hook, async_finish)
         g._impl.ll_combine(src.data_ptr(), src.size(1), topk_weights.data_ptr(),
                            combined.data_ptr(), compute, comm, not async_finish,
                            return_recv_hook)

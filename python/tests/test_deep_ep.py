@@ -423,8 +423,8 @@ class _Recorder:
 
 def test_low_latency_dispatch_calls_in_order_with_a_fake_group(buf, monkeypatch):
     """The layer's low-latency calls without a GPU, against a fake group: dispatch writes the
-    outputs it returns (DeepEP's padded layout, in a group set up for it), in one call on the
-    comm stream, joined back unless async; with a hook the receive waits for the hook, on the
+    outputs it returns (DeepEP's padded layout, in a group set up for it), in one call: on the
+    current stream if plain, else on the comm stream (joined back unless async); with a hook the receive waits for the hook, on the
     stream current then, and the hook keeps the outputs alive; combine is one call (and its
     hook's wait); a failure before the launch launches nothing and keeps the last handle."""
     import gc
@@ -440,12 +440,18 @@ def test_low_latency_dispatch_calls_in_order_with_a_fake_group(buf, monkeypatch)
         configs.append(config)
         return buf._groups.setdefault(key, FakeGroup())
 
-    compute, comm = 11, 22  # stream handles
+    compute, comm, later = 11, 22, 33  # stream handles; later: current when a hook runs
+    current = [compute]
     monkeypatch.setattr(buf, "_on_device", lambda call, **tensors: None)
     monkeypatch.setattr(buf, "_group", group)
-    monkeypatch.setattr(buf, "_ll_stream_handles", lambda hook: (compute, compute if hook else comm))
+    monkeypatch.setattr(buf, "_comm_handle", comm)
     monkeypatch.setattr(buf, "_ll_finish", lambda async_finish, stats, count, tensors: EventOverlap())
-    monkeypatch.setattr(deep_ep, "_current_stream_handle", lambda device: 33)
+    monkeypatch.setattr(deep_ep, "_current_stream_handle", lambda device: current[0])
+
+    def run_hook(hook):
+        current[0] = later
+        hook()
+        current[0] = compute
     x = torch.randn((3, 512)).to(torch.bfloat16)
     idx = torch.randint(0, 8, (3, 2))
 
@@ -454,7 +460,9 @@ def test_low_latency_dispatch_calls_in_order_with_a_fake_group(buf, monkeypatch)
         return (codes.data_ptr(), scales.data_ptr(), count.data_ptr(), handle[0].data_ptr(),
                 handle[1].data_ptr())
 
-    for async_finish in (False, True):
+    # A plain call runs on the current stream (no fork and join); an async one on the comm
+    # stream.
+    for async_finish, on in ((False, compute), (True, comm)):
         recv, count, handle, _, hook = buf.low_latency_dispatch(x, idx, 4, 8,
                                                                 async_finish=async_finish)
         assert hook is None
@@ -462,7 +470,7 @@ def test_low_latency_dispatch_calls_in_order_with_a_fake_group(buf, monkeypatch)
         # The caller's int64 ids go to the kernel as they are (id_bytes 8): no conversion.
         assert impl.calls[0][1][2:4] == (idx.data_ptr(), 8)
         assert impl.calls[0][1][4:] == pointers(recv, count, handle) + (
-            compute, comm, not async_finish, False)
+            compute, on, not async_finish, False)
         assert tuple(recv[0].shape) == (8, 4, 512) and tuple(recv[1].shape) == (8, 4, 4)
         assert buf._routing[handle.key] is handle
         impl.calls.clear()
@@ -472,18 +480,20 @@ def test_low_latency_dispatch_calls_in_order_with_a_fake_group(buf, monkeypatch)
     # Combine: one call, reading the expert outputs in the padded layout where they are.
     y = torch.randn((8, 4, 512)).to(torch.bfloat16)  # [E_l, R * max, H], R = 1
     w = torch.rand((3, 2))
-    for async_finish in (False, True):
+    # After the async dispatch, a plain call goes behind its work on the comm stream and joins
+    # it back; after that join, plain calls run on the current stream again.
+    for async_finish, on in ((False, comm), (True, comm), (False, comm), (False, compute)):
         out, _, hook = buf.low_latency_combine(y, idx, w, handle, async_finish=async_finish)
         assert hook is None and tuple(out.shape) == (3, 512)
         assert impl.calls == [("ll_combine", (y.data_ptr(), 4, w.data_ptr(), out.data_ptr(),
-                                              compute, comm, not async_finish, False))]
+                                              compute, on, not async_finish, False))]
         impl.calls.clear()
     out, _, hook = buf.low_latency_combine(y, idx, w, handle, return_recv_hook=True)
-    hook()
+    run_hook(hook)
     assert impl.calls == [
         ("ll_combine", (y.data_ptr(), 4, w.data_ptr(), out.data_ptr(), compute, compute, True,
                         True)),
-        ("ll_combine_wait", (w.data_ptr(), out.data_ptr(), 33))]
+        ("ll_combine_wait", (w.data_ptr(), out.data_ptr(), later))]
     impl.calls.clear()
 
     # UE8M0 words: their own group, and the words are what dispatch writes as scales.
@@ -492,12 +502,12 @@ def test_low_latency_dispatch_calls_in_order_with_a_fake_group(buf, monkeypatch)
     assert configs[-1]["fp8_ue8m0_scales"] and configs[-1]["fp8_pow2_scales"]
     assert recv[1].dtype == torch.int32 and tuple(recv[1].shape) == (8, 4, 1)
     assert [c[0] for c in impl.calls] == ["ll_dispatch"] and impl.calls[0][1][-1] is True
-    want = pointers(recv, count, handle) + (33,)
+    want = pointers(recv, count, handle) + (later,)
     alive = weakref.ref(recv[0])
     del recv, count, handle
     gc.collect()
     assert alive() is not None, "the hook must keep the outputs it fills"
-    hook()
+    run_hook(hook)
     assert impl.calls[-1] == ("ll_receive", want)
     impl.calls.clear()
 
@@ -514,7 +524,7 @@ def test_low_latency_dispatch_calls_in_order_with_a_fake_group(buf, monkeypatch)
     # A failure in the call itself (it may have launched): the group's old handle is dropped.
     monkeypatch.setattr(buf, "_on_device", lambda call, **tensors: None)
     monkeypatch.setattr(buf, "_group", group)
-    monkeypatch.setattr(buf, "_ll_stream_handles", lambda hook: (compute, compute))
+    monkeypatch.setattr(buf, "_ll_stream_handles", lambda hook, async_finish: (compute, compute))
     monkeypatch.setattr(impl, "ll_dispatch", fail, raising=False)
     with pytest.raises(MemoryError):
         buf.low_latency_dispatch(x, idx, 4, 8, return_recv_hook=True)
