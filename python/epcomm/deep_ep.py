@@ -271,6 +271,8 @@ class Buffer:
         self._groups = {}       # key -> Group
         self._routing = {}      # key -> the routing (or low-latency handle) last dispatched there
         self._scratch = {}      # key -> tensors a group keeps (combine inputs)
+        self._ll_outputs_kept = {}  # low-latency key -> (outputs, recv_x) its dispatch reuses
+        self._ll_fresh = False  # the next low-latency dispatch allocates its outputs anew
         self._ll_parity = 0
         self._stream = None
         self._comm_handle = None  # self._stream's CUDA handle, set where it is made
@@ -363,6 +365,7 @@ class Buffer:
         self._groups.clear()
         self._routing.clear()
         self._scratch.clear()
+        self._ll_outputs_kept.clear()
         _op_buffers.pop(self._op_id, None)
         self._destroyed = True
 
@@ -818,6 +821,8 @@ class Buffer:
         [E_l, R * max, H / 512] int32 column-major per expert, each word four UE8M0 bytes, scale
         block 4j in its lowest byte)), recv_count int32 [E_l]; only the first recv_count[e] rows
         of expert e are written. round_scale: power-of-two scales (Config::fp8_pow2_scales).
+        As DeepEP documents, hold at most two calls' results: the dispatch two calls later
+        writes the same tensors (recv_x, recv_count, the handle's src_info and layout_range).
         Under torch.compile it runs as the operator torch.ops.epcomm_deep_ep.ll_dispatch (plain
         calls: no async_finish or hook), after one call outside it has set the group up."""
         call = "low_latency_dispatch"
@@ -864,9 +869,21 @@ class Buffer:
             **({"fp8_pow2_scales": True} if round_scale else {}),
             **({"fp8_ue8m0_scales": True} if use_ue8m0 else {}))
         dev = x.device
-        # The outputs, on the current stream as every output of the call, before the launch
-        # that writes them.
-        outputs = _ll_outputs(R, num_experts, max_t, H, dev, use_fp8, use_ue8m0)
+        # The outputs. As DeepEP documents ("there are only two buffers, and the returned
+        # tensors reuse the buffer": hold at most two calls' results), each of the two groups
+        # used in turn keeps one set, which its next dispatch writes again: the host allocates
+        # nothing a call (five allocations cost about as much host time as the rest of the
+        # call). The operator under torch.compile gets fresh ones (_ll_fresh). Made on the
+        # current stream, before the launch that writes them.
+        kept = None if self._ll_fresh else self._ll_outputs_kept.get(key)
+        if kept is None:
+            outputs = _ll_outputs(R, num_experts, max_t, H, dev, use_fp8, use_ue8m0)
+            recv_x = (outputs[0], _ll_returned_scales(outputs[1], outputs[2], dev)) if use_fp8 \
+                else outputs[0]
+            kept = (outputs, recv_x)
+            if not self._ll_fresh:
+                self._ll_outputs_kept[key] = kept
+        outputs, recv_x = kept
         codes, scales, ue8m0, count, src_info, layout_range = outputs
         handle = _LowLatencyHandle(
             _ll_handle_items(src_info, layout_range, max_t, H, num_experts), g, key,
@@ -890,7 +907,6 @@ class Buffer:
             raise
         self._routing[key] = handle
         stats = cumulative_local_expert_recv_stats
-        recv_x = (codes, _ll_returned_scales(scales, ue8m0, dev)) if use_fp8 else codes
         hook = None
         if return_recv_hook:
             def receive_hook():
@@ -1148,10 +1164,15 @@ def _ll_returned_scales(scales, ue8m0, dev):
 
 def _ll_dispatch_eager(b: "Buffer", x, topk_idx, max_t, num_experts, use_fp8, round_scale,
                        use_ue8m0):
-    """The dispatch operator's work: the eager call, returning its tensors."""
-    recv_x, count, handle, _, _ = b.low_latency_dispatch(
-        x, topk_idx, max_t, num_experts, use_fp8=use_fp8, round_scale=round_scale,
-        use_ue8m0=use_ue8m0)
+    """The dispatch operator's work: the eager call, returning its tensors (fresh ones: an
+    operator's outputs are its own)."""
+    b._ll_fresh = True
+    try:
+        recv_x, count, handle, _, _ = b.low_latency_dispatch(
+            x, topk_idx, max_t, num_experts, use_fp8=use_fp8, round_scale=round_scale,
+            use_ue8m0=use_ue8m0)
+    finally:
+        b._ll_fresh = False
     codes, scales = recv_x if use_fp8 else (recv_x, _ll_returned_scales(None, None, x.device))
     return codes, scales, count, handle[0], handle[1]
 

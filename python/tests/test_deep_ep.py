@@ -514,7 +514,20 @@ def test_low_latency_dispatch_calls_in_order_with_a_fake_group(buf, monkeypatch)
     def fail(*args):
         raise MemoryError("no memory for the outputs")
 
+    # The outputs are the dispatch's two calls before (DeepEP's two buffers: hold at most two
+    # calls' results), and fresh for the torch.compile operator.
+    firsts = [buf.low_latency_dispatch(x, idx, 4, 8) for _ in range(3)]
+    assert firsts[2][0][0] is firsts[0][0][0] and firsts[2][1] is firsts[0][1]
+    assert firsts[2][2][0] is firsts[0][2][0] and firsts[2][2] is not firsts[0][2]
+    assert firsts[1][0][0] is not firsts[0][0][0] and firsts[1][1] is not firsts[0][1]
+    op = deep_ep._ll_dispatch_eager(buf, x, idx, 4, 8, True, False, False)
+    assert all(t.data_ptr() not in {u.data_ptr() for f in firsts for u in f[0] + f[2][:2]}
+               for t in op)
+    assert not buf._ll_fresh
+    impl.calls.clear()
+
     before = dict(buf._routing)
+    buf._ll_outputs_kept.clear()  # so the next dispatch allocates
     monkeypatch.setattr(deep_ep, "_ll_outputs", fail)
     with pytest.raises(MemoryError):
         buf.low_latency_dispatch(x, idx, 4, 8)
