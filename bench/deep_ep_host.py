@@ -57,7 +57,7 @@ def main():
 
     buf._on_device = lambda call, **tensors: None
     buf._group = lambda key, **config: buf._groups.setdefault(key, FakeGroup())
-    buf._comm_handle = 2  # the comm stream (a plain call runs on the current one)
+    buf._ll_stream_handles = lambda hook: (1, 2)
     buf._ll_finish = lambda async_finish, stats, count, tensors: EventOverlap()
     deep_ep._current_stream_handle = lambda device: 3
     meta = torch.device("meta")

@@ -271,12 +271,9 @@ class Buffer:
         self._groups = {}       # key -> Group
         self._routing = {}      # key -> the routing (or low-latency handle) last dispatched there
         self._scratch = {}      # key -> tensors a group keeps (combine inputs)
-        self._ll_outputs_kept = {}  # low-latency key -> (outputs, recv_x) its dispatch reuses
-        self._ll_fresh = False  # the next low-latency dispatch allocates its outputs anew
         self._ll_parity = 0
         self._stream = None
         self._comm_handle = None  # self._stream's CUDA handle, set where it is made
-        self._comm_unjoined = False  # an async call's work on the comm stream may be unawaited
         self._destroyed = False
         # torch.compile: the operators below find this Buffer by its id, and a traced
         # low-latency combine finds its dispatch's handle by the src_info tensor it returned
@@ -365,7 +362,6 @@ class Buffer:
         self._groups.clear()
         self._routing.clear()
         self._scratch.clear()
-        self._ll_outputs_kept.clear()
         _op_buffers.pop(self._op_id, None)
         self._destroyed = True
 
@@ -408,33 +404,12 @@ class Buffer:
             self._groups[key] = g
         return g
 
-    def _on_comm(self, previous_event, async_finish) -> bool:
-        """Whether a call runs on the comm stream, as DeepEP's do (after previous_event, else
-        after the current stream; without async_finish the current stream then waits for it),
-        or on the current stream itself. A plain call (neither previous_event nor async_finish)
-        is ordered the same either way, and on the current stream it costs no fork and join:
-        the host's two event records and two waits, and the GPU's latency between streams.
-        Except where an async call has left work on the comm stream that the current stream
-        may not have waited for: the call then goes behind it there, and its join orders all
-        of it before what the current stream runs next."""
-        if async_finish:
-            self._comm_unjoined = True
-            return True
-        if previous_event is None and not self._comm_unjoined:
-            return False
-        self._comm_unjoined = False
-        return True
-
     def _streams(self, call, previous_event, async_finish, allocate_on_comm_stream):
-        """(compute, comm): the current stream and the one the call runs on (_on_comm: the
-        Buffer's comm stream, after previous_event or else after the current stream; or the
-        current stream itself for a plain call); without async_finish, _finish then makes the
-        current stream wait for it."""
+        """DeepEP's stream discipline: the work runs on the comm stream after previous_event
+        (else after the current stream); without async_finish the current stream then waits."""
         if allocate_on_comm_stream and (previous_event is None or not async_finish):
             _bad(call, "allocate_on_comm_stream=True needs previous_event and async_finish=True")
         compute = torch.cuda.current_stream()
-        if not self._on_comm(previous_event, async_finish):
-            return compute, compute
         comm = self._comm_stream
         ev = getattr(previous_event, "event", None) if previous_event is not None else None
         if ev is not None:
@@ -443,14 +418,13 @@ class Buffer:
             comm.wait_stream(compute)
         return compute, comm
 
-    def _ll_stream_handles(self, return_recv_hook, async_finish):
+    def _ll_stream_handles(self, return_recv_hook):
         """(compute, comm) CUDA stream handles of a low-latency call: the current stream, and
-        the one the call runs on: the current one again with a receive hook (which receives
-        there) or for a plain call (_on_comm), else the Buffer's comm stream. The C++ call
-        orders them as _streams and _finish do (comm after compute; without async_finish,
-        compute after comm; nothing where they are one stream)."""
+        the Buffer's comm stream (the current one again with a receive hook, which receives
+        there). The C++ call orders them as _streams and _finish do (comm after compute;
+        without async_finish, compute after comm)."""
         compute = _current_stream_handle(self.device)
-        if return_recv_hook or not self._on_comm(None, async_finish):
+        if return_recv_hook:
             return compute, compute
         if self._comm_handle is None:
             self._comm_stream  # creates the stream, and its handle with it
@@ -472,8 +446,7 @@ class Buffer:
 
     def _finish(self, compute, comm, async_finish, tensors) -> EventOverlap:
         if not async_finish:
-            if comm is not compute:
-                compute.wait_stream(comm)
+            compute.wait_stream(comm)
             return EventOverlap(None)
         live = [t for t in tensors if isinstance(t, torch.Tensor)]
         for t in live:
@@ -821,8 +794,6 @@ class Buffer:
         [E_l, R * max, H / 512] int32 column-major per expert, each word four UE8M0 bytes, scale
         block 4j in its lowest byte)), recv_count int32 [E_l]; only the first recv_count[e] rows
         of expert e are written. round_scale: power-of-two scales (Config::fp8_pow2_scales).
-        As DeepEP documents, hold at most two calls' results: the dispatch two calls later
-        writes the same tensors (recv_x, recv_count, the handle's src_info and layout_range).
         Under torch.compile it runs as the operator torch.ops.epcomm_deep_ep.ll_dispatch (plain
         calls: no async_finish or hook), after one call outside it has set the group up."""
         call = "low_latency_dispatch"
@@ -869,26 +840,14 @@ class Buffer:
             **({"fp8_pow2_scales": True} if round_scale else {}),
             **({"fp8_ue8m0_scales": True} if use_ue8m0 else {}))
         dev = x.device
-        # The outputs. As DeepEP documents ("there are only two buffers, and the returned
-        # tensors reuse the buffer": hold at most two calls' results), each of the two groups
-        # used in turn keeps one set, which its next dispatch writes again: the host allocates
-        # nothing a call (five allocations cost about as much host time as the rest of the
-        # call). The operator under torch.compile gets fresh ones (_ll_fresh). Made on the
-        # current stream, before the launch that writes them.
-        kept = None if self._ll_fresh else self._ll_outputs_kept.get(key)
-        if kept is None:
-            outputs = _ll_outputs(R, num_experts, max_t, H, dev, use_fp8, use_ue8m0)
-            recv_x = (outputs[0], _ll_returned_scales(outputs[1], outputs[2], dev)) if use_fp8 \
-                else outputs[0]
-            kept = (outputs, recv_x)
-            if not self._ll_fresh:
-                self._ll_outputs_kept[key] = kept
-        outputs, recv_x = kept
+        # The outputs, on the current stream as every output of the call, before the launch
+        # that writes them.
+        outputs = _ll_outputs(R, num_experts, max_t, H, dev, use_fp8, use_ue8m0)
         codes, scales, ue8m0, count, src_info, layout_range = outputs
         handle = _LowLatencyHandle(
             _ll_handle_items(src_info, layout_range, max_t, H, num_experts), g, key,
             tuple(topk_idx.shape))
-        compute, comm = self._ll_stream_handles(return_recv_hook, async_finish)
+        compute, comm = self._ll_stream_handles(return_recv_hook)
         # The group's last dispatch may change now: its previous handle must not combine, even
         # if the call fails.
         self._routing.pop(key, None)
@@ -907,6 +866,7 @@ class Buffer:
             raise
         self._routing[key] = handle
         stats = cumulative_local_expert_recv_stats
+        recv_x = (codes, _ll_returned_scales(scales, ue8m0, dev)) if use_fp8 else codes
         hook = None
         if return_recv_hook:
             def receive_hook():
@@ -1026,7 +986,7 @@ class Buffer:
                                                            device=x.device)
         # Combine reads the expert outputs in DeepEP's padded layout where they are
         # ([E_l, R * max, H]: CombineInput::expert_out_capacity), no unpad copy.
-        compute, comm = self._ll_stream_handles(return_recv_hook, async_finish)
+        compute, comm = self._ll_stream_handles(return_recv_hook)
         g._impl.ll_combine(src.data_ptr(), src.size(1), topk_weights.data_ptr(),
                            combined.data_ptr(), compute, comm, not async_finish,
                            return_recv_hook)
@@ -1164,15 +1124,10 @@ def _ll_returned_scales(scales, ue8m0, dev):
 
 def _ll_dispatch_eager(b: "Buffer", x, topk_idx, max_t, num_experts, use_fp8, round_scale,
                        use_ue8m0):
-    """The dispatch operator's work: the eager call, returning its tensors (fresh ones: an
-    operator's outputs are its own)."""
-    b._ll_fresh = True
-    try:
-        recv_x, count, handle, _, _ = b.low_latency_dispatch(
-            x, topk_idx, max_t, num_experts, use_fp8=use_fp8, round_scale=round_scale,
-            use_ue8m0=use_ue8m0)
-    finally:
-        b._ll_fresh = False
+    """The dispatch operator's work: the eager call, returning its tensors."""
+    recv_x, count, handle, _, _ = b.low_latency_dispatch(
+        x, topk_idx, max_t, num_experts, use_fp8=use_fp8, round_scale=round_scale,
+        use_ue8m0=use_ue8m0)
     codes, scales = recv_x if use_fp8 else (recv_x, _ll_returned_scales(None, None, x.device))
     return codes, scales, count, handle[0], handle[1]
 

@@ -423,8 +423,8 @@ class _Recorder:
 
 def test_low_latency_dispatch_calls_in_order_with_a_fake_group(buf, monkeypatch):
     """The layer's low-latency calls without a GPU, against a fake group: dispatch writes the
-    outputs it returns (DeepEP's padded layout, in a group set up for it), in one call: on the
-    current stream if plain, else on the comm stream (joined back unless async); with a hook the receive waits for the hook, on the
+    outputs it returns (DeepEP's padded layout, in a group set up for it), in one call on the
+    comm stream, joined back unless async; with a hook the receive waits for the hook, on the
     stream current then, and the hook keeps the outputs alive; combine is one call (and its
     hook's wait); a failure before the launch launches nothing and keeps the last handle."""
     import gc
@@ -440,18 +440,12 @@ def test_low_latency_dispatch_calls_in_order_with_a_fake_group(buf, monkeypatch)
         configs.append(config)
         return buf._groups.setdefault(key, FakeGroup())
 
-    compute, comm, later = 11, 22, 33  # stream handles; later: current when a hook runs
-    current = [compute]
+    compute, comm = 11, 22  # stream handles
     monkeypatch.setattr(buf, "_on_device", lambda call, **tensors: None)
     monkeypatch.setattr(buf, "_group", group)
-    monkeypatch.setattr(buf, "_comm_handle", comm)
+    monkeypatch.setattr(buf, "_ll_stream_handles", lambda hook: (compute, compute if hook else comm))
     monkeypatch.setattr(buf, "_ll_finish", lambda async_finish, stats, count, tensors: EventOverlap())
-    monkeypatch.setattr(deep_ep, "_current_stream_handle", lambda device: current[0])
-
-    def run_hook(hook):
-        current[0] = later
-        hook()
-        current[0] = compute
+    monkeypatch.setattr(deep_ep, "_current_stream_handle", lambda device: 33)
     x = torch.randn((3, 512)).to(torch.bfloat16)
     idx = torch.randint(0, 8, (3, 2))
 
@@ -460,9 +454,7 @@ def test_low_latency_dispatch_calls_in_order_with_a_fake_group(buf, monkeypatch)
         return (codes.data_ptr(), scales.data_ptr(), count.data_ptr(), handle[0].data_ptr(),
                 handle[1].data_ptr())
 
-    # A plain call runs on the current stream (no fork and join); an async one on the comm
-    # stream.
-    for async_finish, on in ((False, compute), (True, comm)):
+    for async_finish in (False, True):
         recv, count, handle, _, hook = buf.low_latency_dispatch(x, idx, 4, 8,
                                                                 async_finish=async_finish)
         assert hook is None
@@ -470,7 +462,7 @@ def test_low_latency_dispatch_calls_in_order_with_a_fake_group(buf, monkeypatch)
         # The caller's int64 ids go to the kernel as they are (id_bytes 8): no conversion.
         assert impl.calls[0][1][2:4] == (idx.data_ptr(), 8)
         assert impl.calls[0][1][4:] == pointers(recv, count, handle) + (
-            compute, on, not async_finish, False)
+            compute, comm, not async_finish, False)
         assert tuple(recv[0].shape) == (8, 4, 512) and tuple(recv[1].shape) == (8, 4, 4)
         assert buf._routing[handle.key] is handle
         impl.calls.clear()
@@ -480,20 +472,18 @@ def test_low_latency_dispatch_calls_in_order_with_a_fake_group(buf, monkeypatch)
     # Combine: one call, reading the expert outputs in the padded layout where they are.
     y = torch.randn((8, 4, 512)).to(torch.bfloat16)  # [E_l, R * max, H], R = 1
     w = torch.rand((3, 2))
-    # After the async dispatch, a plain call goes behind its work on the comm stream and joins
-    # it back; after that join, plain calls run on the current stream again.
-    for async_finish, on in ((False, comm), (True, comm), (False, comm), (False, compute)):
+    for async_finish in (False, True):
         out, _, hook = buf.low_latency_combine(y, idx, w, handle, async_finish=async_finish)
         assert hook is None and tuple(out.shape) == (3, 512)
         assert impl.calls == [("ll_combine", (y.data_ptr(), 4, w.data_ptr(), out.data_ptr(),
-                                              compute, on, not async_finish, False))]
+                                              compute, comm, not async_finish, False))]
         impl.calls.clear()
     out, _, hook = buf.low_latency_combine(y, idx, w, handle, return_recv_hook=True)
-    run_hook(hook)
+    hook()
     assert impl.calls == [
         ("ll_combine", (y.data_ptr(), 4, w.data_ptr(), out.data_ptr(), compute, compute, True,
                         True)),
-        ("ll_combine_wait", (w.data_ptr(), out.data_ptr(), later))]
+        ("ll_combine_wait", (w.data_ptr(), out.data_ptr(), 33))]
     impl.calls.clear()
 
     # UE8M0 words: their own group, and the words are what dispatch writes as scales.
@@ -502,32 +492,19 @@ def test_low_latency_dispatch_calls_in_order_with_a_fake_group(buf, monkeypatch)
     assert configs[-1]["fp8_ue8m0_scales"] and configs[-1]["fp8_pow2_scales"]
     assert recv[1].dtype == torch.int32 and tuple(recv[1].shape) == (8, 4, 1)
     assert [c[0] for c in impl.calls] == ["ll_dispatch"] and impl.calls[0][1][-1] is True
-    want = pointers(recv, count, handle) + (later,)
+    want = pointers(recv, count, handle) + (33,)
     alive = weakref.ref(recv[0])
     del recv, count, handle
     gc.collect()
     assert alive() is not None, "the hook must keep the outputs it fills"
-    run_hook(hook)
+    hook()
     assert impl.calls[-1] == ("ll_receive", want)
     impl.calls.clear()
 
     def fail(*args):
         raise MemoryError("no memory for the outputs")
 
-    # The outputs are the dispatch's two calls before (DeepEP's two buffers: hold at most two
-    # calls' results), and fresh for the torch.compile operator.
-    firsts = [buf.low_latency_dispatch(x, idx, 4, 8) for _ in range(3)]
-    assert firsts[2][0][0] is firsts[0][0][0] and firsts[2][1] is firsts[0][1]
-    assert firsts[2][2][0] is firsts[0][2][0] and firsts[2][2] is not firsts[0][2]
-    assert firsts[1][0][0] is not firsts[0][0][0] and firsts[1][1] is not firsts[0][1]
-    op = deep_ep._ll_dispatch_eager(buf, x, idx, 4, 8, True, False, False)
-    assert all(t.data_ptr() not in {u.data_ptr() for f in firsts for u in f[0] + f[2][:2]}
-               for t in op)
-    assert not buf._ll_fresh
-    impl.calls.clear()
-
     before = dict(buf._routing)
-    buf._ll_outputs_kept.clear()  # so the next dispatch allocates
     monkeypatch.setattr(deep_ep, "_ll_outputs", fail)
     with pytest.raises(MemoryError):
         buf.low_latency_dispatch(x, idx, 4, 8)
@@ -537,7 +514,7 @@ def test_low_latency_dispatch_calls_in_order_with_a_fake_group(buf, monkeypatch)
     # A failure in the call itself (it may have launched): the group's old handle is dropped.
     monkeypatch.setattr(buf, "_on_device", lambda call, **tensors: None)
     monkeypatch.setattr(buf, "_group", group)
-    monkeypatch.setattr(buf, "_ll_stream_handles", lambda hook, async_finish: (compute, compute))
+    monkeypatch.setattr(buf, "_ll_stream_handles", lambda hook: (compute, compute))
     monkeypatch.setattr(impl, "ll_dispatch", fail, raising=False)
     with pytest.raises(MemoryError):
         buf.low_latency_dispatch(x, idx, 4, 8, return_recv_hook=True)
