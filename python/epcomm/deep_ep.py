@@ -274,6 +274,10 @@ class Buffer:
         self._ll_parity = 0
         self._stream = None
         self._comm_handle = None  # self._stream's CUDA handle, set where it is made
+        # The stream (handle) after whose queued work every earlier call of the Buffer has run:
+        # where a call that waited for the comm stream was made, or the plain low-latency calls
+        # since; None: the comm stream holds work no stream has waited for (or no call yet).
+        self._tail = None
         self._destroyed = False
         # torch.compile: the operators below find this Buffer by its id, and a traced
         # low-latency combine finds its dispatch's handle by the src_info tensor it returned
@@ -404,13 +408,43 @@ class Buffer:
             self._groups[key] = g
         return g
 
+    def _order(self, current: int, previous_event, async_finish, may_stay: bool) -> bool:
+        """Whether a call from the stream `current` (a handle) runs on the comm stream. DeepEP
+        runs every call there (after previous_event, else after the current stream; without
+        async_finish the current stream then waits for it), so each call runs after the
+        Buffer's earlier calls whatever stream they came from. A plain low-latency call
+        (may_stay: neither async_finish nor a hook) runs on `current` itself where that keeps
+        this order, that is where the Buffer's earlier work all precedes what `current` queues
+        next (self._tail): the same order with no fork and join (two event records and two
+        stream waits on the host, and the GPU's latency between streams). Otherwise the comm
+        stream also waits for the Buffer's last stream where the caller's own wait does not
+        cover it (another stream, or previous_event given: then it may wait for more of that
+        stream than DeepEP would, never less). The call's caller sets self._tail = current
+        once the current stream has waited for it (_joined)."""
+        tail = self._tail
+        if may_stay and previous_event is None and not async_finish and tail == current:
+            return False
+        if tail is not None and (tail != current or previous_event is not None):
+            self._comm_waits_for(tail)
+        self._tail = None  # until the current stream has waited for the call, if it does
+        return True
+
+    def _comm_waits_for(self, handle: int) -> None:
+        self._comm_stream.wait_stream(torch.cuda.ExternalStream(handle, device=self.device))
+
+    def _joined(self, current: int) -> None:
+        """After a call the stream `current` waited for (or ran): every call of the Buffer so
+        far runs before what `current` queues next."""
+        self._tail = current
+
     def _streams(self, call, previous_event, async_finish, allocate_on_comm_stream):
-        """DeepEP's stream discipline: the work runs on the comm stream after previous_event
-        (else after the current stream); without async_finish the current stream then waits."""
+        """(compute, comm): the current stream and the comm stream, which waits for
+        previous_event (else the current stream) and the Buffer's earlier calls (_order)."""
         if allocate_on_comm_stream and (previous_event is None or not async_finish):
             _bad(call, "allocate_on_comm_stream=True needs previous_event and async_finish=True")
         compute = torch.cuda.current_stream()
         comm = self._comm_stream
+        self._order(compute.cuda_stream, previous_event, async_finish, may_stay=False)
         ev = getattr(previous_event, "event", None) if previous_event is not None else None
         if ev is not None:
             comm.wait_event(ev)
@@ -418,13 +452,15 @@ class Buffer:
             comm.wait_stream(compute)
         return compute, comm
 
-    def _ll_stream_handles(self, return_recv_hook):
-        """(compute, comm) CUDA stream handles of a low-latency call: the current stream, and
-        the Buffer's comm stream (the current one again with a receive hook, which receives
-        there). The C++ call orders them as _streams and _finish do (comm after compute;
-        without async_finish, compute after comm)."""
+    def _ll_stream_handles(self, return_recv_hook, async_finish):
+        """(compute, on) CUDA stream handles of a low-latency call: the current stream, and the
+        one the call runs on. With a receive hook the current one (which receives there; as
+        DeepEP's, such a call waits for nothing else). A plain call: the current one where
+        that keeps DeepEP's order (_order), else the comm stream. The C++ call orders them (on
+        after compute; without async_finish, compute after on; nothing where they are one
+        stream)."""
         compute = _current_stream_handle(self.device)
-        if return_recv_hook:
+        if return_recv_hook or not self._order(compute, None, async_finish, may_stay=True):
             return compute, compute
         if self._comm_handle is None:
             self._comm_stream  # creates the stream, and its handle with it
@@ -444,9 +480,19 @@ class Buffer:
                 stats.add_(count)
         return self._finish(torch.cuda.current_stream(), comm, True, tensors)
 
-    def _finish(self, compute, comm, async_finish, tensors) -> EventOverlap:
+    def _finish(self, compute, comm, async_finish, tensors, returned=()) -> EventOverlap:
+        """After a call that ran on the comm stream: `returned`, the outputs allocated on the
+        comm stream, are recorded as used by the current stream (where the caller uses them;
+        DeepEP does so with allocate_on_comm_stream), so that the caching allocator does not
+        hand their memory to the comm stream's next allocation while the current stream still
+        reads it. Without async_finish the current stream waits for the call; with it, the
+        tensors are kept for the comm stream and an event is returned."""
+        for t in returned:
+            if t is not None:
+                t.record_stream(compute)
         if not async_finish:
             compute.wait_stream(comm)
+            self._joined(compute.cuda_stream)
             return EventOverlap(None)
         live = [t for t in tensors if isinstance(t, torch.Tensor)]
         for t in live:
@@ -506,7 +552,9 @@ class Buffer:
         _C.routing_layout(topk_idx, num_experts, R, per_rank, per_expert, is_token_in_rank, None,
                           comm.cuda_stream)
         event = self._finish(compute, comm, async_finish,
-                             (topk_idx, per_rank, per_expert, is_token_in_rank))
+                             (topk_idx, per_rank, per_expert, is_token_in_rank),
+                             (per_rank, per_expert, is_token_in_rank)
+                             if allocate_on_comm_stream else ())
         return per_rank, None, per_expert, is_token_in_rank, event
 
     # ---- normal mode ----------------------------------------------------------------------
@@ -678,9 +726,13 @@ class Buffer:
         # num_tokens_per_expert the per-expert list where no top-k travels (a cached dispatch
         # reads neither, and does not check them).
         read = () if cached else (is_token_in_rank, num_tokens_per_expert)
+        # The top-k outputs were made on the comm stream (as were recv_x and recv_scales with
+        # allocate_on_comm_stream): the caller uses them on the current stream.
         event = self._finish(compute, comm, async_finish,
                              (codes, scales, recv_x, recv_scales, recv_topk_idx,
-                              recv_topk_weights, topk_idx, topk_weights, routing.rank_ids) + read)
+                              recv_topk_weights, topk_idx, topk_weights, routing.rank_ids) + read,
+                             (recv_topk_idx, recv_topk_weights) +
+                             ((recv_x, recv_scales) if allocate_on_comm_stream else ()))
         if cached:
             return out_x, None, None, None, None, event
         a = int(expert_alignment)
@@ -762,7 +814,8 @@ class Buffer:
                 w = torch.where(handle.rank_ids.unsqueeze(2) >= 0, w, 0.0)
                 combined_w = w.sum(1)
         event = self._finish(compute, comm, async_finish,
-                             (x, out, topk_weights, combined_w) + tuple(biases))
+                             (x, out, topk_weights, combined_w) + tuple(biases),
+                             (combined_w,) + ((out,) if allocate_on_comm_stream else ()))
         return out, combined_w, event
 
     # ---- low-latency mode -----------------------------------------------------------------
@@ -847,7 +900,7 @@ class Buffer:
         handle = _LowLatencyHandle(
             _ll_handle_items(src_info, layout_range, max_t, H, num_experts), g, key,
             tuple(topk_idx.shape))
-        compute, comm = self._ll_stream_handles(return_recv_hook)
+        compute, comm = self._ll_stream_handles(return_recv_hook, async_finish)
         # The group's last dispatch may change now: its previous handle must not combine, even
         # if the call fails.
         self._routing.pop(key, None)
@@ -864,6 +917,8 @@ class Buffer:
                     t.record_stream(self._comm_stream)
                 torch.cuda.current_stream(self.device).wait_stream(self._comm_stream)
             raise
+        if not async_finish and not return_recv_hook:
+            self._joined(compute)
         self._routing[key] = handle
         stats = cumulative_local_expert_recv_stats
         recv_x = (codes, _ll_returned_scales(scales, ue8m0, dev)) if use_fp8 else codes
@@ -986,10 +1041,12 @@ class Buffer:
                                                            device=x.device)
         # Combine reads the expert outputs in DeepEP's padded layout where they are
         # ([E_l, R * max, H]: CombineInput::expert_out_capacity), no unpad copy.
-        compute, comm = self._ll_stream_handles(return_recv_hook)
+        compute, comm = self._ll_stream_handles(return_recv_hook, async_finish)
         g._impl.ll_combine(src.data_ptr(), src.size(1), topk_weights.data_ptr(),
                            combined.data_ptr(), compute, comm, not async_finish,
                            return_recv_hook)
+        if not async_finish and not return_recv_hook:
+            self._joined(compute)
         hook = None
         if return_recv_hook:
             def receive_hook():

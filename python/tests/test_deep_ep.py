@@ -404,6 +404,39 @@ def test_low_latency_traced_calls_run_in_program_order(buf, monkeypatch):
     assert stats.tolist() == [1] * E  # the first dispatch's counts, added once
 
 
+def test_calls_keep_deepep_order_across_streams(buf, monkeypatch):
+    """DeepEP queues every call on its comm stream, so each call runs after the Buffer's
+    earlier calls whatever stream they came from. Buffer._order keeps that while letting a plain
+    low-latency call stay on the current stream where the Buffer's earlier work all precedes
+    what that stream queues next; elsewhere the comm stream also waits for the stream that
+    holds the Buffer's last work, with previous_event too (a failed call leaves it to the comm
+    stream)."""
+    waits = []
+    monkeypatch.setattr(buf, "_comm_waits_for", waits.append)
+    ev = object()  # a previous_event
+    steps = [  # (current stream, previous_event, async_finish, may_stay, joined) -> (comm?, waits)
+        ((1, None, False, True, True), (True, [])),   # first call: nothing joined yet
+        ((1, None, False, True, True), (False, [])),  # plain, same stream: stays
+        ((1, ev, True, False, False), (True, [1])),   # previous_event: after stream 1's call too
+        ((1, None, False, True, True), (True, [])),   # behind the async call, joined
+        ((1, None, False, False, True), (True, [])),  # normal mode: the comm stream; joined
+        ((2, None, True, False, False), (True, [1])),  # another stream: waits for stream 1
+        ((3, None, False, True, True), (True, [])),   # behind the async call (comm's order)
+        ((2, None, False, True, True), (True, [3])),  # stream 3 holds the last work
+        ((2, None, False, True, True), (False, [])),
+        ((2, ev, False, False, False), (True, [2])),  # fails after its launch: not joined
+        ((2, None, False, True, True), (True, [])),   # so the next call goes behind it
+        ((2, None, False, True, True), (False, [])),
+    ]
+    buf._tail = None
+    for (stream, prev, async_finish, may_stay, joined), (on_comm, waited) in steps:
+        assert buf._order(stream, prev, async_finish, may_stay) == on_comm, (stream, prev)
+        assert waits == waited, (stream, prev, async_finish)
+        waits.clear()
+        if joined:
+            buf._joined(stream)
+
+
 class _Recorder:
     """A fake epcomm group's C++ side: records each call (name, arguments), after checking that
     the real binding (epcomm._epcomm.Group) takes that many arguments."""
@@ -424,7 +457,8 @@ class _Recorder:
 def test_low_latency_dispatch_calls_in_order_with_a_fake_group(buf, monkeypatch):
     """The layer's low-latency calls without a GPU, against a fake group: dispatch writes the
     outputs it returns (DeepEP's padded layout, in a group set up for it), in one call on the
-    comm stream, joined back unless async; with a hook the receive waits for the hook, on the
+    comm stream, joined back unless async, or on the current stream where that keeps DeepEP's
+    order; with a hook the receive waits for the hook, on the
     stream current then, and the hook keeps the outputs alive; combine is one call (and its
     hook's wait); a failure before the launch launches nothing and keeps the last handle."""
     import gc
@@ -440,12 +474,19 @@ def test_low_latency_dispatch_calls_in_order_with_a_fake_group(buf, monkeypatch)
         configs.append(config)
         return buf._groups.setdefault(key, FakeGroup())
 
-    compute, comm = 11, 22  # stream handles
+    compute, comm, later, other = 11, 22, 33, 44  # stream handles; later: current at hook()
+    current, waits = [compute], []  # the current stream; what the comm stream was made to wait for
     monkeypatch.setattr(buf, "_on_device", lambda call, **tensors: None)
     monkeypatch.setattr(buf, "_group", group)
-    monkeypatch.setattr(buf, "_ll_stream_handles", lambda hook: (compute, compute if hook else comm))
+    monkeypatch.setattr(buf, "_comm_handle", comm)
+    monkeypatch.setattr(buf, "_comm_waits_for", waits.append)
     monkeypatch.setattr(buf, "_ll_finish", lambda async_finish, stats, count, tensors: EventOverlap())
-    monkeypatch.setattr(deep_ep, "_current_stream_handle", lambda device: 33)
+    monkeypatch.setattr(deep_ep, "_current_stream_handle", lambda device: current[0])
+
+    def run_hook(hook):
+        current[0] = later
+        hook()
+        current[0] = compute
     x = torch.randn((3, 512)).to(torch.bfloat16)
     idx = torch.randint(0, 8, (3, 2))
 
@@ -454,7 +495,11 @@ def test_low_latency_dispatch_calls_in_order_with_a_fake_group(buf, monkeypatch)
         return (codes.data_ptr(), scales.data_ptr(), count.data_ptr(), handle[0].data_ptr(),
                 handle[1].data_ptr())
 
-    for async_finish in (False, True):
+    # Streams: a call runs on the comm stream, joined back unless async, except a plain call
+    # made where every earlier call of the Buffer was joined (or ran): it stays on the current
+    # stream. The first call has nothing joined yet; after an async call the next plain one
+    # goes behind it on the comm stream.
+    for async_finish, on in ((False, comm), (True, comm), (False, comm), (False, compute)):
         recv, count, handle, _, hook = buf.low_latency_dispatch(x, idx, 4, 8,
                                                                 async_finish=async_finish)
         assert hook is None
@@ -462,7 +507,7 @@ def test_low_latency_dispatch_calls_in_order_with_a_fake_group(buf, monkeypatch)
         # The caller's int64 ids go to the kernel as they are (id_bytes 8): no conversion.
         assert impl.calls[0][1][2:4] == (idx.data_ptr(), 8)
         assert impl.calls[0][1][4:] == pointers(recv, count, handle) + (
-            compute, comm, not async_finish, False)
+            compute, on, not async_finish, False)
         assert tuple(recv[0].shape) == (8, 4, 512) and tuple(recv[1].shape) == (8, 4, 4)
         assert buf._routing[handle.key] is handle
         impl.calls.clear()
@@ -472,18 +517,29 @@ def test_low_latency_dispatch_calls_in_order_with_a_fake_group(buf, monkeypatch)
     # Combine: one call, reading the expert outputs in the padded layout where they are.
     y = torch.randn((8, 4, 512)).to(torch.bfloat16)  # [E_l, R * max, H], R = 1
     w = torch.rand((3, 2))
-    for async_finish in (False, True):
+    # After a call from another stream, a plain call goes through the comm stream, which also
+    # waits for that stream (DeepEP's calls all queue on the comm stream, so each runs after
+    # the Buffer's earlier ones, whatever stream they came from).
+    for async_finish, stream, on, waited in (
+            (False, compute, compute, []), (True, compute, comm, []),
+            (False, compute, comm, []), (False, compute, compute, []),
+            (False, other, comm, [compute]), (False, other, other, []),
+            (False, compute, comm, [other]), (False, compute, compute, [])):
+        current[0] = stream
         out, _, hook = buf.low_latency_combine(y, idx, w, handle, async_finish=async_finish)
         assert hook is None and tuple(out.shape) == (3, 512)
         assert impl.calls == [("ll_combine", (y.data_ptr(), 4, w.data_ptr(), out.data_ptr(),
-                                              compute, comm, not async_finish, False))]
+                                              stream, on, not async_finish, False))]
+        assert waits == waited
         impl.calls.clear()
+        waits.clear()
+    current[0] = compute
     out, _, hook = buf.low_latency_combine(y, idx, w, handle, return_recv_hook=True)
-    hook()
+    run_hook(hook)
     assert impl.calls == [
         ("ll_combine", (y.data_ptr(), 4, w.data_ptr(), out.data_ptr(), compute, compute, True,
                         True)),
-        ("ll_combine_wait", (w.data_ptr(), out.data_ptr(), 33))]
+        ("ll_combine_wait", (w.data_ptr(), out.data_ptr(), later))]
     impl.calls.clear()
 
     # UE8M0 words: their own group, and the words are what dispatch writes as scales.
@@ -492,12 +548,12 @@ def test_low_latency_dispatch_calls_in_order_with_a_fake_group(buf, monkeypatch)
     assert configs[-1]["fp8_ue8m0_scales"] and configs[-1]["fp8_pow2_scales"]
     assert recv[1].dtype == torch.int32 and tuple(recv[1].shape) == (8, 4, 1)
     assert [c[0] for c in impl.calls] == ["ll_dispatch"] and impl.calls[0][1][-1] is True
-    want = pointers(recv, count, handle) + (33,)
+    want = pointers(recv, count, handle) + (later,)
     alive = weakref.ref(recv[0])
     del recv, count, handle
     gc.collect()
     assert alive() is not None, "the hook must keep the outputs it fills"
-    hook()
+    run_hook(hook)
     assert impl.calls[-1] == ("ll_receive", want)
     impl.calls.clear()
 
@@ -514,7 +570,7 @@ def test_low_latency_dispatch_calls_in_order_with_a_fake_group(buf, monkeypatch)
     # A failure in the call itself (it may have launched): the group's old handle is dropped.
     monkeypatch.setattr(buf, "_on_device", lambda call, **tensors: None)
     monkeypatch.setattr(buf, "_group", group)
-    monkeypatch.setattr(buf, "_ll_stream_handles", lambda hook: (compute, compute))
+    monkeypatch.setattr(buf, "_ll_stream_handles", lambda hook, async_finish: (compute, compute))
     monkeypatch.setattr(impl, "ll_dispatch", fail, raising=False)
     with pytest.raises(MemoryError):
         buf.low_latency_dispatch(x, idx, 4, 8, return_recv_hook=True)
