@@ -1138,20 +1138,26 @@ def _normal_topk(rows, cw, K, S, first_expert, n_local, recv_dev, stream):
 def _ll_outputs(R: int, num_experts: int, max_t: int, H: int, dev, use_fp8: bool,
                 use_ue8m0: bool):
     """A low-latency dispatch's outputs, allocated (S = R * max_t, E_l = num_experts / R):
-    codes [E_l, S, H] (e4m3 or bf16), scales [E_l, H / 128, S] float32 (FP8 without
-    use_ue8m0, else None), ue8m0 [E_l, H / 512, S] int32 (use_ue8m0, else None), count [E_l]
-    int32, src_info [E_l, S] int32, layout_range [E_l, R] int64. The eager call and the
-    operator's fake both take them from here."""
+    codes [E_l, S, H] (e4m3 or bf16), scales [E_l, S, H / 128] float32 (FP8 without
+    use_ue8m0, else None), ue8m0 [E_l, S, H / 512] int32 (use_ue8m0, else None), count [E_l]
+    int32, src_info [E_l, S] int32, layout_range [E_l, R] int64. The scales are column-major
+    per expert (strides [S · cols, 1, S]), as DeepEP returns them and the kernel writes them
+    ([E_l, cols, S] in memory): made so at once, not as a transpose of another tensor. The
+    eager call and the operator's fake both take them from here."""
     E_l, S = num_experts // R, R * max_t
     codes = torch.empty((E_l, S, H), dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16,
                         device=dev)
-    scales = torch.empty((E_l, H // 128, S), dtype=torch.float32, device=dev) \
+    scales = _column_major(E_l, S, H // 128, torch.float32, dev) \
         if use_fp8 and not use_ue8m0 else None
-    ue8m0 = torch.empty((E_l, H // 512, S), dtype=torch.int32, device=dev) if use_ue8m0 \
-        else None
+    ue8m0 = _column_major(E_l, S, H // 512, torch.int32, dev) if use_ue8m0 else None
     return (codes, scales, ue8m0, torch.empty(E_l, dtype=torch.int32, device=dev),
             torch.empty((E_l, S), dtype=torch.int32, device=dev),
             torch.empty((E_l, R), dtype=torch.int64, device=dev))
+
+
+def _column_major(E_l: int, S: int, cols: int, dtype, dev) -> torch.Tensor:
+    """[E_l, S, cols], each expert's [S, cols] column-major."""
+    return torch.empty_strided((E_l, S, cols), (S * cols, 1, S), dtype=dtype, device=dev)
 
 
 def _ll_pointers(outputs) -> tuple:
@@ -1170,12 +1176,12 @@ def _ll_handle_items(src_info, layout_range, max_t, H, num_experts) -> tuple:
 
 
 def _ll_returned_scales(scales, ue8m0, dev):
-    """The scales a dispatch returns: UE8M0 words or fp32 scales, column-major per expert
-    ([E_l, S, cols] views); without FP8, the operator's empty float32 placeholder."""
+    """The scales a dispatch returns: UE8M0 words or fp32 scales (column-major per expert);
+    without FP8, the operator's empty float32 placeholder."""
     if ue8m0 is not None:
-        return ue8m0.transpose(1, 2)
+        return ue8m0
     if scales is not None:
-        return scales.transpose(1, 2)
+        return scales
     return torch.empty(0, dtype=torch.float32, device=dev)
 
 
