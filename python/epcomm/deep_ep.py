@@ -71,6 +71,12 @@ def _bad(call: str, msg: str):
 
 
 def _check(call: str, name: str, t, dtype=None, ndim=None, rows=None, cols=None, contiguous=True):
+    # The common case first, in one expression (a call's host time is mostly such checks):
+    # a plain tensor of the one dtype and the rank asked, which the full checks below pass.
+    if type(t) is torch.Tensor and t.dtype is dtype and t.dim() == ndim and \
+            (rows is None or t.size(0) == rows) and (cols is None or t.size(1) == cols) and \
+            (not contiguous or t.is_contiguous()):
+        return
     if not isinstance(t, torch.Tensor):
         _bad(call, f"{name} must be a torch.Tensor; got {type(t).__name__}")
     if dtype is not None and t.dtype not in (dtype if isinstance(dtype, tuple) else (dtype,)):
@@ -880,8 +886,11 @@ class Buffer:
                                             cumulative_local_expert_recv_stats, use_fp8,
                                             round_scale, use_ue8m0, async_finish,
                                             return_recv_hook)
-        self._on_device(call, x=x, topk_idx=topk_idx,
-                        cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats)
+        stats = cumulative_local_expert_recv_stats
+        if x.get_device() != self.device or topk_idx.get_device() != self.device or (
+                stats is not None and stats.get_device() != self.device):
+            self._on_device(call, x=x, topk_idx=topk_idx,
+                            cumulative_local_expert_recv_stats=stats)  # raises, naming which
         fmt = "fp8-blockwise" if use_fp8 else "bf16"
         self._ll_parity ^= 1  # two groups in turn, so two dispatches may await their combines
         key = ("ll", H, num_experts, K, max_t, fmt, bool(round_scale), bool(use_ue8m0),
@@ -920,7 +929,6 @@ class Buffer:
         if not async_finish and not return_recv_hook:
             self._joined(compute)
         self._routing[key] = handle
-        stats = cumulative_local_expert_recv_stats
         recv_x = (codes, _ll_returned_scales(scales, ue8m0, dev)) if use_fp8 else codes
         hook = None
         if return_recv_hook:
@@ -1031,7 +1039,11 @@ class Buffer:
         _check(call, "topk_weights", topk_weights, torch.float32, 2, rows=T, cols=K)
         if out is not None:
             _check(call, "out", out, torch.bfloat16, 2, rows=T, cols=H)
-        self._on_device(call, x=x, topk_idx=topk_idx, topk_weights=topk_weights, out=out)
+        dev = self.device
+        if x.get_device() != dev or topk_idx.get_device() != dev or \
+                topk_weights.get_device() != dev or (out is not None and out.get_device() != dev):
+            self._on_device(call, x=x, topk_idx=topk_idx, topk_weights=topk_weights,
+                            out=out)  # raises, naming which
         sc = self._ll_scratch(handle)
         # zero_copy: as in DeepEP, the expert outputs are already in
         # get_next_low_latency_combine_buffer(handle), and x's storage is not read.
