@@ -191,7 +191,10 @@ class _Routing:
             # The counts were written on the comm stream: the caller may read handle[0] before
             # waiting on an async dispatch's event.
             if self.tokens_ready is not None:
-                torch.cuda.current_stream().wait_event(self.tokens_ready)
+                here = torch.cuda.current_stream(self.buffer.device)
+                here.wait_event(self.tokens_ready)
+                # Made on the comm stream, read here: its memory waits for this stream too.
+                self.tokens_to_rank.record_stream(here)
             parts = _collective(self.buffer.group, self.tokens_to_rank, "all_gather")
             self._prefix = torch.stack(parts).cumsum(0, dtype=torch.int32)
         return self._prefix
@@ -284,6 +287,8 @@ class Buffer:
         # where a call that waited for the comm stream was made, or the plain low-latency calls
         # since; None: the comm stream holds work no stream has waited for (or no call yet).
         self._tail = None
+        self._stayed = False  # a plain call ran on _tail since the comm stream's last call
+        self._comm_shared = False  # get_comm_stream() was called: no call stays off it
         self._destroyed = False
         # torch.compile: the operators below find this Buffer by its id, and a traced
         # low-latency combine finds its dispatch's handle by the src_info tensor it returned
@@ -330,6 +335,10 @@ class Buffer:
         return slots * hidden * 2
 
     def get_comm_stream(self) -> torch.cuda.Stream:
+        """The stream the Buffer's calls run on. From the first time it is asked for, every
+        call runs there (the caller may queue work on it, or wait for it to cover the calls),
+        none on the current stream (Buffer._order)."""
+        self._comm_shared = True
         return self._comm_stream
 
     def get_local_buffer_tensor(self, dtype, size=None, offset: int = 0,
@@ -421,17 +430,24 @@ class Buffer:
         Buffer's earlier calls whatever stream they came from. A plain low-latency call
         (may_stay: neither async_finish nor a hook) runs on `current` itself where that keeps
         this order, that is where the Buffer's earlier work all precedes what `current` queues
-        next (self._tail): the same order with no fork and join (two event records and two
-        stream waits on the host, and the GPU's latency between streams). Otherwise the comm
-        stream also waits for the Buffer's last stream where the caller's own wait does not
-        cover it (another stream, or previous_event given: then it may wait for more of that
-        stream than DeepEP would, never less). The call's caller sets self._tail = current
-        once the current stream has waited for it (_joined)."""
+        next (self._tail), and the caller has not been given the comm stream: the same order
+        with no fork and join (two event records and two stream waits on the host, and the
+        GPU's latency between streams). A call on the comm stream runs after the Buffer's
+        earlier calls there; where plain calls stayed on a stream since, the comm stream also
+        waits for that stream unless the caller's own wait covers it (the current stream, no
+        previous_event). The call's caller sets self._tail = current once the current stream
+        has waited for it (_joined)."""
         tail = self._tail
-        if may_stay and previous_event is None and not async_finish and tail == current:
+        if may_stay and previous_event is None and not async_finish and tail == current and \
+                not self._comm_shared:
+            self._stayed = True
             return False
-        if tail is not None and (tail != current or previous_event is not None):
-            self._comm_waits_for(tail)
+        if self._stayed and (tail != current or previous_event is not None):
+            try:
+                self._comm_waits_for(tail)
+            except Exception:  # e.g. that stream is gone: order by the whole device instead
+                torch.cuda.synchronize(self.device)
+        self._stayed = False
         self._tail = None  # until the current stream has waited for the call, if it does
         return True
 
@@ -439,16 +455,18 @@ class Buffer:
         self._comm_stream.wait_stream(torch.cuda.ExternalStream(handle, device=self.device))
 
     def _joined(self, current: int) -> None:
-        """After a call the stream `current` waited for (or ran): every call of the Buffer so
-        far runs before what `current` queues next."""
-        self._tail = current
+        """After a call the stream `current` waited for: every call of the Buffer so far runs
+        before what `current` queues next. Not while `current` captures a CUDA graph: what it
+        holds then runs only when the graph is replayed."""
+        capturing = torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+        self._tail = None if capturing else current
 
     def _streams(self, call, previous_event, async_finish, allocate_on_comm_stream):
         """(compute, comm): the current stream and the comm stream, which waits for
         previous_event (else the current stream) and the Buffer's earlier calls (_order)."""
         if allocate_on_comm_stream and (previous_event is None or not async_finish):
             _bad(call, "allocate_on_comm_stream=True needs previous_event and async_finish=True")
-        compute = torch.cuda.current_stream()
+        compute = torch.cuda.current_stream(self.device)
         comm = self._comm_stream
         self._order(compute.cuda_stream, previous_event, async_finish, may_stay=False)
         ev = getattr(previous_event, "event", None) if previous_event is not None else None
@@ -934,15 +952,17 @@ class Buffer:
         if return_recv_hook:
             def receive_hook():
                 # The closure holds the outputs themselves (not only their addresses), so they
-                # live until the hook has written them, as DeepEP's hook does.
-                g._impl.ll_receive(*_ll_pointers(outputs), _current_stream_handle(self.device))
+                # live until the hook has written them, as DeepEP's hook does. The receive runs
+                # on the stream of the call, as DeepEP's, wherever hook() is called from.
+                g._impl.ll_receive(*_ll_pointers(outputs), compute)
                 if stats is not None:
-                    stats.add_(count)
+                    with torch.cuda.stream(torch.cuda.ExternalStream(compute, device=self.device)):
+                        stats.add_(count)
 
             hook = receive_hook
             event = EventOverlap(None)
         else:
-            event = self._ll_finish(async_finish, stats, count, (x, topk_idx) + outputs)
+            event = self._ll_finish(async_finish, stats, count, (x, topk_idx, stats) + outputs)
         return recv_x, count, handle, event, hook
 
     def get_next_low_latency_combine_buffer(self, handle: _LowLatencyHandle) -> torch.Tensor:
@@ -1061,9 +1081,8 @@ class Buffer:
             self._joined(compute)
         hook = None
         if return_recv_hook:
-            def receive_hook():
-                s = _current_stream_handle(self.device)
-                g._impl.ll_combine_wait(topk_weights.data_ptr(), combined.data_ptr(), s)
+            def receive_hook():  # on the stream of the call, as DeepEP's
+                g._impl.ll_combine_wait(topk_weights.data_ptr(), combined.data_ptr(), compute)
 
             hook = receive_hook
             event = EventOverlap(None)

@@ -417,16 +417,18 @@ def test_calls_keep_deepep_order_across_streams(buf, monkeypatch):
     steps = [  # (current stream, previous_event, async_finish, may_stay, joined) -> (comm?, waits)
         ((1, None, False, True, True), (True, [])),   # first call: nothing joined yet
         ((1, None, False, True, True), (False, [])),  # plain, same stream: stays
-        ((1, ev, True, False, False), (True, [1])),   # previous_event: after stream 1's call too
+        ((1, ev, True, False, False), (True, [1])),   # previous_event: after the call on 1 too
         ((1, None, False, True, True), (True, [])),   # behind the async call, joined
         ((1, None, False, False, True), (True, [])),  # normal mode: the comm stream; joined
-        ((2, None, True, False, False), (True, [1])),  # another stream: waits for stream 1
+        ((2, None, True, False, False), (True, [])),  # the comm stream holds every call so far
         ((3, None, False, True, True), (True, [])),   # behind the async call (comm's order)
-        ((2, None, False, True, True), (True, [3])),  # stream 3 holds the last work
-        ((2, None, False, True, True), (False, [])),
+        ((3, None, False, True, False), (False, [])),  # stays on 3
+        ((2, None, True, False, False), (True, [3])),  # from 2: after what stayed on 3 too
+        ((2, None, False, True, True), (True, [])),
+        ((2, None, False, True, False), (False, [])),
         ((2, ev, False, False, False), (True, [2])),  # fails after its launch: not joined
         ((2, None, False, True, True), (True, [])),   # so the next call goes behind it
-        ((2, None, False, True, True), (False, [])),
+        ((2, None, False, True, False), (False, [])),
     ]
     buf._tail = None
     for (stream, prev, async_finish, may_stay, joined), (on_comm, waited) in steps:
@@ -435,6 +437,13 @@ def test_calls_keep_deepep_order_across_streams(buf, monkeypatch):
         waits.clear()
         if joined:
             buf._joined(stream)
+    # Once the caller has the comm stream, every call runs there (it may queue work there, or
+    # wait for it to cover the calls); the one that stayed before is behind the caller's wait.
+    monkeypatch.setattr(buf, "_stream", "the comm stream")  # made already: no CUDA here
+    assert buf.get_comm_stream() == "the comm stream"
+    assert buf._order(2, None, False, True) and waits == []
+    buf._joined(2)
+    assert buf._order(2, None, False, True) and waits == []
 
 
 class _Recorder:
@@ -474,7 +483,9 @@ def test_low_latency_dispatch_calls_in_order_with_a_fake_group(buf, monkeypatch)
         configs.append(config)
         return buf._groups.setdefault(key, FakeGroup())
 
-    compute, comm, later, other = 11, 22, 33, 44  # stream handles; later: current at hook()
+    # Stream handles; later: the current stream when hook() is called (the hook's work still
+    # goes to the stream of its call, as DeepEP's).
+    compute, comm, later, other = 11, 22, 33, 44
     current, waits = [compute], []  # the current stream; what the comm stream was made to wait for
     monkeypatch.setattr(buf, "_on_device", lambda call, **tensors: None)
     monkeypatch.setattr(buf, "_group", group)
@@ -539,7 +550,7 @@ def test_low_latency_dispatch_calls_in_order_with_a_fake_group(buf, monkeypatch)
     assert impl.calls == [
         ("ll_combine", (y.data_ptr(), 4, w.data_ptr(), out.data_ptr(), compute, compute, True,
                         True)),
-        ("ll_combine_wait", (w.data_ptr(), out.data_ptr(), later))]
+        ("ll_combine_wait", (w.data_ptr(), out.data_ptr(), compute))]  # the call's stream
     impl.calls.clear()
 
     # UE8M0 words: their own group, and the words are what dispatch writes as scales.
@@ -548,7 +559,7 @@ def test_low_latency_dispatch_calls_in_order_with_a_fake_group(buf, monkeypatch)
     assert configs[-1]["fp8_ue8m0_scales"] and configs[-1]["fp8_pow2_scales"]
     assert recv[1].dtype == torch.int32 and tuple(recv[1].shape) == (8, 4, 1)
     assert [c[0] for c in impl.calls] == ["ll_dispatch"] and impl.calls[0][1][-1] is True
-    want = pointers(recv, count, handle) + (later,)
+    want = pointers(recv, count, handle) + (compute,)  # received on the call's stream
     alive = weakref.ref(recv[0])
     del recv, count, handle
     gc.collect()
