@@ -423,13 +423,13 @@ class Buffer:
             self._groups[key] = g
         return g
 
-    def _order(self, current: int, previous_event, async_finish, may_stay: bool) -> bool:
+    def _order(self, current: int, previous_event, async_finish) -> bool:
         """Whether a call from the stream `current` (a handle) runs on the comm stream. DeepEP
         runs every call there (after previous_event, else after the current stream; without
         async_finish the current stream then waits for it), so each call runs after the
-        Buffer's earlier calls whatever stream they came from. A plain low-latency call
-        (may_stay: neither async_finish nor a hook) runs on `current` itself where that keeps
-        this order, that is where the Buffer's earlier work all precedes what `current` queues
+        Buffer's earlier calls whatever stream they came from. A plain call (neither
+        previous_event nor async_finish; a low-latency call with a hook does not come here)
+        runs on `current` itself where that keeps this order, that is where the Buffer's earlier work all precedes what `current` queues
         next (self._tail), and the caller has not been given the comm stream: the same order
         with no fork and join (two event records and two stream waits on the host, and the
         GPU's latency between streams). A call on the comm stream runs after the Buffer's
@@ -438,7 +438,7 @@ class Buffer:
         previous_event). The call's caller sets self._tail = current once the current stream
         has waited for it (_joined)."""
         tail = self._tail
-        if may_stay and previous_event is None and not async_finish and tail == current and \
+        if previous_event is None and not async_finish and tail == current and \
                 not self._comm_shared:
             self._stayed = True
             return False
@@ -462,13 +462,16 @@ class Buffer:
         self._tail = None if capturing else current
 
     def _streams(self, call, previous_event, async_finish, allocate_on_comm_stream):
-        """(compute, comm): the current stream and the comm stream, which waits for
-        previous_event (else the current stream) and the Buffer's earlier calls (_order)."""
+        """(compute, comm): the current stream and the stream the call runs on: the current
+        one for a plain call where that keeps DeepEP's order (_order), else the comm stream,
+        which waits for previous_event (else the current stream) and the Buffer's earlier
+        calls."""
         if allocate_on_comm_stream and (previous_event is None or not async_finish):
             _bad(call, "allocate_on_comm_stream=True needs previous_event and async_finish=True")
         compute = torch.cuda.current_stream(self.device)
+        if not self._order(compute.cuda_stream, previous_event, async_finish):
+            return compute, compute
         comm = self._comm_stream
-        self._order(compute.cuda_stream, previous_event, async_finish, may_stay=False)
         ev = getattr(previous_event, "event", None) if previous_event is not None else None
         if ev is not None:
             comm.wait_event(ev)
@@ -484,7 +487,7 @@ class Buffer:
         after compute; without async_finish, compute after on; nothing where they are one
         stream)."""
         compute = _current_stream_handle(self.device)
-        if return_recv_hook or not self._order(compute, None, async_finish, may_stay=True):
+        if return_recv_hook or not self._order(compute, None, async_finish):
             return compute, compute
         if self._comm_handle is None:
             self._comm_stream  # creates the stream, and its handle with it
@@ -511,12 +514,14 @@ class Buffer:
         hand their memory to the comm stream's next allocation while the current stream still
         reads it. Without async_finish the current stream waits for the call; with it, the
         tensors are kept for the comm stream and an event is returned."""
-        for t in returned:
-            if t is not None:
-                t.record_stream(compute)
+        if comm is not compute:
+            for t in returned:
+                if t is not None:
+                    t.record_stream(compute)
         if not async_finish:
-            compute.wait_stream(comm)
-            self._joined(compute.cuda_stream)
+            if comm is not compute:
+                compute.wait_stream(comm)
+                self._joined(compute.cuda_stream)
             return EventOverlap(None)
         live = [t for t in tensors if isinstance(t, torch.Tensor)]
         for t in live:
@@ -838,7 +843,8 @@ class Buffer:
                 w = torch.where(handle.rank_ids.unsqueeze(2) >= 0, w, 0.0)
                 combined_w = w.sum(1)
         event = self._finish(compute, comm, async_finish,
-                             (x, out, topk_weights, combined_w) + tuple(biases),
+                             (x, out, topk_weights, combined_w, handle.rank_ids) +
+                             tuple(biases),
                              (combined_w,) + ((out,) if allocate_on_comm_stream else ()))
         return out, combined_w, event
 

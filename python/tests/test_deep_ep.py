@@ -407,32 +407,31 @@ def test_low_latency_traced_calls_run_in_program_order(buf, monkeypatch):
 def test_calls_keep_deepep_order_across_streams(buf, monkeypatch):
     """DeepEP queues every call on its comm stream, so each call runs after the Buffer's
     earlier calls whatever stream they came from. Buffer._order keeps that while letting a plain
-    low-latency call stay on the current stream where the Buffer's earlier work all precedes
-    what that stream queues next; elsewhere the comm stream also waits for the stream that
+    call stay on the current stream where the Buffer's earlier work all precedes what that
+    stream queues next; elsewhere the comm stream also waits for the stream that
     holds the Buffer's last work, with previous_event too (a failed call leaves it to the comm
     stream)."""
     waits = []
     monkeypatch.setattr(buf, "_comm_waits_for", waits.append)
     ev = object()  # a previous_event
-    steps = [  # (current stream, previous_event, async_finish, may_stay, joined) -> (comm?, waits)
-        ((1, None, False, True, True), (True, [])),   # first call: nothing joined yet
-        ((1, None, False, True, True), (False, [])),  # plain, same stream: stays
-        ((1, ev, True, False, False), (True, [1])),   # previous_event: after the call on 1 too
-        ((1, None, False, True, True), (True, [])),   # behind the async call, joined
-        ((1, None, False, False, True), (True, [])),  # normal mode: the comm stream; joined
-        ((2, None, True, False, False), (True, [])),  # the comm stream holds every call so far
-        ((3, None, False, True, True), (True, [])),   # behind the async call (comm's order)
-        ((3, None, False, True, False), (False, [])),  # stays on 3
-        ((2, None, True, False, False), (True, [3])),  # from 2: after what stayed on 3 too
-        ((2, None, False, True, True), (True, [])),
-        ((2, None, False, True, False), (False, [])),
-        ((2, ev, False, False, False), (True, [2])),  # fails after its launch: not joined
-        ((2, None, False, True, True), (True, [])),   # so the next call goes behind it
-        ((2, None, False, True, False), (False, [])),
+    steps = [  # (current stream, previous_event, async_finish, joined) -> (comm?, waits)
+        ((1, None, False, True), (True, [])),    # first call: nothing joined yet
+        ((1, None, False, False), (False, [])),  # plain, same stream: stays
+        ((1, ev, True, False), (True, [1])),     # previous_event: after the call on 1 too
+        ((1, None, False, True), (True, [])),    # behind the async call, joined
+        ((2, None, True, False), (True, [])),    # the comm stream holds every call so far
+        ((3, None, False, True), (True, [])),    # behind the async call (comm's order)
+        ((3, None, False, False), (False, [])),  # stays on 3
+        ((2, None, True, False), (True, [3])),   # from 2: after what stayed on 3 too
+        ((2, None, False, True), (True, [])),
+        ((2, None, False, False), (False, [])),
+        ((2, ev, False, False), (True, [2])),    # fails after its launch: not joined
+        ((2, None, False, True), (True, [])),    # so the next call goes behind it
+        ((2, None, False, False), (False, [])),
     ]
     buf._tail = None
-    for (stream, prev, async_finish, may_stay, joined), (on_comm, waited) in steps:
-        assert buf._order(stream, prev, async_finish, may_stay) == on_comm, (stream, prev)
+    for (stream, prev, async_finish, joined), (on_comm, waited) in steps:
+        assert buf._order(stream, prev, async_finish) == on_comm, (stream, prev)
         assert waits == waited, (stream, prev, async_finish)
         waits.clear()
         if joined:
@@ -441,9 +440,9 @@ def test_calls_keep_deepep_order_across_streams(buf, monkeypatch):
     # wait for it to cover the calls); the one that stayed before is behind the caller's wait.
     monkeypatch.setattr(buf, "_stream", "the comm stream")  # made already: no CUDA here
     assert buf.get_comm_stream() == "the comm stream"
-    assert buf._order(2, None, False, True) and waits == []
+    assert buf._order(2, None, False) and waits == []
     buf._joined(2)
-    assert buf._order(2, None, False, True) and waits == []
+    assert buf._order(2, None, False) and waits == []
 
 
 class _Recorder:
