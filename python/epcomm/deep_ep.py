@@ -161,7 +161,7 @@ class _Routing:
         self.meta_key = None              # the group the top-k and weights went through
         self.is_token_in_rank = None      # bool [T, R], the dispatch's
         self.tokens_to_rank = None        # int32 [R]: this rank's tokens sent to each rank
-        self.tokens_ready = None          # event: tokens_to_rank written (on the comm stream)
+        self.tokens_ready = None          # event: tokens_to_rank written (on the call's stream)
         self._prefix = None               # rank_prefix_matrix, once read
 
     def __len__(self):
@@ -188,12 +188,12 @@ class _Routing:
         it is read: a collective over the Buffer's group, so every rank must read it at the same
         point of the group's sequence of collectives (DeepEP computes it in dispatch)."""
         if self._prefix is None:
-            # The counts were written on the comm stream: the caller may read handle[0] before
-            # waiting on an async dispatch's event.
+            # The counts were written on the dispatch's stream: the caller may read handle[0]
+            # before waiting on an async dispatch's event.
             if self.tokens_ready is not None:
                 here = torch.cuda.current_stream(self.buffer.device)
                 here.wait_event(self.tokens_ready)
-                # Made on the comm stream, read here: its memory waits for this stream too.
+                # Made on the dispatch's stream, read here: its memory waits for this one too.
                 self.tokens_to_rank.record_stream(here)
             parts = _collective(self.buffer.group, self.tokens_to_rank, "all_gather")
             self._prefix = torch.stack(parts).cumsum(0, dtype=torch.int32)
@@ -284,8 +284,8 @@ class Buffer:
         self._stream = None
         self._comm_handle = None  # self._stream's CUDA handle, set where it is made
         # The stream (handle) after whose queued work every earlier call of the Buffer has run:
-        # where a call that waited for the comm stream was made, or the plain low-latency calls
-        # since; None: the comm stream holds work no stream has waited for (or no call yet).
+        # where a call that waited for the comm stream was made, or the plain calls since;
+        # None: the comm stream holds work no stream has waited for (or no call yet).
         self._tail = None
         self._stayed = False  # a plain call ran on _tail since the comm stream's last call
         self._comm_shared = False  # get_comm_stream() was called: no call stays off it
@@ -339,6 +339,9 @@ class Buffer:
         call runs there (the caller may queue work on it, or wait for it to cover the calls),
         none on the current stream (Buffer._order)."""
         self._comm_shared = True
+        if self._stayed:  # the caller's work there comes after the calls that stayed too
+            self._comm_waits_for(self._tail)
+            self._stayed = False
         return self._comm_stream
 
     def get_local_buffer_tensor(self, dtype, size=None, offset: int = 0,
@@ -429,14 +432,14 @@ class Buffer:
         async_finish the current stream then waits for it), so each call runs after the
         Buffer's earlier calls whatever stream they came from. A plain call (neither
         previous_event nor async_finish; a low-latency call with a hook does not come here)
-        runs on `current` itself where that keeps this order, that is where the Buffer's earlier work all precedes what `current` queues
-        next (self._tail), and the caller has not been given the comm stream: the same order
-        with no fork and join (two event records and two stream waits on the host, and the
-        GPU's latency between streams). A call on the comm stream runs after the Buffer's
-        earlier calls there; where plain calls stayed on a stream since, the comm stream also
-        waits for that stream unless the caller's own wait covers it (the current stream, no
-        previous_event). The call's caller sets self._tail = current once the current stream
-        has waited for it (_joined)."""
+        runs on `current` itself where that keeps this order, that is where the Buffer's
+        earlier work all precedes what `current` queues next (self._tail), and the caller has
+        not been given the comm stream: the same order with no fork and join (two event
+        records and two stream waits on the host, and the GPU's latency between streams). A
+        call on the comm stream runs after the Buffer's earlier calls there; where plain calls
+        stayed on a stream since, the comm stream also waits for that stream unless the
+        caller's own wait covers it (the current stream, no previous_event). The call's caller
+        sets self._tail = current once the current stream has waited for it (_joined)."""
         tail = self._tail
         if previous_event is None and not async_finish and tail == current and \
                 not self._comm_shared:
@@ -508,8 +511,9 @@ class Buffer:
         return self._finish(torch.cuda.current_stream(), comm, True, tensors)
 
     def _finish(self, compute, comm, async_finish, tensors, returned=()) -> EventOverlap:
-        """After a call that ran on the comm stream: `returned`, the outputs allocated on the
-        comm stream, are recorded as used by the current stream (where the caller uses them;
+        """After a call that ran on `comm` (the comm stream, or the current stream itself):
+        `returned`, the outputs allocated on the comm stream, are recorded as used by the
+        current stream (where the caller uses them;
         DeepEP does so with allocate_on_comm_stream), so that the caching allocator does not
         hand their memory to the comm stream's next allocation while the current stream still
         reads it. Without async_finish the current stream waits for the call; with it, the
@@ -567,8 +571,9 @@ class Buffer:
             _bad(call, "allocate_on_comm_stream=True needs previous_event and async_finish=True")
         self._on_device(call, topk_idx=topk_idx)
         compute, comm = self._streams(call, previous_event, async_finish, allocate_on_comm_stream)
-        # Everything this call enqueues runs on the comm stream, after previous_event (the
-        # allocations are on the stream the caller asked for; they launch nothing).
+        # Everything this call enqueues runs on `comm` (_streams: the comm stream, after
+        # previous_event, or the current stream); the allocations are on the stream the caller
+        # asked for (they launch nothing).
         with torch.cuda.stream(comm if allocate_on_comm_stream else compute):
             T = topk_idx.size(0)
             per_rank = torch.empty(R, dtype=torch.int32, device=self.device)
@@ -675,7 +680,7 @@ class Buffer:
         alloc = comm if allocate_on_comm_stream else compute
         with torch.cuda.stream(comm):
             stream = comm.cuda_stream
-            if routing.rank_ids is None:  # on the comm stream: after previous_event
+            if routing.rank_ids is None:  # on the call's stream: after previous_event
                 # One launch (epcomm/routing_layout.h): the epcomm groups' top-k (r or -1) and
                 # this rank's tokens per rank, from the mask.
                 routing.rank_ids = torch.empty((T, R), dtype=torch.int32, device=codes.device)
@@ -700,6 +705,9 @@ class Buffer:
                                                           dtype=torch.bfloat16,
                                                           device=codes.device)], dim=1)
                 data_key = wide
+            # The routing's rank ids were made on the stream of its first dispatch, which this
+            # one (a cached dispatch) may not run on: their memory waits for this stream too.
+            routing.rank_ids.record_stream(comm)
             g = self._dispatch_on(data_key, payload, routing, num_sms, stream)
             routing.data_key = data_key
             d = g._dispatch_result("torch", None, stream)
@@ -799,6 +807,9 @@ class Buffer:
             out = torch.empty((T, H), dtype=torch.bfloat16, device=x.device)
         with torch.cuda.stream(comm):
             stream = comm.cuda_stream
+            # The dispatch's rank ids (read here: a dispatch of the routing again, the weights'
+            # mask) were made on its stream, which this call may not run on.
+            handle.rank_ids.record_stream(comm)
             ones = torch.ones((T, R), dtype=torch.float32, device=x.device)
             # The group the dispatch's rows went through, if nothing has dispatched on it since:
             # it brings back x's H columns, or (rows narrower than H: FP8 codes and the rest)
@@ -843,8 +854,7 @@ class Buffer:
                 w = torch.where(handle.rank_ids.unsqueeze(2) >= 0, w, 0.0)
                 combined_w = w.sum(1)
         event = self._finish(compute, comm, async_finish,
-                             (x, out, topk_weights, combined_w, handle.rank_ids) +
-                             tuple(biases),
+                             (x, out, topk_weights, combined_w) + tuple(biases),
                              (combined_w,) + ((out,) if allocate_on_comm_stream else ()))
         return out, combined_w, event
 

@@ -437,12 +437,64 @@ def test_calls_keep_deepep_order_across_streams(buf, monkeypatch):
         if joined:
             buf._joined(stream)
     # Once the caller has the comm stream, every call runs there (it may queue work there, or
-    # wait for it to cover the calls); the one that stayed before is behind the caller's wait.
+    # wait for it to cover the calls), and the comm stream first waits for the call that
+    # stayed (on 2).
     monkeypatch.setattr(buf, "_stream", "the comm stream")  # made already: no CUDA here
-    assert buf.get_comm_stream() == "the comm stream"
+    assert buf.get_comm_stream() == "the comm stream" and waits == [2]
+    waits.clear()
     assert buf._order(2, None, False) and waits == []
     buf._joined(2)
     assert buf._order(2, None, False) and waits == []
+
+
+def test_normal_calls_streams_with_fake_streams(buf, monkeypatch):
+    """_streams and _finish without a GPU: on the comm stream a call waits for the current
+    stream (or previous_event, and a stream calls stayed on), the outputs it made there are
+    recorded for the current stream, which then waits for it and becomes the Buffer's last; a
+    plain call from that stream stays on it (no wait, record or join); get_comm_stream() puts
+    the comm stream after the calls that stayed."""
+    class FakeStream:
+        def __init__(self, handle):
+            self.cuda_stream, self.log = handle, []
+
+        def wait_stream(self, other):
+            self.log.append(("stream", other.cuda_stream))
+
+        def wait_event(self, event):
+            self.log.append(("event", event))
+
+    class Output:
+        def __init__(self):
+            self.recorded = []
+
+        def record_stream(self, stream):
+            self.recorded.append(stream.cuda_stream)
+
+    compute, comm = FakeStream(11), FakeStream(22)
+    waits, out = [], Output()
+    monkeypatch.setattr(deep_ep.torch.cuda, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(buf, "_stream", comm)
+    monkeypatch.setattr(buf, "_comm_waits_for", waits.append)
+    buf._tail = None
+    c, s = buf._streams("dispatch", None, False, False)  # nothing joined yet: the comm stream
+    assert (c, s) == (compute, comm) and comm.log == [("stream", 11)]
+    buf._finish(c, s, False, (), (out,))
+    assert out.recorded == [11] and compute.log == [("stream", 22)] and buf._tail == 11
+    c, s = buf._streams("combine", None, False, False)  # plain, from the last stream: stays
+    assert s is compute and len(comm.log) == 1
+    buf._finish(c, s, False, (), (out,))
+    assert out.recorded == [11] and len(compute.log) == 1 and buf._tail == 11
+    # previous_event: the comm stream waits for it and for the call that stayed.
+    c, s = buf._streams("dispatch", EventOverlap("ev"), True, True)
+    assert s is comm and comm.log[1:] == [("event", "ev")] and waits == [11]
+    assert buf._tail is None
+    waits.clear()
+    c, s = buf._streams("dispatch", None, False, False)  # behind the async call, joined
+    buf._finish(c, s, False, (), ())
+    assert s is comm and buf._tail == 11 and waits == []
+    assert buf._streams("dispatch", None, False, False)[1] is compute
+    assert buf.get_comm_stream() is comm and waits == [11]
+    assert buf._streams("dispatch", None, False, False)[1] is comm  # none stays any more
 
 
 class _Recorder:
