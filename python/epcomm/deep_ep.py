@@ -40,7 +40,7 @@ _NODE_RANKS = 8
 _MAX_TOKENS_ENV = "EPCOMM_DEEP_EP_MAX_TOKENS"
 _DEFAULT_MAX_TOKENS = 4096
 
-__all__ = ["Buffer", "Config", "EventOverlap", "topk_idx_t"]
+__all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "topk_idx_t"]
 
 topk_idx_t = torch.int64  # DeepEP's index dtype
 
@@ -92,26 +92,69 @@ def _check(call: str, name: str, t, dtype=None, ndim=None, rows=None, cols=None,
         _bad(call, f"{name} must be contiguous; call .contiguous()")
 
 
+class EventHandle(torch.cuda.Event):
+    """DeepEP's EventHandle: a CUDA event recorded on the current stream (or `stream`) when it
+    is made; current_stream_wait() makes the current stream wait for it. Megatron passes
+    EventOverlap(EventHandle()) as previous_event."""
+
+    def __new__(cls, stream: Optional[torch.cuda.Stream] = None):
+        return super().__new__(cls)
+
+    def __init__(self, stream: Optional[torch.cuda.Stream] = None):
+        super().__init__()
+        self.record(stream if stream is not None else torch.cuda.current_stream())
+
+    def current_stream_wait(self) -> None:
+        torch.cuda.current_stream().wait_event(self)
+
+
 class EventOverlap:
     """A CUDA event (or None) with the tensors that must live until it completes, as DeepEP's.
-    `with event:` and current_stream_wait() make the current stream wait for it."""
+    `with event:` (or `with event(release_handle=True):`) and current_stream_wait() make the
+    current stream wait for it, then run the hook registered with register_hook_after_wait."""
 
     def __init__(self, event: Optional[torch.cuda.Event] = None, extra_tensors=None):
         self.event = event
         self.extra_tensors = extra_tensors
+        self.hook_after_wait = None
+        self._release_handle_by_call = False
 
-    def current_stream_wait(self) -> None:
+    def current_stream_wait(self, release_handle: bool = False) -> None:
+        """The current stream waits for the event; then the registered hook runs (once), and
+        with release_handle the event is dropped."""
         if self.event is None:
             raise Error("epcomm.deep_ep EventOverlap.current_stream_wait: no event (the call "
                         "was not made with async_finish=True)")
-        torch.cuda.current_stream().wait_event(self.event)
+        wait = getattr(self.event, "current_stream_wait", None)
+        if wait is not None:
+            wait()
+        else:
+            torch.cuda.current_stream().wait_event(self.event)
+        if self.hook_after_wait is not None:
+            hook, self.hook_after_wait = self.hook_after_wait, None
+            hook()
+        if release_handle:
+            self.event = None
+
+    def register_hook_after_wait(self, hook_after_wait) -> None:
+        """A callable run once after the next current_stream_wait()."""
+        if self.hook_after_wait is not None:
+            raise Error("epcomm.deep_ep EventOverlap.register_hook_after_wait: a hook is "
+                        "already registered")
+        self.hook_after_wait = hook_after_wait
+
+    def __call__(self, release_handle: bool = False) -> "EventOverlap":
+        """`with event(release_handle=True):` drops the event after the wait at the end."""
+        self._release_handle_by_call = release_handle
+        return self
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         if self.event is not None:
-            self.current_stream_wait()
+            self.current_stream_wait(release_handle=self._release_handle_by_call)
+        self._release_handle_by_call = False
 
 
 class Config:
@@ -151,7 +194,10 @@ class _Routing:
                 "recv_src_idx", "is_token_in_rank", "send_head")
 
     def __init__(self, buffer, num_tokens, num_experts, worst):
-        self.buffer = buffer
+        # Weakly: the Buffer keeps its last routings (Buffer._routing), and a cycle would leave
+        # the Buffer, and the collective teardown of its groups, to the cycle collector, which
+        # runs at a different moment on each rank.
+        self._buffer = weakref.ref(buffer)
         self.rank_ids = None              # int32 [T, R]: r or -1 (the epcomm groups' top-k)
         self.num_tokens = num_tokens
         self.num_experts = num_experts
@@ -163,6 +209,11 @@ class _Routing:
         self.tokens_to_rank = None        # int32 [R]: this rank's tokens sent to each rank
         self.tokens_ready = None          # event: tokens_to_rank written (on the call's stream)
         self._prefix = None               # rank_prefix_matrix, once read
+
+    @property
+    def buffer(self):
+        """The Buffer whose dispatch made this routing (None once it is gone)."""
+        return self._buffer()
 
     def __len__(self):
         return len(self._ENTRIES)
@@ -188,14 +239,17 @@ class _Routing:
         it is read: a collective over the Buffer's group, so every rank must read it at the same
         point of the group's sequence of collectives (DeepEP computes it in dispatch)."""
         if self._prefix is None:
+            buffer = self.buffer
+            if buffer is None:
+                raise Error("epcomm.deep_ep handle[0]: the Buffer of this dispatch is gone")
             # The counts were written on the dispatch's stream: the caller may read handle[0]
             # before waiting on an async dispatch's event.
             if self.tokens_ready is not None:
-                here = torch.cuda.current_stream(self.buffer.device)
+                here = torch.cuda.current_stream(buffer.device)
                 here.wait_event(self.tokens_ready)
                 # Made on the dispatch's stream, read here: its memory waits for this one too.
                 self.tokens_to_rank.record_stream(here)
-            parts = _collective(self.buffer.group, self.tokens_to_rank, "all_gather")
+            parts = _collective(buffer.group, self.tokens_to_rank, "all_gather")
             self._prefix = torch.stack(parts).cumsum(0, dtype=torch.int32)
         return self._prefix
 
@@ -397,7 +451,8 @@ class Buffer:
         if self._stream is None:
             if self.device is None:
                 raise Error("epcomm.deep_ep: no CUDA device is visible")
-            self._stream = torch.cuda.Stream(device=self.device)
+            # High priority, as DeepEP's: its work goes ahead of the compute it overlaps.
+            self._stream = torch.cuda.Stream(device=self.device, priority=-1)
             self._comm_handle = self._stream.cuda_stream
         return self._stream
 

@@ -293,6 +293,59 @@ def test_low_latency_needs_the_mode(world):
     raises("explicitly_destroy=False", b.destroy)
 
 
+def test_event_handle_and_overlap_as_deepep(world):
+    """DeepEP's EventHandle is exported (Megatron builds EventOverlap(EventHandle()) as a
+    previous_event); EventOverlap waits through the event's own current_stream_wait, runs a
+    registered hook once after the wait, and drops the event with release_handle (also as
+    `with ev(release_handle=True):`)."""
+    assert "EventHandle" in deep_ep.__all__ and issubclass(deep_ep.EventHandle, torch.cuda.Event)
+
+    class FakeHandle:
+        waits = 0
+
+        def current_stream_wait(self):
+            FakeHandle.waits += 1
+
+    hooks = []
+    ev = EventOverlap(FakeHandle())
+    ev.register_hook_after_wait(lambda: hooks.append(1))
+    with pytest.raises(epcomm.Error, match="already registered"):
+        ev.register_hook_after_wait(lambda: None)
+    ev.current_stream_wait()
+    ev.current_stream_wait()
+    assert FakeHandle.waits == 2 and hooks == [1] and ev.event is not None
+    with ev(release_handle=True):
+        pass
+    assert FakeHandle.waits == 3 and ev.event is None
+    with ev:  # no event left: nothing to wait for
+        pass
+    with pytest.raises(epcomm.Error, match="no event"):
+        ev.current_stream_wait()
+
+
+def test_buffer_is_freed_when_dropped(world):
+    """A normal-mode handle refers to its Buffer weakly, so the Buffer (which keeps its last
+    routings) is freed, and its groups torn down, when the caller drops it, at the same point on
+    every rank, not whenever the cycle collector runs; a handle outliving it says so."""
+    import gc
+    import weakref
+
+    b = Buffer(world, int(1e6), 0, max_tokens_per_rank=32)
+    r = deep_ep._Routing(b, 1, 8, 0)
+    b._routing["key"] = r
+    assert r.buffer is b
+    gc.disable()
+    try:
+        alive = weakref.ref(b)
+        del b
+        assert alive() is None, "freed by its reference count, with no cycle"
+    finally:
+        gc.enable()
+    assert r.buffer is None
+    with pytest.raises(epcomm.Error, match="Buffer of this dispatch is gone"):
+        r[0]
+
+
 def test_destroyed_buffer_refuses_calls(buf):
     buf.destroy()
     raises("destroyed", buf.get_dispatch_layout, torch.zeros((1, 1), dtype=torch.int64), 8)
