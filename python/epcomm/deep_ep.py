@@ -364,9 +364,7 @@ class Buffer:
 
     @staticmethod
     def capture() -> EventOverlap:
-        ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream())
-        return EventOverlap(ev)
+        return EventOverlap(EventHandle())  # recorded on the current stream
 
     @staticmethod
     def is_sm90_compiled() -> bool:
@@ -451,8 +449,9 @@ class Buffer:
         if self._stream is None:
             if self.device is None:
                 raise Error("epcomm.deep_ep: no CUDA device is visible")
-            # High priority, as DeepEP's: its work goes ahead of the compute it overlaps.
-            self._stream = torch.cuda.Stream(device=self.device, priority=-1)
+            # The highest priority torch gives (out-of-range values map to it), as DeepEP's:
+            # its work goes ahead of the compute it overlaps.
+            self._stream = torch.cuda.Stream(device=self.device, priority=-100)
             self._comm_handle = self._stream.cuda_stream
         return self._stream
 
@@ -585,9 +584,7 @@ class Buffer:
         live = [t for t in tensors if isinstance(t, torch.Tensor)]
         for t in live:
             t.record_stream(comm)
-        ev = torch.cuda.Event()
-        ev.record(comm)
-        return EventOverlap(ev, tuple(live))
+        return EventOverlap(EventHandle(comm), tuple(live))
 
     def _dispatch_on(self, key: tuple, payload: torch.Tensor, routing: _Routing, num_sms: int,
                      stream: int):

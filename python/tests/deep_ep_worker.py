@@ -36,7 +36,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from epcomm.deep_ep import Buffer, EventOverlap
+from epcomm.deep_ep import Buffer, EventHandle, EventOverlap
 import epcomm
 
 H, K, E = 512, 4, 16
@@ -635,13 +635,18 @@ def case_streams(buf, me, n, dev):
         x, idx, w = p.x[me], p.idx[me], p.w[me]
         with torch.cuda.stream(a):
             buf.get_dispatch_layout(idx, E)  # joined to a: plain calls from a may now stay there
-            ev = Buffer.capture()  # taken before the layout that the dispatch reads
+            # Taken before the layout that the dispatch reads; the second time as Megatron
+            # makes one, EventOverlap(EventHandle()).
+            ev = Buffer.capture() if i == 0 else EventOverlap(EventHandle())
             pr, _, pe, ir, _ = buf.get_dispatch_layout(idx, E)
             rx, _, _, _, h, ev2 = buf.dispatch(
                 x, num_tokens_per_rank=pr, is_token_in_rank=ir, num_tokens_per_expert=pe,
                 topk_idx=idx, topk_weights=w, previous_event=ev, async_finish=True,
                 allocate_on_comm_stream=True)
-            ev2.current_stream_wait()
+            if i == 0:
+                ev2.current_stream_wait()
+            else:
+                ev2.event.current_stream_wait()  # the EventHandle's own, as DeepEP's
         b.wait_stream(a)  # rx was made on a
         with torch.cuda.stream(b):  # its combine, plain, from another stream
             out, _, _ = buf.combine(rx, h)
