@@ -118,6 +118,13 @@ __global__ void __launch_bounds__(kTopkThreads) received_topk_kernel(ReceivedTop
   if (blockIdx.x == 0 && threadIdx.x == 0) a.counts[0] = int32_t(rows);
 }
 
+// Blocks for `items` at `per_block` a block: as many as are needed, at most one an SM (the
+// launches here are small; past one block their counts are added into, cleared first).
+int64_t blocks_for(int64_t items, int64_t per_block) {
+  return std::max<int64_t>(1, std::min<int64_t>((items + per_block - 1) / per_block,
+                                                detail::device_sms()));
+}
+
 size_t hist_bytes(const RoutingLayout& a) {
   return size_t(a.num_experts + a.n_ranks) * sizeof(int32_t);
 }
@@ -174,9 +181,7 @@ void routing_layout(const RoutingLayout& a, cudaStream_t stream) {
   using namespace detail;
   const char* op = "routing_layout";
   check_routing_layout(a);
-  const int64_t need =
-      (a.num_tokens + kThreads * kTokensPerThread - 1) / (kThreads * kTokensPerThread);
-  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(need, device_sms()));
+  const int64_t blocks = blocks_for(a.num_tokens, kThreads * kTokensPerThread);
   if (blocks > 1) {
     if (a.tokens_per_rank != nullptr)
       check_cuda(cudaMemsetAsync(a.tokens_per_rank, 0, size_t(a.n_ranks) * 4, stream),
@@ -226,10 +231,7 @@ void check_received_topk(const ReceivedTopk& a) {
 void received_topk(const ReceivedTopk& a, cudaStream_t stream) {
   using namespace detail;
   check_received_topk(a);
-  const int64_t slots = a.max_rows * a.top_k;
-  const int64_t need =
-      (slots + kTopkThreads * kSlotsPerThread - 1) / (kTopkThreads * kSlotsPerThread);
-  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(need, device_sms()));
+  const int64_t blocks = blocks_for(a.max_rows * a.top_k, kTopkThreads * kSlotsPerThread);
   if (blocks > 1)
     check_cuda(cudaMemsetAsync(a.counts, 0, size_t(1 + a.n_local) * 4, stream), "cudaMemsetAsync");
   received_topk_kernel<<<unsigned(blocks), kTopkThreads, size_t(a.n_local) * 4, stream>>>(a);
