@@ -92,6 +92,15 @@ def _check(call: str, name: str, t, dtype=None, ndim=None, rows=None, cols=None,
         _bad(call, f"{name} must be contiguous; call .contiguous()")
 
 
+def _stream_of(handle: int, device) -> torch.cuda.Stream:
+    """The torch stream whose CUDA handle is `handle`. The default stream's handle is 0, and
+    torch.cuda.ExternalStream(0) is not that stream but a fresh one from torch's pool (a null
+    pointer reads as "none given"), so work queued there would be ordered with nothing."""
+    if handle == 0:
+        return torch.cuda.default_stream(device)
+    return torch.cuda.ExternalStream(handle, device=device)
+
+
 class EventHandle(torch.cuda.Event):
     """DeepEP's EventHandle: a CUDA event recorded on the current stream (or `stream`) when it
     is made; current_stream_wait() makes the current stream wait for it. Megatron passes
@@ -509,7 +518,7 @@ class Buffer:
         return True
 
     def _comm_waits_for(self, handle: int) -> None:
-        self._comm_stream.wait_stream(torch.cuda.ExternalStream(handle, device=self.device))
+        self._comm_stream.wait_stream(_stream_of(handle, self.device))
 
     def _joined(self, current: int) -> None:
         """After a call the stream `current` waited for: every call of the Buffer so far runs
@@ -1024,7 +1033,7 @@ class Buffer:
                 # on the stream of the call, as DeepEP's, wherever hook() is called from.
                 g._impl.ll_receive(*_ll_pointers(outputs), compute)
                 if stats is not None:
-                    with torch.cuda.stream(torch.cuda.ExternalStream(compute, device=self.device)):
+                    with torch.cuda.stream(_stream_of(compute, self.device)):
                         stats.add_(count)
 
             hook = receive_hook

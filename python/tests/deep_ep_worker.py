@@ -464,7 +464,10 @@ def case_low_latency(buf, me, n, dev):
             expect(hook is None, "no hook without return_recv_hook")
         if mode == "async":
             ev.current_stream_wait()
-        check_ll_recv(p, me, fp8, max_t, recv, count, handle, before, stats, scale_mode)
+        try:
+            check_ll_recv(p, me, fp8, max_t, recv, count, handle, before, stats, scale_mode)
+        except Failure as f:
+            raise Failure(f"low-latency dispatch, fp8={fp8} {mode} {scale_mode}: {f}") from f
         y = ll_expert_out(p, me, recv, count, fp8, scale_mode)
         out = torch.full((p.T[me], H), float("nan"), device=dev).to(torch.bfloat16)
         if mode == "zero_copy":  # as DeepEP's test: x is another tensor, not read

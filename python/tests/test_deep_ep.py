@@ -457,6 +457,22 @@ def test_low_latency_traced_calls_run_in_program_order(buf, monkeypatch):
     assert stats.tolist() == [1] * E  # the first dispatch's counts, added once
 
 
+def test_stream_of_a_handle_is_that_stream(monkeypatch):
+    """A raw stream handle becomes the torch stream with that handle: the default stream for 0.
+    torch.cuda.ExternalStream(0) would be a fresh stream from torch's pool (it reads a null
+    pointer as none given), so the comm stream's wait for a call that stayed on the default
+    stream, and a hook's counter update, would be ordered with nothing (seen on a GPU: the
+    receive hook's cumulative_local_expert_recv_stats added counts not yet received)."""
+    made = []
+    monkeypatch.setattr(torch.cuda, "default_stream", lambda device: ("default", device))
+    monkeypatch.setattr(torch.cuda, "ExternalStream",
+                        lambda handle, device: made.append(handle) or ("ext", handle, device))
+    assert deep_ep._stream_of(0, 3) == ("default", 3)
+    assert made == []
+    assert deep_ep._stream_of(0x7F00, 3) == ("ext", 0x7F00, 3)
+    assert made == [0x7F00]
+
+
 def test_calls_keep_deepep_order_across_streams(buf, monkeypatch):
     """DeepEP queues every call on its comm stream, so each call runs after the Buffer's
     earlier calls whatever stream they came from. Buffer._order keeps that while letting a plain
