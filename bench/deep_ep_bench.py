@@ -15,7 +15,10 @@ such median over the ranks (every call waits in its kernel for the slowest rank'
 and their difference, the layer's cost. Decode also times epcomm's own call writing the layer's
 padded per-expert layout (`epcomm padded`: Config.padded_capacity, UE8M0 words for
 decode-ue8m0; combine reading [E_l, R * T, H] expert outputs), checked against what the layer
-returns, so the layer's cost over it is its host work alone. Each layer result is checked once against the epcomm
+returns, so the layer's cost over it is its host work alone; and the dispatch + combine pair of
+the layer and of that padded call, each captured in a CUDA graph once and replayed on new
+inputs, as serving engines run decode (`graph`: no host work left in either). Each layer result
+is checked once against the epcomm
 result of the same inputs (decode: every combined row; prefill: every received and combined
 row). Processes sharing one GPU measure fixed costs, not links: the script says so.
 --profile CALLS also runs that many calls of each layer side under torch.profiler and prints
@@ -79,6 +82,35 @@ def timed(fn, iters, sets):
     worst = torch.tensor([h], dtype=torch.float64)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     return statistics.median(times), min(times), max(times), h, float(worst[0])
+
+
+def graph_timed(step, load, iters, sets):
+    """Median, min, max µs of one replay of a CUDA graph of step(), captured once (after two
+    warm-up calls on a side stream, as torch.cuda.graph asks) on static inputs that load(i)
+    fills from input set i before each replay (not timed). A collective, as timed."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    torch.cuda.synchronize()
+    times = []
+    for i in range(iters):
+        load(i % len(sets))
+        dist.barrier()
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000.0)
+    return statistics.median(times), min(times), max(times)
 
 
 def profiled(fn, calls, label, show):
@@ -239,6 +271,26 @@ def main():
                                timed(padded_d, args.iters, sets))
             res["combine"] = (timed(layer_c, args.iters, sets), timed(native_c, args.iters, sets),
                               timed(padded_c, args.iters, sets))
+            # Replayed from a CUDA graph, as serving engines run decode: the layer's dispatch +
+            # combine and epcomm's own calls writing the padded layout, each captured once on
+            # static inputs. The host's work is gone; what is left is the GPU's.
+            sx, sidx, sw = (t.clone() for t in sets[0])
+            sids = ids32[0].clone()
+
+            def load(i):
+                for dst, src in zip((sx, sidx, sw, sids), sets[i] + (ids32[i],)):
+                    dst.copy_(src)
+
+            def layer_step():
+                h = buf.low_latency_dispatch(sx, sidx, T, E, **ll_args)[2]
+                buf.low_latency_combine(y_pad, sidx, sw, h)
+
+            def padded_step():
+                grp_p.dispatch(sx, sids)
+                grp_p.combine(y_pad, sw)
+
+            graphs = (graph_timed(layer_step, load, args.iters, sets),
+                      graph_timed(padded_step, load, args.iters, sets))
         else:
             state = {}
 
@@ -286,6 +338,11 @@ def main():
                       f"layer cost {lay[0] - nat[0]:7.1f}" +
                       (f"  epcomm padded {fmt(pad[0])}  layer cost over it "
                        f"{lay[0] - pad[0][0]:7.1f}" if pad else ""))
+            if name.startswith("decode"):
+                lay, pad = graphs
+                print(f"{name:8s} graph    layer {lay[0]:8.1f} ({lay[1]:.1f}, {lay[2]:.1f})  "
+                      f"epcomm padded {pad[0]:8.1f} ({pad[1]:.1f}, {pad[2]:.1f})  layer cost "
+                      f"{lay[0] - pad[0]:7.1f}  (dispatch + combine, replayed)")
         buf.destroy()
         grp.close()
         if name.startswith("decode"):

@@ -57,9 +57,10 @@ def main():
 
     buf._on_device = lambda call, **tensors: None
     buf._group = lambda key, **config: buf._groups.setdefault(key, FakeGroup())
-    buf._ll_stream_handles = lambda hook: (1, 2)
+    buf._comm_handle = 2  # the comm stream
+    buf._tail = 1  # as after a first call: plain calls stay on the current stream
     buf._ll_finish = lambda async_finish, stats, count, tensors: EventOverlap()
-    deep_ep._current_stream_handle = lambda device: 3
+    deep_ep._current_stream_handle = lambda device: 1
     meta = torch.device("meta")
     x = torch.empty((T, H), dtype=torch.bfloat16, device=meta)
     idx = torch.empty((T, K), dtype=torch.int64, device=meta)

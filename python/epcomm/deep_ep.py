@@ -40,7 +40,7 @@ _NODE_RANKS = 8
 _MAX_TOKENS_ENV = "EPCOMM_DEEP_EP_MAX_TOKENS"
 _DEFAULT_MAX_TOKENS = 4096
 
-__all__ = ["Buffer", "Config", "EventOverlap", "topk_idx_t"]
+__all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "topk_idx_t"]
 
 topk_idx_t = torch.int64  # DeepEP's index dtype
 
@@ -71,6 +71,12 @@ def _bad(call: str, msg: str):
 
 
 def _check(call: str, name: str, t, dtype=None, ndim=None, rows=None, cols=None, contiguous=True):
+    # The common case first, in one expression (a call's host time is mostly such checks):
+    # a plain tensor of the one dtype and the rank asked, which the full checks below pass.
+    if type(t) is torch.Tensor and t.dtype is dtype and t.dim() == ndim and \
+            (rows is None or t.size(0) == rows) and (cols is None or t.size(1) == cols) and \
+            (not contiguous or t.is_contiguous()):
+        return
     if not isinstance(t, torch.Tensor):
         _bad(call, f"{name} must be a torch.Tensor; got {type(t).__name__}")
     if dtype is not None and t.dtype not in (dtype if isinstance(dtype, tuple) else (dtype,)):
@@ -86,26 +92,78 @@ def _check(call: str, name: str, t, dtype=None, ndim=None, rows=None, cols=None,
         _bad(call, f"{name} must be contiguous; call .contiguous()")
 
 
+def _stream_of(handle: int, device) -> torch.cuda.Stream:
+    """The torch stream whose CUDA handle is `handle`. The default stream's handle is 0, and
+    torch.cuda.ExternalStream(0) is not that stream but a fresh one from torch's pool (a null
+    pointer reads as "none given"), so work queued there would be ordered with nothing."""
+    if handle == 0:
+        return torch.cuda.default_stream(device)
+    return torch.cuda.ExternalStream(handle, device=device)
+
+
+class EventHandle(torch.cuda.Event):
+    """DeepEP's EventHandle: a CUDA event recorded on the current stream (or `stream`) when it
+    is made; current_stream_wait() makes the current stream wait for it. Megatron passes
+    EventOverlap(EventHandle()) as previous_event."""
+
+    def __new__(cls, stream: Optional[torch.cuda.Stream] = None):
+        return super().__new__(cls)
+
+    def __init__(self, stream: Optional[torch.cuda.Stream] = None):
+        super().__init__()
+        self.record(stream if stream is not None else torch.cuda.current_stream())
+
+    def current_stream_wait(self) -> None:
+        torch.cuda.current_stream().wait_event(self)
+
+
 class EventOverlap:
     """A CUDA event (or None) with the tensors that must live until it completes, as DeepEP's.
-    `with event:` and current_stream_wait() make the current stream wait for it."""
+    `with event:` (or `with event(release_handle=True):`) and current_stream_wait() make the
+    current stream wait for it, then run the hook registered with register_hook_after_wait."""
 
     def __init__(self, event: Optional[torch.cuda.Event] = None, extra_tensors=None):
         self.event = event
         self.extra_tensors = extra_tensors
+        self.hook_after_wait = None
+        self._release_handle_by_call = False
 
-    def current_stream_wait(self) -> None:
+    def current_stream_wait(self, release_handle: bool = False) -> None:
+        """The current stream waits for the event; then the registered hook runs (once), and
+        with release_handle the event is dropped."""
         if self.event is None:
             raise Error("epcomm.deep_ep EventOverlap.current_stream_wait: no event (the call "
                         "was not made with async_finish=True)")
-        torch.cuda.current_stream().wait_event(self.event)
+        wait = getattr(self.event, "current_stream_wait", None)
+        if wait is not None:
+            wait()
+        else:
+            torch.cuda.current_stream().wait_event(self.event)
+        if self.hook_after_wait is not None:
+            hook, self.hook_after_wait = self.hook_after_wait, None
+            hook()
+        if release_handle:
+            self.event = None
+
+    def register_hook_after_wait(self, hook_after_wait) -> None:
+        """A callable run once after the next current_stream_wait()."""
+        if self.hook_after_wait is not None:
+            raise Error("epcomm.deep_ep EventOverlap.register_hook_after_wait: a hook is "
+                        "already registered")
+        self.hook_after_wait = hook_after_wait
+
+    def __call__(self, release_handle: bool = False) -> "EventOverlap":
+        """`with event(release_handle=True):` drops the event after the wait at the end."""
+        self._release_handle_by_call = release_handle
+        return self
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         if self.event is not None:
-            self.current_stream_wait()
+            self.current_stream_wait(release_handle=self._release_handle_by_call)
+        self._release_handle_by_call = False
 
 
 class Config:
@@ -145,7 +203,10 @@ class _Routing:
                 "recv_src_idx", "is_token_in_rank", "send_head")
 
     def __init__(self, buffer, num_tokens, num_experts, worst):
-        self.buffer = buffer
+        # Weakly: the Buffer keeps its last routings (Buffer._routing), and a cycle would leave
+        # the Buffer, and the collective teardown of its groups, to the cycle collector, which
+        # runs at a different moment on each rank.
+        self._buffer = weakref.ref(buffer)
         self.rank_ids = None              # int32 [T, R]: r or -1 (the epcomm groups' top-k)
         self.num_tokens = num_tokens
         self.num_experts = num_experts
@@ -155,8 +216,13 @@ class _Routing:
         self.meta_key = None              # the group the top-k and weights went through
         self.is_token_in_rank = None      # bool [T, R], the dispatch's
         self.tokens_to_rank = None        # int32 [R]: this rank's tokens sent to each rank
-        self.tokens_ready = None          # event: tokens_to_rank written (on the comm stream)
+        self.tokens_ready = None          # event: tokens_to_rank written (on the call's stream)
         self._prefix = None               # rank_prefix_matrix, once read
+
+    @property
+    def buffer(self):
+        """The Buffer whose dispatch made this routing (None once it is gone)."""
+        return self._buffer()
 
     def __len__(self):
         return len(self._ENTRIES)
@@ -182,11 +248,17 @@ class _Routing:
         it is read: a collective over the Buffer's group, so every rank must read it at the same
         point of the group's sequence of collectives (DeepEP computes it in dispatch)."""
         if self._prefix is None:
-            # The counts were written on the comm stream: the caller may read handle[0] before
-            # waiting on an async dispatch's event.
+            buffer = self.buffer
+            if buffer is None:
+                raise Error("epcomm.deep_ep handle[0]: the Buffer of this dispatch is gone")
+            # The counts were written on the dispatch's stream: the caller may read handle[0]
+            # before waiting on an async dispatch's event.
             if self.tokens_ready is not None:
-                torch.cuda.current_stream().wait_event(self.tokens_ready)
-            parts = _collective(self.buffer.group, self.tokens_to_rank, "all_gather")
+                here = torch.cuda.current_stream(buffer.device)
+                here.wait_event(self.tokens_ready)
+                # Made on the dispatch's stream, read here: its memory waits for this one too.
+                self.tokens_to_rank.record_stream(here)
+            parts = _collective(buffer.group, self.tokens_to_rank, "all_gather")
             self._prefix = torch.stack(parts).cumsum(0, dtype=torch.int32)
         return self._prefix
 
@@ -274,6 +346,12 @@ class Buffer:
         self._ll_parity = 0
         self._stream = None
         self._comm_handle = None  # self._stream's CUDA handle, set where it is made
+        # The stream (handle) after whose queued work every earlier call of the Buffer has run:
+        # where a call that waited for the comm stream was made, or the plain calls since;
+        # None: the comm stream holds work no stream has waited for (or no call yet).
+        self._tail = None
+        self._stayed = False  # a plain call ran on _tail since the comm stream's last call
+        self._comm_shared = False  # get_comm_stream() was called: no call stays off it
         self._destroyed = False
         # torch.compile: the operators below find this Buffer by its id, and a traced
         # low-latency combine finds its dispatch's handle by the src_info tensor it returned
@@ -295,9 +373,7 @@ class Buffer:
 
     @staticmethod
     def capture() -> EventOverlap:
-        ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream())
-        return EventOverlap(ev)
+        return EventOverlap(EventHandle())  # recorded on the current stream
 
     @staticmethod
     def is_sm90_compiled() -> bool:
@@ -320,6 +396,13 @@ class Buffer:
         return slots * hidden * 2
 
     def get_comm_stream(self) -> torch.cuda.Stream:
+        """The stream the Buffer's calls run on. From the first time it is asked for, every
+        call runs there (the caller may queue work on it, or wait for it to cover the calls),
+        none on the current stream (Buffer._order)."""
+        self._comm_shared = True
+        if self._stayed:  # the caller's work there comes after the calls that stayed too
+            self._comm_waits_for(self._tail)
+            self._stayed = False
         return self._comm_stream
 
     def get_local_buffer_tensor(self, dtype, size=None, offset: int = 0,
@@ -375,7 +458,9 @@ class Buffer:
         if self._stream is None:
             if self.device is None:
                 raise Error("epcomm.deep_ep: no CUDA device is visible")
-            self._stream = torch.cuda.Stream(device=self.device)
+            # The highest priority torch gives (out-of-range values map to it), as DeepEP's:
+            # its work goes ahead of the compute it overlaps.
+            self._stream = torch.cuda.Stream(device=self.device, priority=-100)
             self._comm_handle = self._stream.cuda_stream
         return self._stream
 
@@ -404,12 +489,54 @@ class Buffer:
             self._groups[key] = g
         return g
 
+    def _order(self, current: int, previous_event, async_finish) -> bool:
+        """Whether a call from the stream `current` (a handle) runs on the comm stream. DeepEP
+        runs every call there (after previous_event, else after the current stream; without
+        async_finish the current stream then waits for it), so each call runs after the
+        Buffer's earlier calls whatever stream they came from. A plain call (neither
+        previous_event nor async_finish; a low-latency call with a hook does not come here)
+        runs on `current` itself where that keeps this order, that is where the Buffer's
+        earlier work all precedes what `current` queues next (self._tail), and the caller has
+        not been given the comm stream: the same order with no fork and join (two event
+        records and two stream waits on the host, and the GPU's latency between streams). A
+        call on the comm stream runs after the Buffer's earlier calls there; where plain calls
+        stayed on a stream since, the comm stream also waits for that stream unless the
+        caller's own wait covers it (the current stream, no previous_event). The call's caller
+        sets self._tail = current once the current stream has waited for it (_joined)."""
+        tail = self._tail
+        if previous_event is None and not async_finish and tail == current and \
+                not self._comm_shared:
+            self._stayed = True
+            return False
+        if self._stayed and (tail != current or previous_event is not None):
+            try:
+                self._comm_waits_for(tail)
+            except Exception:  # e.g. that stream is gone: order by the whole device instead
+                torch.cuda.synchronize(self.device)
+        self._stayed = False
+        self._tail = None  # until the current stream has waited for the call, if it does
+        return True
+
+    def _comm_waits_for(self, handle: int) -> None:
+        self._comm_stream.wait_stream(_stream_of(handle, self.device))
+
+    def _joined(self, current: int) -> None:
+        """After a call the stream `current` waited for: every call of the Buffer so far runs
+        before what `current` queues next. Not while `current` captures a CUDA graph: what it
+        holds then runs only when the graph is replayed."""
+        capturing = torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+        self._tail = None if capturing else current
+
     def _streams(self, call, previous_event, async_finish, allocate_on_comm_stream):
-        """DeepEP's stream discipline: the work runs on the comm stream after previous_event
-        (else after the current stream); without async_finish the current stream then waits."""
+        """(compute, comm): the current stream and the stream the call runs on: the current
+        one for a plain call where that keeps DeepEP's order (_order), else the comm stream,
+        which waits for previous_event (else the current stream) and the Buffer's earlier
+        calls."""
         if allocate_on_comm_stream and (previous_event is None or not async_finish):
             _bad(call, "allocate_on_comm_stream=True needs previous_event and async_finish=True")
-        compute = torch.cuda.current_stream()
+        compute = torch.cuda.current_stream(self.device)
+        if not self._order(compute.cuda_stream, previous_event, async_finish):
+            return compute, compute
         comm = self._comm_stream
         ev = getattr(previous_event, "event", None) if previous_event is not None else None
         if ev is not None:
@@ -418,13 +545,15 @@ class Buffer:
             comm.wait_stream(compute)
         return compute, comm
 
-    def _ll_stream_handles(self, return_recv_hook):
-        """(compute, comm) CUDA stream handles of a low-latency call: the current stream, and
-        the Buffer's comm stream (the current one again with a receive hook, which receives
-        there). The C++ call orders them as _streams and _finish do (comm after compute;
-        without async_finish, compute after comm)."""
+    def _ll_stream_handles(self, return_recv_hook, async_finish):
+        """(compute, on) CUDA stream handles of a low-latency call: the current stream, and the
+        one the call runs on. With a receive hook the current one (which receives there; as
+        DeepEP's, such a call waits for nothing else). A plain call: the current one where
+        that keeps DeepEP's order (_order), else the comm stream. The C++ call orders them (on
+        after compute; without async_finish, compute after on; nothing where they are one
+        stream)."""
         compute = _current_stream_handle(self.device)
-        if return_recv_hook:
+        if return_recv_hook or not self._order(compute, None, async_finish):
             return compute, compute
         if self._comm_handle is None:
             self._comm_stream  # creates the stream, and its handle with it
@@ -444,16 +573,27 @@ class Buffer:
                 stats.add_(count)
         return self._finish(torch.cuda.current_stream(), comm, True, tensors)
 
-    def _finish(self, compute, comm, async_finish, tensors) -> EventOverlap:
+    def _finish(self, compute, comm, async_finish, tensors, returned=()) -> EventOverlap:
+        """After a call that ran on `comm` (the comm stream, or the current stream itself):
+        `returned`, the outputs allocated on the comm stream, are recorded as used by the
+        current stream (where the caller uses them;
+        DeepEP does so with allocate_on_comm_stream), so that the caching allocator does not
+        hand their memory to the comm stream's next allocation while the current stream still
+        reads it. Without async_finish the current stream waits for the call; with it, the
+        tensors are kept for the comm stream and an event is returned."""
+        if comm is not compute:
+            for t in returned:
+                if t is not None:
+                    t.record_stream(compute)
         if not async_finish:
-            compute.wait_stream(comm)
+            if comm is not compute:
+                compute.wait_stream(comm)
+                self._joined(compute.cuda_stream)
             return EventOverlap(None)
         live = [t for t in tensors if isinstance(t, torch.Tensor)]
         for t in live:
             t.record_stream(comm)
-        ev = torch.cuda.Event()
-        ev.record(comm)
-        return EventOverlap(ev, tuple(live))
+        return EventOverlap(EventHandle(comm), tuple(live))
 
     def _dispatch_on(self, key: tuple, payload: torch.Tensor, routing: _Routing, num_sms: int,
                      stream: int):
@@ -492,8 +632,9 @@ class Buffer:
             _bad(call, "allocate_on_comm_stream=True needs previous_event and async_finish=True")
         self._on_device(call, topk_idx=topk_idx)
         compute, comm = self._streams(call, previous_event, async_finish, allocate_on_comm_stream)
-        # Everything this call enqueues runs on the comm stream, after previous_event (the
-        # allocations are on the stream the caller asked for; they launch nothing).
+        # Everything this call enqueues runs on `comm` (_streams: the comm stream, after
+        # previous_event, or the current stream); the allocations are on the stream the caller
+        # asked for (they launch nothing).
         with torch.cuda.stream(comm if allocate_on_comm_stream else compute):
             T = topk_idx.size(0)
             per_rank = torch.empty(R, dtype=torch.int32, device=self.device)
@@ -506,7 +647,9 @@ class Buffer:
         _C.routing_layout(topk_idx, num_experts, R, per_rank, per_expert, is_token_in_rank, None,
                           comm.cuda_stream)
         event = self._finish(compute, comm, async_finish,
-                             (topk_idx, per_rank, per_expert, is_token_in_rank))
+                             (topk_idx, per_rank, per_expert, is_token_in_rank),
+                             (per_rank, per_expert, is_token_in_rank)
+                             if allocate_on_comm_stream else ())
         return per_rank, None, per_expert, is_token_in_rank, event
 
     # ---- normal mode ----------------------------------------------------------------------
@@ -598,7 +741,7 @@ class Buffer:
         alloc = comm if allocate_on_comm_stream else compute
         with torch.cuda.stream(comm):
             stream = comm.cuda_stream
-            if routing.rank_ids is None:  # on the comm stream: after previous_event
+            if routing.rank_ids is None:  # on the call's stream: after previous_event
                 # One launch (epcomm/routing_layout.h): the epcomm groups' top-k (r or -1) and
                 # this rank's tokens per rank, from the mask.
                 routing.rank_ids = torch.empty((T, R), dtype=torch.int32, device=codes.device)
@@ -623,6 +766,9 @@ class Buffer:
                                                           dtype=torch.bfloat16,
                                                           device=codes.device)], dim=1)
                 data_key = wide
+            # The routing's rank ids were made on the stream of its first dispatch, which this
+            # one (a cached dispatch) may not run on: their memory waits for this stream too.
+            routing.rank_ids.record_stream(comm)
             g = self._dispatch_on(data_key, payload, routing, num_sms, stream)
             routing.data_key = data_key
             d = g._dispatch_result("torch", None, stream)
@@ -678,9 +824,13 @@ class Buffer:
         # num_tokens_per_expert the per-expert list where no top-k travels (a cached dispatch
         # reads neither, and does not check them).
         read = () if cached else (is_token_in_rank, num_tokens_per_expert)
+        # The top-k outputs were made on the comm stream (as were recv_x and recv_scales with
+        # allocate_on_comm_stream): the caller uses them on the current stream.
         event = self._finish(compute, comm, async_finish,
                              (codes, scales, recv_x, recv_scales, recv_topk_idx,
-                              recv_topk_weights, topk_idx, topk_weights, routing.rank_ids) + read)
+                              recv_topk_weights, topk_idx, topk_weights, routing.rank_ids) + read,
+                             (recv_topk_idx, recv_topk_weights) +
+                             ((recv_x, recv_scales) if allocate_on_comm_stream else ()))
         if cached:
             return out_x, None, None, None, None, event
         a = int(expert_alignment)
@@ -718,6 +868,9 @@ class Buffer:
             out = torch.empty((T, H), dtype=torch.bfloat16, device=x.device)
         with torch.cuda.stream(comm):
             stream = comm.cuda_stream
+            # The dispatch's rank ids (read here: a dispatch of the routing again, the weights'
+            # mask) were made on its stream, which this call may not run on.
+            handle.rank_ids.record_stream(comm)
             ones = torch.ones((T, R), dtype=torch.float32, device=x.device)
             # The group the dispatch's rows went through, if nothing has dispatched on it since:
             # it brings back x's H columns, or (rows narrower than H: FP8 codes and the rest)
@@ -762,7 +915,8 @@ class Buffer:
                 w = torch.where(handle.rank_ids.unsqueeze(2) >= 0, w, 0.0)
                 combined_w = w.sum(1)
         event = self._finish(compute, comm, async_finish,
-                             (x, out, topk_weights, combined_w) + tuple(biases))
+                             (x, out, topk_weights, combined_w) + tuple(biases),
+                             (combined_w,) + ((out,) if allocate_on_comm_stream else ()))
         return out, combined_w, event
 
     # ---- low-latency mode -----------------------------------------------------------------
@@ -827,8 +981,11 @@ class Buffer:
                                             cumulative_local_expert_recv_stats, use_fp8,
                                             round_scale, use_ue8m0, async_finish,
                                             return_recv_hook)
-        self._on_device(call, x=x, topk_idx=topk_idx,
-                        cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats)
+        stats = cumulative_local_expert_recv_stats
+        if x.get_device() != self.device or topk_idx.get_device() != self.device or (
+                stats is not None and stats.get_device() != self.device):
+            self._on_device(call, x=x, topk_idx=topk_idx,
+                            cumulative_local_expert_recv_stats=stats)  # raises, naming which
         fmt = "fp8-blockwise" if use_fp8 else "bf16"
         self._ll_parity ^= 1  # two groups in turn, so two dispatches may await their combines
         key = ("ll", H, num_experts, K, max_t, fmt, bool(round_scale), bool(use_ue8m0),
@@ -847,7 +1004,7 @@ class Buffer:
         handle = _LowLatencyHandle(
             _ll_handle_items(src_info, layout_range, max_t, H, num_experts), g, key,
             tuple(topk_idx.shape))
-        compute, comm = self._ll_stream_handles(return_recv_hook)
+        compute, comm = self._ll_stream_handles(return_recv_hook, async_finish)
         # The group's last dispatch may change now: its previous handle must not combine, even
         # if the call fails.
         self._routing.pop(key, None)
@@ -864,22 +1021,25 @@ class Buffer:
                     t.record_stream(self._comm_stream)
                 torch.cuda.current_stream(self.device).wait_stream(self._comm_stream)
             raise
+        if not async_finish and not return_recv_hook:
+            self._joined(compute)
         self._routing[key] = handle
-        stats = cumulative_local_expert_recv_stats
         recv_x = (codes, _ll_returned_scales(scales, ue8m0, dev)) if use_fp8 else codes
         hook = None
         if return_recv_hook:
             def receive_hook():
                 # The closure holds the outputs themselves (not only their addresses), so they
-                # live until the hook has written them, as DeepEP's hook does.
-                g._impl.ll_receive(*_ll_pointers(outputs), _current_stream_handle(self.device))
+                # live until the hook has written them, as DeepEP's hook does. The receive runs
+                # on the stream of the call, as DeepEP's, wherever hook() is called from.
+                g._impl.ll_receive(*_ll_pointers(outputs), compute)
                 if stats is not None:
-                    stats.add_(count)
+                    with torch.cuda.stream(_stream_of(compute, self.device)):
+                        stats.add_(count)
 
             hook = receive_hook
             event = EventOverlap(None)
         else:
-            event = self._ll_finish(async_finish, stats, count, (x, topk_idx) + outputs)
+            event = self._ll_finish(async_finish, stats, count, (x, topk_idx, stats) + outputs)
         return recv_x, count, handle, event, hook
 
     def get_next_low_latency_combine_buffer(self, handle: _LowLatencyHandle) -> torch.Tensor:
@@ -976,7 +1136,11 @@ class Buffer:
         _check(call, "topk_weights", topk_weights, torch.float32, 2, rows=T, cols=K)
         if out is not None:
             _check(call, "out", out, torch.bfloat16, 2, rows=T, cols=H)
-        self._on_device(call, x=x, topk_idx=topk_idx, topk_weights=topk_weights, out=out)
+        dev = self.device
+        if x.get_device() != dev or topk_idx.get_device() != dev or \
+                topk_weights.get_device() != dev or (out is not None and out.get_device() != dev):
+            self._on_device(call, x=x, topk_idx=topk_idx, topk_weights=topk_weights,
+                            out=out)  # raises, naming which
         sc = self._ll_scratch(handle)
         # zero_copy: as in DeepEP, the expert outputs are already in
         # get_next_low_latency_combine_buffer(handle), and x's storage is not read.
@@ -986,15 +1150,16 @@ class Buffer:
                                                            device=x.device)
         # Combine reads the expert outputs in DeepEP's padded layout where they are
         # ([E_l, R * max, H]: CombineInput::expert_out_capacity), no unpad copy.
-        compute, comm = self._ll_stream_handles(return_recv_hook)
+        compute, comm = self._ll_stream_handles(return_recv_hook, async_finish)
         g._impl.ll_combine(src.data_ptr(), src.size(1), topk_weights.data_ptr(),
                            combined.data_ptr(), compute, comm, not async_finish,
                            return_recv_hook)
+        if not async_finish and not return_recv_hook:
+            self._joined(compute)
         hook = None
         if return_recv_hook:
-            def receive_hook():
-                s = _current_stream_handle(self.device)
-                g._impl.ll_combine_wait(topk_weights.data_ptr(), combined.data_ptr(), s)
+            def receive_hook():  # on the stream of the call, as DeepEP's
+                g._impl.ll_combine_wait(topk_weights.data_ptr(), combined.data_ptr(), compute)
 
             hook = receive_hook
             event = EventOverlap(None)
@@ -1081,20 +1246,26 @@ def _normal_topk(rows, cw, K, S, first_expert, n_local, recv_dev, stream):
 def _ll_outputs(R: int, num_experts: int, max_t: int, H: int, dev, use_fp8: bool,
                 use_ue8m0: bool):
     """A low-latency dispatch's outputs, allocated (S = R * max_t, E_l = num_experts / R):
-    codes [E_l, S, H] (e4m3 or bf16), scales [E_l, H / 128, S] float32 (FP8 without
-    use_ue8m0, else None), ue8m0 [E_l, H / 512, S] int32 (use_ue8m0, else None), count [E_l]
-    int32, src_info [E_l, S] int32, layout_range [E_l, R] int64. The eager call and the
-    operator's fake both take them from here."""
+    codes [E_l, S, H] (e4m3 or bf16), scales [E_l, S, H / 128] float32 (FP8 without
+    use_ue8m0, else None), ue8m0 [E_l, S, H / 512] int32 (use_ue8m0, else None), count [E_l]
+    int32, src_info [E_l, S] int32, layout_range [E_l, R] int64. The scales are column-major
+    per expert (strides [S · cols, 1, S]), as DeepEP returns them and the kernel writes them
+    ([E_l, cols, S] in memory): made so at once, not as a transpose of another tensor. The
+    eager call and the operator's fake both take them from here."""
     E_l, S = num_experts // R, R * max_t
     codes = torch.empty((E_l, S, H), dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16,
                         device=dev)
-    scales = torch.empty((E_l, H // 128, S), dtype=torch.float32, device=dev) \
+    scales = _column_major(E_l, S, H // 128, torch.float32, dev) \
         if use_fp8 and not use_ue8m0 else None
-    ue8m0 = torch.empty((E_l, H // 512, S), dtype=torch.int32, device=dev) if use_ue8m0 \
-        else None
+    ue8m0 = _column_major(E_l, S, H // 512, torch.int32, dev) if use_ue8m0 else None
     return (codes, scales, ue8m0, torch.empty(E_l, dtype=torch.int32, device=dev),
             torch.empty((E_l, S), dtype=torch.int32, device=dev),
             torch.empty((E_l, R), dtype=torch.int64, device=dev))
+
+
+def _column_major(E_l: int, S: int, cols: int, dtype, dev) -> torch.Tensor:
+    """[E_l, S, cols], each expert's [S, cols] column-major."""
+    return torch.empty_strided((E_l, S, cols), (S * cols, 1, S), dtype=dtype, device=dev)
 
 
 def _ll_pointers(outputs) -> tuple:
@@ -1113,12 +1284,12 @@ def _ll_handle_items(src_info, layout_range, max_t, H, num_experts) -> tuple:
 
 
 def _ll_returned_scales(scales, ue8m0, dev):
-    """The scales a dispatch returns: UE8M0 words or fp32 scales, column-major per expert
-    ([E_l, S, cols] views); without FP8, the operator's empty float32 placeholder."""
+    """The scales a dispatch returns: UE8M0 words or fp32 scales (column-major per expert);
+    without FP8, the operator's empty float32 placeholder."""
     if ue8m0 is not None:
-        return ue8m0.transpose(1, 2)
+        return ue8m0
     if scales is not None:
-        return scales.transpose(1, 2)
+        return scales
     return torch.empty(0, dtype=torch.float32, device=dev)
 
 

@@ -16,6 +16,9 @@ and checks each result against a reference computed here in plain torch:
                 slot-ascending fp32 weighted sum rounded once, and within DeepEP's bound
                 (calc_diff < 1e-5 for bf16, 7e-4 for FP8); two dispatches in flight; CUDA-graph
                 capture of the dispatch + expert + combine, replayed on new inputs.
+  streams       calls from two streams and previous_event after a plain call, each after the
+                Buffer's earlier calls (DeepEP's comm-stream order); hook() called from another
+                stream receives on the stream of its call.
   compile       the same under torch.compile(fullgraph=True), run on new inputs exactly.
   profile       the kernels as DeepEP's profiling helper finds them: one kernel name per
                 operation in the torch profiler's table, launched once per plain call and
@@ -33,7 +36,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from epcomm.deep_ep import Buffer, EventOverlap
+from epcomm.deep_ep import Buffer, EventHandle, EventOverlap
 import epcomm
 
 H, K, E = 512, 4, 16
@@ -461,7 +464,10 @@ def case_low_latency(buf, me, n, dev):
             expect(hook is None, "no hook without return_recv_hook")
         if mode == "async":
             ev.current_stream_wait()
-        check_ll_recv(p, me, fp8, max_t, recv, count, handle, before, stats, scale_mode)
+        try:
+            check_ll_recv(p, me, fp8, max_t, recv, count, handle, before, stats, scale_mode)
+        except Failure as f:
+            raise Failure(f"low-latency dispatch, fp8={fp8} {mode} {scale_mode}: {f}") from f
         y = ll_expert_out(p, me, recv, count, fp8, scale_mode)
         out = torch.full((p.T[me], H), float("nan"), device=dev).to(torch.bfloat16)
         if mode == "zero_copy":  # as DeepEP's test: x is another tensor, not read
@@ -617,9 +623,70 @@ def case_compile(buf, me, n, dev):
     return cases
 
 
+def case_streams(buf, me, n, dev):
+    """Calls from two streams, and previous_event after a plain call. DeepEP queues every call
+    on its comm stream, so each runs after the Buffer's earlier calls whatever stream it came
+    from; epcomm's plain calls may stay on the current stream, and must keep that order. A hook
+    receives on the stream of its call, wherever hook() is called from."""
+    T = [37, 0, 64, 13][:n] if n > 1 else [45]
+    a, b = torch.cuda.Stream(device=dev), torch.cuda.Stream(device=dev)
+    a.wait_stream(torch.cuda.current_stream())
+    b.wait_stream(torch.cuda.current_stream())
+    cases = 0
+    for i in range(2):
+        p = Problem(n, T, 800 + i, dev)
+        x, idx, w = p.x[me], p.idx[me], p.w[me]
+        with torch.cuda.stream(a):
+            buf.get_dispatch_layout(idx, E)  # joined to a: plain calls from a may now stay there
+            # Taken before the layout that the dispatch reads; the second time as Megatron
+            # makes one, EventOverlap(EventHandle()).
+            ev = Buffer.capture() if i == 0 else EventOverlap(EventHandle())
+            pr, _, pe, ir, _ = buf.get_dispatch_layout(idx, E)
+            rx, _, _, _, h, ev2 = buf.dispatch(
+                x, num_tokens_per_rank=pr, is_token_in_rank=ir, num_tokens_per_expert=pe,
+                topk_idx=idx, topk_weights=w, previous_event=ev, async_finish=True,
+                allocate_on_comm_stream=True)
+            if i == 0:
+                ev2.current_stream_wait()
+            else:
+                ev2.event.current_stream_wait()  # the EventHandle's own, as DeepEP's
+        b.wait_stream(a)  # rx was made on a
+        with torch.cuda.stream(b):  # its combine, plain, from another stream
+            out, _, _ = buf.combine(rx, h)
+        a.wait_stream(b)
+        with torch.cuda.stream(a):
+            same(out, rank_sum(p, me), f"previous_event after a plain call, combine from b ({i})")
+        cases += 1
+    max_t = 48
+    for i in range(2):
+        p = Problem(n, [min(40, max_t)] * n, 810 + i, dev, masked=2)
+        ref = ll_combine_ref(p, me, False)
+        with torch.cuda.stream(a):
+            recv, count, h, _, hook = buf.low_latency_dispatch(
+                p.x[me], p.idx[me], max_t, E, use_fp8=False, return_recv_hook=True)
+        with torch.cuda.stream(b):
+            hook()  # receives on a, the stream of the call
+        with torch.cuda.stream(a):
+            y = ll_expert_out(p, me, recv, count, False)
+            res, _, _ = buf.low_latency_combine(y, p.idx[me], p.w[me], h)
+            same(res, ref, f"hook() from another stream ({i})")
+            recv, count, h, _, _ = buf.low_latency_dispatch(p.x[me], p.idx[me], max_t, E,
+                                                            use_fp8=False)
+            y = ll_expert_out(p, me, recv, count, False)
+        b.wait_stream(a)  # y was made on a
+        with torch.cuda.stream(b):  # the combine, plain, from another stream
+            res, _, _ = buf.low_latency_combine(y, p.idx[me], p.w[me], h)
+        a.wait_stream(b)
+        with torch.cuda.stream(a):
+            same(res, ref, f"low-latency combine from another stream ({i})")
+        cases += 2
+    torch.cuda.current_stream().wait_stream(a)
+    return cases
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--cases", default="normal,low_latency,graph,compile,profile")
+    ap.add_argument("--cases", default="normal,low_latency,streams,graph,compile,profile")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     me, n = dist.get_rank(), dist.get_world_size()
@@ -633,7 +700,8 @@ def main():
     try:
         for name in args.cases.split(","):
             fn = {"normal": case_normal, "low_latency": case_low_latency,
-                  "graph": case_graph, "compile": case_compile, "profile": case_profile}[name]
+                  "streams": case_streams, "graph": case_graph, "compile": case_compile,
+                  "profile": case_profile}[name]
             c = fn(buf, me, n, dev)
             torch.cuda.synchronize()
             print(f"[rank {me}] {name}: {c} cases ok", flush=True)

@@ -293,6 +293,59 @@ def test_low_latency_needs_the_mode(world):
     raises("explicitly_destroy=False", b.destroy)
 
 
+def test_event_handle_and_overlap_as_deepep(world):
+    """DeepEP's EventHandle is exported (Megatron builds EventOverlap(EventHandle()) as a
+    previous_event); EventOverlap waits through the event's own current_stream_wait, runs a
+    registered hook once after the wait, and drops the event with release_handle (also as
+    `with ev(release_handle=True):`)."""
+    assert "EventHandle" in deep_ep.__all__ and issubclass(deep_ep.EventHandle, torch.cuda.Event)
+
+    class FakeHandle:
+        waits = 0
+
+        def current_stream_wait(self):
+            FakeHandle.waits += 1
+
+    hooks = []
+    ev = EventOverlap(FakeHandle())
+    ev.register_hook_after_wait(lambda: hooks.append(1))
+    with pytest.raises(epcomm.Error, match="already registered"):
+        ev.register_hook_after_wait(lambda: None)
+    ev.current_stream_wait()
+    ev.current_stream_wait()
+    assert FakeHandle.waits == 2 and hooks == [1] and ev.event is not None
+    with ev(release_handle=True):
+        pass
+    assert FakeHandle.waits == 3 and ev.event is None
+    with ev:  # no event left: nothing to wait for
+        pass
+    with pytest.raises(epcomm.Error, match="no event"):
+        ev.current_stream_wait()
+
+
+def test_buffer_is_freed_when_dropped(world):
+    """A normal-mode handle refers to its Buffer weakly, so the Buffer (which keeps its last
+    routings) is freed, and its groups torn down, when the caller drops it, at the same point on
+    every rank, not whenever the cycle collector runs; a handle outliving it says so."""
+    import gc
+    import weakref
+
+    b = Buffer(world, int(1e6), 0, max_tokens_per_rank=32)
+    r = deep_ep._Routing(b, 1, 8, 0)
+    b._routing["key"] = r
+    assert r.buffer is b
+    gc.disable()
+    try:
+        alive = weakref.ref(b)
+        del b
+        assert alive() is None, "freed by its reference count, with no cycle"
+    finally:
+        gc.enable()
+    assert r.buffer is None
+    with pytest.raises(epcomm.Error, match="Buffer of this dispatch is gone"):
+        r[0]
+
+
 def test_destroyed_buffer_refuses_calls(buf):
     buf.destroy()
     raises("destroyed", buf.get_dispatch_layout, torch.zeros((1, 1), dtype=torch.int64), 8)
@@ -404,6 +457,115 @@ def test_low_latency_traced_calls_run_in_program_order(buf, monkeypatch):
     assert stats.tolist() == [1] * E  # the first dispatch's counts, added once
 
 
+def test_stream_of_a_handle_is_that_stream(monkeypatch):
+    """A raw stream handle becomes the torch stream with that handle: the default stream for 0.
+    torch.cuda.ExternalStream(0) would be a fresh stream from torch's pool (it reads a null
+    pointer as none given), so the comm stream's wait for a call that stayed on the default
+    stream, and a hook's counter update, would be ordered with nothing (seen on a GPU: the
+    receive hook's cumulative_local_expert_recv_stats added counts not yet received)."""
+    made = []
+    monkeypatch.setattr(torch.cuda, "default_stream", lambda device: ("default", device))
+    monkeypatch.setattr(torch.cuda, "ExternalStream",
+                        lambda handle, device: made.append(handle) or ("ext", handle, device))
+    assert deep_ep._stream_of(0, 3) == ("default", 3)
+    assert made == []
+    assert deep_ep._stream_of(0x7F00, 3) == ("ext", 0x7F00, 3)
+    assert made == [0x7F00]
+
+
+def test_calls_keep_deepep_order_across_streams(buf, monkeypatch):
+    """DeepEP queues every call on its comm stream, so each call runs after the Buffer's
+    earlier calls whatever stream they came from. Buffer._order keeps that while letting a plain
+    call stay on the current stream where the Buffer's earlier work all precedes what that
+    stream queues next; elsewhere the comm stream also waits for the stream that
+    holds the Buffer's last work, with previous_event too (a failed call leaves it to the comm
+    stream)."""
+    waits = []
+    monkeypatch.setattr(buf, "_comm_waits_for", waits.append)
+    ev = object()  # a previous_event
+    steps = [  # (current stream, previous_event, async_finish, joined) -> (comm?, waits)
+        ((1, None, False, True), (True, [])),    # first call: nothing joined yet
+        ((1, None, False, False), (False, [])),  # plain, same stream: stays
+        ((1, ev, True, False), (True, [1])),     # previous_event: after the call on 1 too
+        ((1, None, False, True), (True, [])),    # behind the async call, joined
+        ((2, None, True, False), (True, [])),    # the comm stream holds every call so far
+        ((3, None, False, True), (True, [])),    # behind the async call (comm's order)
+        ((3, None, False, False), (False, [])),  # stays on 3
+        ((2, None, True, False), (True, [3])),   # from 2: after what stayed on 3 too
+        ((2, None, False, True), (True, [])),
+        ((2, None, False, False), (False, [])),
+        ((2, ev, False, False), (True, [2])),    # fails after its launch: not joined
+        ((2, None, False, True), (True, [])),    # so the next call goes behind it
+        ((2, None, False, False), (False, [])),
+    ]
+    buf._tail = None
+    for (stream, prev, async_finish, joined), (on_comm, waited) in steps:
+        assert buf._order(stream, prev, async_finish) == on_comm, (stream, prev)
+        assert waits == waited, (stream, prev, async_finish)
+        waits.clear()
+        if joined:
+            buf._joined(stream)
+    # Once the caller has the comm stream, every call runs there (it may queue work there, or
+    # wait for it to cover the calls), and the comm stream first waits for the call that
+    # stayed (on 2).
+    monkeypatch.setattr(buf, "_stream", "the comm stream")  # made already: no CUDA here
+    assert buf.get_comm_stream() == "the comm stream" and waits == [2]
+    waits.clear()
+    assert buf._order(2, None, False) and waits == []
+    buf._joined(2)
+    assert buf._order(2, None, False) and waits == []
+
+
+def test_normal_calls_streams_with_fake_streams(buf, monkeypatch):
+    """_streams and _finish without a GPU: on the comm stream a call waits for the current
+    stream (or previous_event, and a stream calls stayed on), the outputs it made there are
+    recorded for the current stream, which then waits for it and becomes the Buffer's last; a
+    plain call from that stream stays on it (no wait, record or join); get_comm_stream() puts
+    the comm stream after the calls that stayed."""
+    class FakeStream:
+        def __init__(self, handle):
+            self.cuda_stream, self.log = handle, []
+
+        def wait_stream(self, other):
+            self.log.append(("stream", other.cuda_stream))
+
+        def wait_event(self, event):
+            self.log.append(("event", event))
+
+    class Output:
+        def __init__(self):
+            self.recorded = []
+
+        def record_stream(self, stream):
+            self.recorded.append(stream.cuda_stream)
+
+    compute, comm = FakeStream(11), FakeStream(22)
+    waits, out = [], Output()
+    monkeypatch.setattr(deep_ep.torch.cuda, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(buf, "_stream", comm)
+    monkeypatch.setattr(buf, "_comm_waits_for", waits.append)
+    buf._tail = None
+    c, s = buf._streams("dispatch", None, False, False)  # nothing joined yet: the comm stream
+    assert (c, s) == (compute, comm) and comm.log == [("stream", 11)]
+    buf._finish(c, s, False, (), (out,))
+    assert out.recorded == [11] and compute.log == [("stream", 22)] and buf._tail == 11
+    c, s = buf._streams("combine", None, False, False)  # plain, from the last stream: stays
+    assert s is compute and len(comm.log) == 1
+    buf._finish(c, s, False, (), (out,))
+    assert out.recorded == [11] and len(compute.log) == 1 and buf._tail == 11
+    # previous_event: the comm stream waits for it and for the call that stayed.
+    c, s = buf._streams("dispatch", EventOverlap("ev"), True, True)
+    assert s is comm and comm.log[1:] == [("event", "ev")] and waits == [11]
+    assert buf._tail is None
+    waits.clear()
+    c, s = buf._streams("dispatch", None, False, False)  # behind the async call, joined
+    buf._finish(c, s, False, (), ())
+    assert s is comm and buf._tail == 11 and waits == []
+    assert buf._streams("dispatch", None, False, False)[1] is compute
+    assert buf.get_comm_stream() is comm and waits == [11]
+    assert buf._streams("dispatch", None, False, False)[1] is comm  # none stays any more
+
+
 class _Recorder:
     """A fake epcomm group's C++ side: records each call (name, arguments), after checking that
     the real binding (epcomm._epcomm.Group) takes that many arguments."""
@@ -424,7 +586,8 @@ class _Recorder:
 def test_low_latency_dispatch_calls_in_order_with_a_fake_group(buf, monkeypatch):
     """The layer's low-latency calls without a GPU, against a fake group: dispatch writes the
     outputs it returns (DeepEP's padded layout, in a group set up for it), in one call on the
-    comm stream, joined back unless async; with a hook the receive waits for the hook, on the
+    comm stream, joined back unless async, or on the current stream where that keeps DeepEP's
+    order; with a hook the receive waits for the hook, on the
     stream current then, and the hook keeps the outputs alive; combine is one call (and its
     hook's wait); a failure before the launch launches nothing and keeps the last handle."""
     import gc
@@ -440,12 +603,21 @@ def test_low_latency_dispatch_calls_in_order_with_a_fake_group(buf, monkeypatch)
         configs.append(config)
         return buf._groups.setdefault(key, FakeGroup())
 
-    compute, comm = 11, 22  # stream handles
+    # Stream handles; later: the current stream when hook() is called (the hook's work still
+    # goes to the stream of its call, as DeepEP's).
+    compute, comm, later, other = 11, 22, 33, 44
+    current, waits = [compute], []  # the current stream; what the comm stream was made to wait for
     monkeypatch.setattr(buf, "_on_device", lambda call, **tensors: None)
     monkeypatch.setattr(buf, "_group", group)
-    monkeypatch.setattr(buf, "_ll_stream_handles", lambda hook: (compute, compute if hook else comm))
+    monkeypatch.setattr(buf, "_comm_handle", comm)
+    monkeypatch.setattr(buf, "_comm_waits_for", waits.append)
     monkeypatch.setattr(buf, "_ll_finish", lambda async_finish, stats, count, tensors: EventOverlap())
-    monkeypatch.setattr(deep_ep, "_current_stream_handle", lambda device: 33)
+    monkeypatch.setattr(deep_ep, "_current_stream_handle", lambda device: current[0])
+
+    def run_hook(hook):
+        current[0] = later
+        hook()
+        current[0] = compute
     x = torch.randn((3, 512)).to(torch.bfloat16)
     idx = torch.randint(0, 8, (3, 2))
 
@@ -454,7 +626,11 @@ def test_low_latency_dispatch_calls_in_order_with_a_fake_group(buf, monkeypatch)
         return (codes.data_ptr(), scales.data_ptr(), count.data_ptr(), handle[0].data_ptr(),
                 handle[1].data_ptr())
 
-    for async_finish in (False, True):
+    # Streams: a call runs on the comm stream, joined back unless async, except a plain call
+    # made where every earlier call of the Buffer was joined (or ran): it stays on the current
+    # stream. The first call has nothing joined yet; after an async call the next plain one
+    # goes behind it on the comm stream.
+    for async_finish, on in ((False, comm), (True, comm), (False, comm), (False, compute)):
         recv, count, handle, _, hook = buf.low_latency_dispatch(x, idx, 4, 8,
                                                                 async_finish=async_finish)
         assert hook is None
@@ -462,7 +638,7 @@ def test_low_latency_dispatch_calls_in_order_with_a_fake_group(buf, monkeypatch)
         # The caller's int64 ids go to the kernel as they are (id_bytes 8): no conversion.
         assert impl.calls[0][1][2:4] == (idx.data_ptr(), 8)
         assert impl.calls[0][1][4:] == pointers(recv, count, handle) + (
-            compute, comm, not async_finish, False)
+            compute, on, not async_finish, False)
         assert tuple(recv[0].shape) == (8, 4, 512) and tuple(recv[1].shape) == (8, 4, 4)
         assert buf._routing[handle.key] is handle
         impl.calls.clear()
@@ -472,18 +648,29 @@ def test_low_latency_dispatch_calls_in_order_with_a_fake_group(buf, monkeypatch)
     # Combine: one call, reading the expert outputs in the padded layout where they are.
     y = torch.randn((8, 4, 512)).to(torch.bfloat16)  # [E_l, R * max, H], R = 1
     w = torch.rand((3, 2))
-    for async_finish in (False, True):
+    # After a call from another stream, a plain call goes through the comm stream, which also
+    # waits for that stream (DeepEP's calls all queue on the comm stream, so each runs after
+    # the Buffer's earlier ones, whatever stream they came from).
+    for async_finish, stream, on, waited in (
+            (False, compute, compute, []), (True, compute, comm, []),
+            (False, compute, comm, []), (False, compute, compute, []),
+            (False, other, comm, [compute]), (False, other, other, []),
+            (False, compute, comm, [other]), (False, compute, compute, [])):
+        current[0] = stream
         out, _, hook = buf.low_latency_combine(y, idx, w, handle, async_finish=async_finish)
         assert hook is None and tuple(out.shape) == (3, 512)
         assert impl.calls == [("ll_combine", (y.data_ptr(), 4, w.data_ptr(), out.data_ptr(),
-                                              compute, comm, not async_finish, False))]
+                                              stream, on, not async_finish, False))]
+        assert waits == waited
         impl.calls.clear()
+        waits.clear()
+    current[0] = compute
     out, _, hook = buf.low_latency_combine(y, idx, w, handle, return_recv_hook=True)
-    hook()
+    run_hook(hook)
     assert impl.calls == [
         ("ll_combine", (y.data_ptr(), 4, w.data_ptr(), out.data_ptr(), compute, compute, True,
                         True)),
-        ("ll_combine_wait", (w.data_ptr(), out.data_ptr(), 33))]
+        ("ll_combine_wait", (w.data_ptr(), out.data_ptr(), compute))]  # the call's stream
     impl.calls.clear()
 
     # UE8M0 words: their own group, and the words are what dispatch writes as scales.
@@ -492,12 +679,12 @@ def test_low_latency_dispatch_calls_in_order_with_a_fake_group(buf, monkeypatch)
     assert configs[-1]["fp8_ue8m0_scales"] and configs[-1]["fp8_pow2_scales"]
     assert recv[1].dtype == torch.int32 and tuple(recv[1].shape) == (8, 4, 1)
     assert [c[0] for c in impl.calls] == ["ll_dispatch"] and impl.calls[0][1][-1] is True
-    want = pointers(recv, count, handle) + (33,)
+    want = pointers(recv, count, handle) + (compute,)  # received on the call's stream
     alive = weakref.ref(recv[0])
     del recv, count, handle
     gc.collect()
     assert alive() is not None, "the hook must keep the outputs it fills"
-    hook()
+    run_hook(hook)
     assert impl.calls[-1] == ("ll_receive", want)
     impl.calls.clear()
 
@@ -514,7 +701,7 @@ def test_low_latency_dispatch_calls_in_order_with_a_fake_group(buf, monkeypatch)
     # A failure in the call itself (it may have launched): the group's old handle is dropped.
     monkeypatch.setattr(buf, "_on_device", lambda call, **tensors: None)
     monkeypatch.setattr(buf, "_group", group)
-    monkeypatch.setattr(buf, "_ll_stream_handles", lambda hook: (compute, compute))
+    monkeypatch.setattr(buf, "_ll_stream_handles", lambda hook, async_finish: (compute, compute))
     monkeypatch.setattr(impl, "ll_dispatch", fail, raising=False)
     with pytest.raises(MemoryError):
         buf.low_latency_dispatch(x, idx, 4, 8, return_recv_hook=True)
