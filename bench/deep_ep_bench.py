@@ -12,7 +12,8 @@ such median over the ranks (every call waits in its kernel for the slowest rank'
   layer    the DeepEP calls: decode = low_latency_dispatch / low_latency_combine (FP8),
            prefill = get_dispatch_layout + dispatch / combine (bf16, top-k and weights)
   epcomm   epcomm.Group.dispatch / combine of the same tokens, routing and format from Python
-and their difference, the layer's cost. Decode also times epcomm's own call writing the layer's
+and their difference, the layer's cost, with its ratio [layer / epcomm; whether within the
+layer's goal of 1.1 × epcomm's call + 5 µs, else by how much over]. Decode also times epcomm's own call writing the layer's
 padded per-expert layout (`epcomm padded`: Config.padded_capacity, UE8M0 words for
 decode-ue8m0; combine reading [E_l, R * T, H] expert outputs), checked against what the layer
 returns, so the layer's cost over it is its host work alone; and the dispatch + combine pair of
@@ -168,6 +169,14 @@ def host_profiled(fns, calls, label, show):
 
 def fmt(t):
     return f"{t[0]:8.1f} ({t[1]:.1f}, {t[2]:.1f}) [host {t[3]:.1f} / {t[4]:.1f}]"
+
+
+def against(layer_us: float, own_us: float) -> str:
+    """The layer's time as a ratio of epcomm's own call, and whether it is within the layer's
+    goal of 1.1 times that call plus 5 µs (by how much over, where it is not)."""
+    bound = 1.1 * own_us + 5.0
+    verdict = "within" if layer_us <= bound else f"{layer_us - bound:.1f} over"
+    return f"[{layer_us / own_us:.2f}x; 1.1x + 5: {verdict}]"
 
 
 def main():
@@ -335,14 +344,15 @@ def main():
         if me == 0:
             for side, (lay, nat, *pad) in res.items():
                 print(f"{name:8s} {side:8s} layer {fmt(lay)}  epcomm {fmt(nat)}  "
-                      f"layer cost {lay[0] - nat[0]:7.1f}" +
+                      f"layer cost {lay[0] - nat[0]:7.1f} {against(lay[0], nat[0])}" +
                       (f"  epcomm padded {fmt(pad[0])}  layer cost over it "
                        f"{lay[0] - pad[0][0]:7.1f}" if pad else ""))
             if name.startswith("decode"):
                 lay, pad = graphs
                 print(f"{name:8s} graph    layer {lay[0]:8.1f} ({lay[1]:.1f}, {lay[2]:.1f})  "
                       f"epcomm padded {pad[0]:8.1f} ({pad[1]:.1f}, {pad[2]:.1f})  layer cost "
-                      f"{lay[0] - pad[0]:7.1f}  (dispatch + combine, replayed)")
+                      f"{lay[0] - pad[0]:7.1f} {against(lay[0], pad[0])}  (dispatch + combine, "
+                      "replayed)")
         buf.destroy()
         grp.close()
         if name.startswith("decode"):
