@@ -644,8 +644,9 @@ class Buffer:
         # masks its slot, as -1 does. (topk_idx is contiguous: _check.) The dispatch computes
         # its own rank ids from the is_token_in_rank it is given: the caller may change it, and
         # tensors made under inference_mode have no version counter to tell.
-        _C.routing_layout(topk_idx, num_experts, R, per_rank, per_expert, is_token_in_rank, None,
-                          comm.cuda_stream)
+        _C.routing_layout(topk_idx.data_ptr(), topk_idx.element_size(), T, topk_idx.size(1),
+                          num_experts, R, per_rank.data_ptr(), per_expert.data_ptr(),
+                          is_token_in_rank.data_ptr(), self.device, comm.cuda_stream)
         event = self._finish(compute, comm, async_finish,
                              (topk_idx, per_rank, per_expert, is_token_in_rank),
                              (per_rank, per_expert, is_token_in_rank)
@@ -746,8 +747,9 @@ class Buffer:
                 # this rank's tokens per rank, from the mask.
                 routing.rank_ids = torch.empty((T, R), dtype=torch.int32, device=codes.device)
                 routing.tokens_to_rank = torch.empty(R, dtype=torch.int32, device=codes.device)
-                _C.routing_layout_of_mask(is_token_in_rank, routing.tokens_to_rank,
-                                          routing.rank_ids, stream)
+                _C.routing_layout_of_mask(is_token_in_rank.data_ptr(), T, R,
+                                          routing.tokens_to_rank.data_ptr(),
+                                          routing.rank_ids.data_ptr(), self.device, stream)
                 routing.tokens_ready = torch.cuda.Event()
                 routing.tokens_ready.record(comm)
             if meta_words:
@@ -1238,8 +1240,9 @@ def _normal_topk(rows, cw, K, S, first_expert, n_local, recv_dev, stream):
     counts = torch.empty(1 + n_local, dtype=torch.int32, device=rows.device)
     base, word = rows.data_ptr(), rows.element_size()
     _C.received_topk(base + word * (cw + layout.ids.start), base + word * (cw + layout.weights.start),
-                     word * rows.stride(0), recv_dev.data_ptr(), K, first_expert, ids, weights,
-                     counts, stream)
+                     word * rows.stride(0), recv_dev.data_ptr(), K, first_expert, ids.data_ptr(),
+                     weights.data_ptr(), rows.size(0), counts.data_ptr(), n_local,
+                     rows.get_device(), stream)
     return ids, weights, counts
 
 

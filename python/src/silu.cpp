@@ -21,6 +21,17 @@ using namespace nb::literals;
 
 namespace {
 
+// Checks a launch's arguments (sizes, addresses) before any CUDA call, then launches it on
+// `device`.
+template <class Args>
+void checked_launch(int32_t device, const Args& a, void (*check)(const Args&),
+                    void (*launch)(const Args&, cudaStream_t), uintptr_t stream) {
+  check(a);
+  DeviceGuard guard;
+  cuda_check(cudaSetDevice(device), "cudaSetDevice");
+  launch(a, as_stream(stream));
+}
+
 // ---- SiLU --------------------------------------------------------------------------------------
 
 epcomm::SiluInput silu_input(const Ctx& c, const Array& x, const Array& row_offsets,
@@ -171,102 +182,72 @@ void bind_silu(nb::module_& m) {
       },
       "padded"_a, "row_offsets"_a, "src_info"_a, "out"_a, "stream"_a,
       "Brings padded per-expert rows back to dispatch row order (epcomm/padded_layout.h).");
+  // The DeepEP layer's routing launches (python/epcomm/deep_ep.py), device addresses as integers
+  // (0: none). The layer has checked every tensor's dtype, shape, device and contiguity before
+  // it calls; converting its tensors through DLPack cost more host time than the launches (ten
+  // tensors a prefill dispatch). The library checks the sizes and each address (null,
+  // alignment) before any CUDA call.
   m.def(
       "routing_layout",
-      [](const Array& topk_ids, int32_t num_experts, int32_t n_ranks,
-         const std::optional<Array>& tokens_per_rank, const std::optional<Array>& tokens_per_expert,
-         const std::optional<Array>& token_in_rank, const std::optional<Array>& rank_ids,
-         uintptr_t stream) {
-        const Ctx c{"epcomm routing_layout", topk_ids.device_id()};
-        const bool wide = check_ids(c, "topk_ids", topk_ids, {-1, -1}, "[T, K]");
+      [](uintptr_t topk_ids, int32_t id_bytes, int64_t num_tokens, int32_t top_k,
+         int32_t num_experts, int32_t n_ranks, uintptr_t tokens_per_rank,
+         uintptr_t tokens_per_expert, uintptr_t token_in_rank, int32_t device, uintptr_t stream) {
         epcomm::RoutingLayout a;
-        a.topk_ids = topk_ids.data();
-        a.id_bytes = wide ? 8 : 4;
-        a.num_tokens = int64_t(topk_ids.shape(0));
-        a.top_k = int32_t(topk_ids.shape(1));
-        a.ids_stride = a.top_k;
+        a.topk_ids = reinterpret_cast<const void*>(topk_ids);
+        a.id_bytes = id_bytes;
+        a.num_tokens = num_tokens;
+        a.top_k = a.ids_stride = top_k;
         a.num_experts = num_experts;
         a.n_ranks = n_ranks;
-        const int64_t T = a.num_tokens;
-        if (tokens_per_rank) {
-          check_array(c, "tokens_per_rank", *tokens_per_rank, Elem::kI32, {n_ranks}, "[R]");
-          a.tokens_per_rank = static_cast<int32_t*>(tokens_per_rank->data());
-        }
-        if (tokens_per_expert) {
-          check_array(c, "tokens_per_expert", *tokens_per_expert, Elem::kI32, {num_experts}, "[E]");
-          a.tokens_per_expert = static_cast<int32_t*>(tokens_per_expert->data());
-        }
-        if (token_in_rank) {
-          check_array(c, "token_in_rank", *token_in_rank, Elem::kBytes, {T, n_ranks},
-                      "[T, R] bool");
-          a.token_in_rank = static_cast<bool*>(token_in_rank->data());
-        }
-        if (rank_ids) {
-          check_array(c, "rank_ids", *rank_ids, Elem::kI32, {T, n_ranks}, "[T, R]");
-          a.rank_ids = static_cast<int32_t*>(rank_ids->data());
-        }
-        DeviceGuard guard;
-        cuda_check(cudaSetDevice(c.device), "cudaSetDevice");
-        epcomm::routing_layout(a, as_stream(stream));
+        a.tokens_per_rank = reinterpret_cast<int32_t*>(tokens_per_rank);
+        a.tokens_per_expert = reinterpret_cast<int32_t*>(tokens_per_expert);
+        a.token_in_rank = reinterpret_cast<bool*>(token_in_rank);
+        checked_launch(device, a, epcomm::check_routing_layout, epcomm::routing_layout, stream);
       },
-      "topk_ids"_a, "num_experts"_a, "n_ranks"_a, "tokens_per_rank"_a.none(),
-      "tokens_per_expert"_a.none(), "token_in_rank"_a.none(), "rank_ids"_a.none(), "stream"_a,
-      "Tokens per rank and per expert, and the ranks each token goes to, from top-k ids "
-      "(epcomm/routing_layout.h).");
+      "topk_ids"_a, "id_bytes"_a, "num_tokens"_a, "top_k"_a, "num_experts"_a, "n_ranks"_a,
+      "tokens_per_rank"_a, "tokens_per_expert"_a, "token_in_rank"_a, "device"_a, "stream"_a,
+      "Tokens per rank and per expert, and whether each token goes to each rank, from top-k ids "
+      "[num_tokens, top_k] (device addresses; epcomm/routing_layout.h).");
   m.def(
       "routing_layout_of_mask",
-      [](const Array& token_in_rank, const std::optional<Array>& tokens_per_rank,
-         const Array& rank_ids, uintptr_t stream) {
-        const Ctx c{"epcomm routing_layout", token_in_rank.device_id()};
-        check_array(c, "token_in_rank", token_in_rank, Elem::kBytes, {-1, -1}, "[T, R] bool");
+      [](uintptr_t token_in_rank, int64_t num_tokens, int32_t n_ranks, uintptr_t tokens_per_rank,
+         uintptr_t rank_ids, int32_t device, uintptr_t stream) {
         epcomm::RoutingLayout a;
-        a.num_tokens = int64_t(token_in_rank.shape(0));
-        a.n_ranks = a.num_experts = int32_t(token_in_rank.shape(1));
-        a.top_k = 0;
-        a.rank_mask = static_cast<const bool*>(token_in_rank.data());
-        check_array(c, "rank_ids", rank_ids, Elem::kI32, {a.num_tokens, a.n_ranks}, "[T, R]");
-        a.rank_ids = static_cast<int32_t*>(rank_ids.data());
-        if (tokens_per_rank) {
-          check_array(c, "tokens_per_rank", *tokens_per_rank, Elem::kI32, {a.n_ranks}, "[R]");
-          a.tokens_per_rank = static_cast<int32_t*>(tokens_per_rank->data());
-        }
-        DeviceGuard guard;
-        cuda_check(cudaSetDevice(c.device), "cudaSetDevice");
-        epcomm::routing_layout(a, as_stream(stream));
+        a.rank_mask = reinterpret_cast<const bool*>(token_in_rank);
+        a.num_tokens = num_tokens;
+        a.n_ranks = a.num_experts = n_ranks;
+        a.top_k = a.ids_stride = 0;
+        a.tokens_per_rank = reinterpret_cast<int32_t*>(tokens_per_rank);
+        a.rank_ids = reinterpret_cast<int32_t*>(rank_ids);
+        checked_launch(device, a, epcomm::check_routing_layout, epcomm::routing_layout, stream);
       },
-      "token_in_rank"_a, "tokens_per_rank"_a.none(), "rank_ids"_a, "stream"_a,
+      "token_in_rank"_a, "num_tokens"_a, "n_ranks"_a, "tokens_per_rank"_a, "rank_ids"_a, "device"_a,
+      "stream"_a,
       "The rank ids (r where token t goes to rank r, else -1) and tokens per rank of a routing "
-      "given as a [T, R] bool mask (epcomm/routing_layout.h).");
+      "given as a [num_tokens, n_ranks] bool mask (device addresses; epcomm/routing_layout.h).");
   m.def(
       "received_topk",
       [](uintptr_t ids, uintptr_t weights, int64_t row_bytes, uintptr_t num_rows, int32_t top_k,
-         int64_t first_expert, const Array& local_ids, const Array& local_weights,
-         const Array& counts, uintptr_t stream) {
-        // ids, weights and num_rows are raw device addresses (strided views of a dispatch
-        // output): the caller keeps local_ids' rows within the rows those addresses hold.
-        const Ctx c{"epcomm received_topk", local_ids.device_id()};
-        check_array(c, "local_ids", local_ids, Elem::kI64, {-1, top_k}, "[rows, K]");
-        const int64_t rows = int64_t(local_ids.shape(0));
-        check_array(c, "local_weights", local_weights, Elem::kF32, {rows, top_k}, "[rows, K]");
-        check_array(c, "counts", counts, Elem::kI32, {-1}, "[1 + local experts]");
+         int64_t first_expert, uintptr_t local_ids, uintptr_t local_weights, int64_t max_rows,
+         uintptr_t counts, int32_t n_local, int32_t device, uintptr_t stream) {
+        // ids and weights are strided views of a dispatch output: the caller keeps max_rows
+        // within the rows they hold.
         epcomm::ReceivedTopk a;
         a.ids = reinterpret_cast<const int64_t*>(ids);
         a.weights = reinterpret_cast<const float*>(weights);
         a.row_bytes = row_bytes;
-        a.max_rows = rows;
+        a.max_rows = max_rows;
         a.num_rows = reinterpret_cast<const uint32_t*>(num_rows);
         a.top_k = top_k;
         a.first_expert = first_expert;
-        a.n_local = int32_t(counts.shape(0)) - 1;
-        a.local_ids = static_cast<int64_t*>(local_ids.data());
-        a.local_weights = static_cast<float*>(local_weights.data());
-        a.counts = static_cast<int32_t*>(counts.data());
-        DeviceGuard guard;
-        cuda_check(cudaSetDevice(c.device), "cudaSetDevice");
-        epcomm::received_topk(a, as_stream(stream));
+        a.n_local = n_local;
+        a.local_ids = reinterpret_cast<int64_t*>(local_ids);
+        a.local_weights = reinterpret_cast<float*>(local_weights);
+        a.counts = reinterpret_cast<int32_t*>(counts);
+        checked_launch(device, a, epcomm::check_received_topk, epcomm::received_topk, stream);
       },
       "ids"_a, "weights"_a, "row_bytes"_a, "num_rows"_a, "top_k"_a, "first_expert"_a, "local_ids"_a,
-      "local_weights"_a, "counts"_a, "stream"_a,
+      "local_weights"_a, "max_rows"_a, "counts"_a, "n_local"_a, "device"_a, "stream"_a,
       "A dispatch over ranks' received top-k (device addresses ids and weights, rows of "
       "row_bytes; num_rows the device word of rows received) as this rank's local expert ids and "
       "weights, and counts = [rows, slots per local expert] (epcomm/routing_layout.h).");

@@ -303,27 +303,33 @@ def test_array_checks_name_the_argument():
         C.silu_bf16(x, ro, inter, out, 0)
 
 
-def test_routing_layout_checks_its_arrays():
+def test_routing_launches_check_before_any_cuda_call():
+    """The DeepEP layer's routing launches take device addresses (the layer checks its tensors
+    first); the library refuses bad sizes and addresses before any CUDA call, so these raise
+    on a machine without a GPU too."""
     C = epcomm._epcomm
-    ids = np.zeros((4, 2), dtype=np.int64)
-    per_rank = np.zeros(2, dtype=np.int32)
+    dev, stream, p = 0, 0, 4096  # p: an aligned address never read
+    with pytest.raises(epcomm.InvalidArgument, match=r"id_bytes = 2 \(4 for int32 ids, 8 for"):
+        C.routing_layout(p, 2, 4, 2, 8, 2, p, 0, 0, dev, stream)
     with pytest.raises(epcomm.InvalidArgument,
-                       match=r"epcomm routing_layout: topk_ids must be int32 or int64; got int16"):
-        C.routing_layout(ids.astype(np.int16), 8, 2, per_rank, None, None, None, 0)
-    with pytest.raises(epcomm.InvalidArgument,
-                       match=r"topk_ids must be a CUDA tensor on cuda:0; got cpu memory"):
-        C.routing_layout(ids, 8, 2, per_rank, None, None, None, 0)
-    mask = np.zeros((4, 2), dtype=np.bool_)
-    with pytest.raises(epcomm.InvalidArgument,
-                       match=r"epcomm routing_layout: token_in_rank must be .*; got int16"):
-        C.routing_layout_of_mask(mask.astype(np.int16), per_rank, ids, 0)
-    with pytest.raises(epcomm.InvalidArgument,
-                       match=r"token_in_rank must be a CUDA tensor on cuda:0; got cpu memory"):
-        C.routing_layout_of_mask(mask, per_rank, ids.astype(np.int32), 0)
-    local = np.zeros((4, 2), dtype=np.int32)
-    with pytest.raises(epcomm.InvalidArgument,
-                       match=r"epcomm received_topk: local_ids must be int64; got int32"):
-        C.received_topk(0, 0, 32, 0, 2, 0, local, local, per_rank, 0)
+                       match=r"num_experts = 9 must be a positive multiple of n_ranks = 2"):
+        C.routing_layout(p, 8, 4, 2, 9, 2, p, 0, 0, dev, stream)
+    with pytest.raises(epcomm.InvalidArgument, match=r"topk_ids is null"):
+        C.routing_layout(0, 8, 4, 2, 8, 2, p, 0, 0, dev, stream)
+    with pytest.raises(epcomm.InvalidArgument, match=r"no output given"):
+        C.routing_layout(p, 8, 4, 2, 8, 2, 0, 0, 0, dev, stream)
+    with pytest.raises(epcomm.InvalidArgument, match=r"tokens_per_rank is not 4-byte aligned"):
+        C.routing_layout(p, 8, 4, 2, 8, 2, p + 2, 0, 0, dev, stream)
+    with pytest.raises(epcomm.InvalidArgument, match=r"must be a positive multiple of n_ranks = 0"):
+        C.routing_layout_of_mask(p, 4, 0, p, p, dev, stream)
+    with pytest.raises(epcomm.InvalidArgument, match=r"rank_ids is not 4-byte aligned"):
+        C.routing_layout_of_mask(p, 4, 2, p, p + 1, dev, stream)
+    with pytest.raises(epcomm.InvalidArgument, match=r"n_local = 0 is outside \[1, 12288\]"):
+        C.received_topk(p, p, 32, p, 2, 0, p, p, 4, p, 0, dev, stream)
+    with pytest.raises(epcomm.InvalidArgument, match=r"counts is null"):
+        C.received_topk(p, p, 32, p, 2, 0, p, p, 4, 0, 3, dev, stream)
+    with pytest.raises(epcomm.InvalidArgument, match=r"row_bytes = 12 must be a multiple of 8"):
+        C.received_topk(p, p, 12, p, 2, 0, p, p, 4, p, 3, dev, stream)
 
 
 def test_silu_wrapper_arguments():
