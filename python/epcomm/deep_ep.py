@@ -512,6 +512,8 @@ class Buffer:
             try:
                 self._comm_waits_for(tail)
             except Exception:  # e.g. that stream is gone: order by the whole device instead
+                if torch.cuda.is_current_stream_capturing():
+                    raise  # (a capture cannot synchronise)
                 torch.cuda.synchronize(self.device)
         self._stayed = False
         self._tail = None  # until the current stream has waited for the call, if it does
@@ -558,6 +560,16 @@ class Buffer:
         if self._comm_handle is None:
             self._comm_stream  # creates the stream, and its handle with it
         return compute, self._comm_handle
+
+    def _ll_failed(self, compute, comm, tensors) -> None:
+        """After a low-latency call that failed: its kernels may have been launched (a failure
+        after them, e.g. in the join), so where they were to run on the comm stream, the
+        tensors they read or write are kept for it and the caller's stream waits for it."""
+        if comm != compute:
+            for t in tensors:
+                if t is not None:
+                    t.record_stream(self._comm_stream)
+            torch.cuda.current_stream(self.device).wait_stream(self._comm_stream)
 
     def _ll_finish(self, async_finish, stats, count, tensors) -> EventOverlap:
         """After a low-latency call that ran on the comm stream: the received-token counter
@@ -723,6 +735,12 @@ class Buffer:
                 _check(call, "topk_idx", topk_idx, topk_idx_t, 2, rows=T)
                 K = topk_idx.size(1)
                 _check(call, "topk_weights", topk_weights, torch.float32, 2, rows=T, cols=K)
+                # The received side's bounds (epcomm/routing_layout.h: received_topk), refused
+                # here, before anything is launched.
+                if K > 1024:
+                    _bad(call, f"topk_idx has {K} columns; at most 1024")
+                if E // R > 12288:
+                    _bad(call, f"{E // R} experts a rank; at most 12288 with topk_idx")
             if num_worst_tokens < 0:
                 _bad(call, f"num_worst_tokens = {num_worst_tokens} must be >= 0")
             if num_worst_tokens and K == 0:
@@ -1016,15 +1034,10 @@ class Buffer:
                                 *_ll_pointers(outputs),
                                 compute, comm, not async_finish, return_recv_hook)
         except BaseException:
-            # The kernel may have been launched (a failure after it, e.g. in the join): keep
-            # its inputs and outputs for the comm stream and order the caller's stream after it.
-            if comm != compute:
-                for t in (x, topk_idx) + tuple(t for t in outputs if t is not None):
-                    t.record_stream(self._comm_stream)
-                torch.cuda.current_stream(self.device).wait_stream(self._comm_stream)
+            self._ll_failed(compute, comm, (x, topk_idx) + outputs)
             raise
-        if not async_finish and not return_recv_hook:
-            self._joined(compute)
+        if not async_finish and not return_recv_hook and comm != compute:
+            self._joined(compute)  # (a call that stayed found _tail at compute already)
         self._routing[key] = handle
         recv_x = (codes, _ll_returned_scales(scales, ue8m0, dev)) if use_fp8 else codes
         hook = None
@@ -1153,11 +1166,15 @@ class Buffer:
         # Combine reads the expert outputs in DeepEP's padded layout where they are
         # ([E_l, R * max, H]: CombineInput::expert_out_capacity), no unpad copy.
         compute, comm = self._ll_stream_handles(return_recv_hook, async_finish)
-        g._impl.ll_combine(src.data_ptr(), src.size(1), topk_weights.data_ptr(),
-                           combined.data_ptr(), compute, comm, not async_finish,
-                           return_recv_hook)
-        if not async_finish and not return_recv_hook:
-            self._joined(compute)
+        try:
+            g._impl.ll_combine(src.data_ptr(), src.size(1), topk_weights.data_ptr(),
+                               combined.data_ptr(), compute, comm, not async_finish,
+                               return_recv_hook)
+        except BaseException:
+            self._ll_failed(compute, comm, (src, topk_weights, combined))
+            raise
+        if not async_finish and not return_recv_hook and comm != compute:
+            self._joined(compute)  # (a call that stayed found _tail at compute already)
         hook = None
         if return_recv_hook:
             def receive_hook():  # on the stream of the call, as DeepEP's

@@ -95,6 +95,11 @@ def test_buffer_calls_reject_bad_arguments(buf):
     raises("topk_weights must be torch.float32", buf.dispatch, x, topk_idx=idx,
            topk_weights=w.double(), **d)
     raises("num_worst_tokens needs topk_idx", buf.dispatch, x, num_worst_tokens=8, **d)
+    wide = torch.zeros((T, 1025), dtype=torch.int64)  # before any launch (received_topk's bound)
+    raises("1025 columns; at most 1024", buf.dispatch, x, topk_idx=wide,
+           topk_weights=torch.ones((T, 1025)), **d)
+    raises("12289 experts a rank; at most 12288", buf.dispatch, x, topk_idx=idx, topk_weights=w,
+           **dict(d, num_tokens_per_expert=torch.zeros(12289, dtype=torch.int32)))
     raises("expert_alignment", buf.dispatch, x, expert_alignment=0, **d)
     raises("handle must come from", buf.dispatch, x, handle=object())
     raises("handle must come from", buf.combine, x, object())
@@ -583,6 +588,86 @@ class _Recorder:
         return call
 
 
+def test_low_latency_calls_captured_where_they_warmed_up(buf, monkeypatch):
+    """As vLLM and SGLang capture decode: warm up on a stream, then capture a CUDA graph on that
+    same stream. The captured plain calls stay on it (no fork, no wait on another stream), and
+    the Buffer still knows where its work is ordered (a call that stayed does not forget it,
+    which once made the captured combine wait on no stream and synchronise inside the
+    capture)."""
+    impl = _Recorder()
+
+    class FakeGroup:
+        _impl = impl
+
+    s, comm = 11, 22
+    capturing, waits = [False], []
+    monkeypatch.setattr(buf, "_on_device", lambda call, **tensors: None)
+    monkeypatch.setattr(buf, "_group", lambda key, **c: buf._groups.setdefault(key, FakeGroup()))
+    monkeypatch.setattr(buf, "_comm_handle", comm)
+    monkeypatch.setattr(buf, "_comm_waits_for", waits.append)
+    monkeypatch.setattr(buf, "_ll_finish", lambda *args: EventOverlap())
+    monkeypatch.setattr(deep_ep, "_current_stream_handle", lambda device: s)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(torch.cuda, "synchronize",
+                        lambda *a: pytest.fail("synchronised (inside a capture)"))
+    x = torch.randn((3, 512)).to(torch.bfloat16)
+    idx = torch.randint(0, 8, (3, 2))
+    w = torch.rand((3, 2))
+    y = torch.randn((8, 4, 512)).to(torch.bfloat16)
+
+    def layer():
+        _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, 4, 8)
+        buf.low_latency_combine(y, idx, w, handle)
+        on = [args[-3] for name, args in impl.calls]  # each call's stream ("on")
+        impl.calls.clear()
+        return on
+
+    assert layer() == [comm, s]  # the first call joins back; the combine stays
+    capturing[0] = True
+    assert layer() == [s, s] and waits == []  # captured where they warmed up
+    assert buf._tail == s
+    capturing[0] = False
+    assert layer() == [s, s] and waits == []
+
+
+def test_low_latency_calls_that_fail_keep_their_tensors(buf, monkeypatch):
+    """A low-latency call that fails in C++ may have launched on the comm stream: dispatch and
+    combine alike hand their tensors to _ll_failed (kept for the comm stream, the caller's
+    stream ordered after it), then raise."""
+    impl = _Recorder()
+
+    class FakeGroup:
+        _impl = impl
+
+    failed = []
+    monkeypatch.setattr(buf, "_on_device", lambda call, **tensors: None)
+    monkeypatch.setattr(buf, "_group", lambda key, **c: buf._groups.setdefault(key, FakeGroup()))
+    monkeypatch.setattr(buf, "_comm_handle", 22)
+    monkeypatch.setattr(buf, "_ll_finish", lambda *args: EventOverlap())
+    monkeypatch.setattr(deep_ep, "_current_stream_handle", lambda device: 11)
+    monkeypatch.setattr(buf, "_ll_failed", lambda *args: failed.append(args))
+    x = torch.randn((3, 512)).to(torch.bfloat16)
+    idx = torch.randint(0, 8, (3, 2))
+    w = torch.rand((3, 2))
+    _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, 4, 8)
+
+    def fail(*args):
+        raise MemoryError("launch failed")
+
+    monkeypatch.setattr(impl, "ll_combine", fail, raising=False)
+    y = torch.randn((8, 4, 512)).to(torch.bfloat16)
+    out = torch.empty((3, 512), dtype=torch.bfloat16)
+    with pytest.raises(MemoryError):
+        buf.low_latency_combine(y, idx, w, handle, async_finish=True, out=out)
+    (compute, comm, tensors), = failed
+    assert (compute, comm) == (11, 22) and tensors[0] is y and tensors[1] is w and tensors[2] is out
+    monkeypatch.setattr(impl, "ll_dispatch", fail, raising=False)
+    with pytest.raises(MemoryError):
+        buf.low_latency_dispatch(x, idx, 4, 8, async_finish=True)
+    assert failed[1][:2] == (11, 22) and failed[1][2][0] is x and failed[1][2][1] is idx
+
+
 def test_low_latency_dispatch_calls_in_order_with_a_fake_group(buf, monkeypatch):
     """The layer's low-latency calls without a GPU, against a fake group: dispatch writes the
     outputs it returns (DeepEP's padded layout, in a group set up for it), in one call on the
@@ -611,7 +696,7 @@ def test_low_latency_dispatch_calls_in_order_with_a_fake_group(buf, monkeypatch)
     monkeypatch.setattr(buf, "_group", group)
     monkeypatch.setattr(buf, "_comm_handle", comm)
     monkeypatch.setattr(buf, "_comm_waits_for", waits.append)
-    monkeypatch.setattr(buf, "_ll_finish", lambda async_finish, stats, count, tensors: EventOverlap())
+    monkeypatch.setattr(buf, "_ll_finish", lambda *args: EventOverlap())
     monkeypatch.setattr(deep_ep, "_current_stream_handle", lambda device: current[0])
 
     def run_hook(hook):
