@@ -92,6 +92,11 @@ def _check(call: str, name: str, t, dtype=None, ndim=None, rows=None, cols=None,
         _bad(call, f"{name} must be contiguous; call .contiguous()")
 
 
+def _capturing() -> bool:
+    """Whether the current stream is capturing a CUDA graph (without initialising CUDA)."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
 def _stream_of(handle: int, device) -> torch.cuda.Stream:
     """The torch stream whose CUDA handle is `handle`. The default stream's handle is 0, and
     torch.cuda.ExternalStream(0) is not that stream but a fresh one from torch's pool (a null
@@ -398,10 +403,13 @@ class Buffer:
     def get_comm_stream(self) -> torch.cuda.Stream:
         """The stream the Buffer's calls run on. From the first time it is asked for, every
         call runs there (the caller may queue work on it, or wait for it to cover the calls),
-        none on the current stream (Buffer._order)."""
+        none on the current stream (Buffer._order). While a CUDA graph is being captured it
+        orders nothing (as DeepEP's, it has no effect on the streams: a wait for the capturing
+        stream would pull the comm stream into the capture); the next call on the comm stream
+        then waits for the calls that stayed."""
         self._comm_shared = True
-        if self._stayed:  # the caller's work there comes after the calls that stayed too
-            self._comm_waits_for(self._tail)
+        if self._stayed and not _capturing():
+            self._comm_waits_for(self._tail)  # the caller's work there comes after them too
             self._stayed = False
         return self._comm_stream
 
@@ -512,7 +520,7 @@ class Buffer:
             try:
                 self._comm_waits_for(tail)
             except Exception:  # e.g. that stream is gone: order by the whole device instead
-                if torch.cuda.is_current_stream_capturing():
+                if _capturing():
                     raise  # (a capture cannot synchronise)
                 torch.cuda.synchronize(self.device)
         self._stayed = False
@@ -526,8 +534,7 @@ class Buffer:
         """After a call the stream `current` waited for: every call of the Buffer so far runs
         before what `current` queues next. Not while `current` captures a CUDA graph: what it
         holds then runs only when the graph is replayed."""
-        capturing = torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
-        self._tail = None if capturing else current
+        self._tail = None if _capturing() else current
 
     def _streams(self, call, previous_event, async_finish, allocate_on_comm_stream):
         """(compute, comm): the current stream and the stream the call runs on: the current

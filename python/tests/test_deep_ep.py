@@ -514,6 +514,10 @@ def test_calls_keep_deepep_order_across_streams(buf, monkeypatch):
     # wait for it to cover the calls), and the comm stream first waits for the call that
     # stayed (on 2).
     monkeypatch.setattr(buf, "_stream", "the comm stream")  # made already: no CUDA here
+    # (While a graph is captured it orders nothing; the next call on the comm stream will.)
+    monkeypatch.setattr(deep_ep, "_capturing", lambda: True)
+    assert buf.get_comm_stream() == "the comm stream" and waits == [] and buf._stayed
+    monkeypatch.setattr(deep_ep, "_capturing", lambda: False)
     assert buf.get_comm_stream() == "the comm stream" and waits == [2]
     waits.clear()
     assert buf._order(2, None, False) and waits == []
