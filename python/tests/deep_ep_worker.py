@@ -510,20 +510,32 @@ def case_low_latency(buf, me, n, dev):
     return cases + 2
 
 
-def ll_layer(buf, me, n, dev):
+def ll_layer(buf, me, n, dev, mode="plain"):
     """The low-latency layer the graph and compile cases run: (tokens per rank, step(x, idx, w)
-    = FP8 dispatch, the expert (ll_combine_ref's, scaled per expert), combine)."""
+    = FP8 dispatch, the expert (ll_combine_ref's, scaled per expert), combine). mode: plain
+    calls, or each call with a receive hook ("hook", as vLLM runs decode) or async_finish and
+    a wait for its event ("async", as SGLang does)."""
     max_t = 48
     T = [40, 0, 48, 13][:n] if n > 1 else [45]
     n_local = E // n
     scale = torch.tensor([ll_expert_scale(me * n_local + e) for e in range(n_local)],
                          device=dev).view(-1, 1, 1)
 
+    def finish(event, hook):
+        if mode == "hook":
+            hook()
+        elif mode == "async":
+            event.current_stream_wait()
+
     def step(x, idx, w):
-        recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, max_t, E, use_fp8=True)
+        flags = dict(return_recv_hook=mode == "hook", async_finish=mode == "async")
+        recv, count, handle, event, hook = buf.low_latency_dispatch(x, idx, max_t, E,
+                                                                    use_fp8=True, **flags)
+        finish(event, hook)
         deq = recv[0].float() * recv[1].repeat_interleave(128, dim=2)
         y = (deq.to(torch.bfloat16).float() * scale).to(torch.bfloat16)
-        out, _, _ = buf.low_latency_combine(y, idx, w, handle)
+        out, event, hook = buf.low_latency_combine(y, idx, w, handle, **flags)
+        finish(event, hook)
         return out
 
     return T, step
@@ -563,23 +575,29 @@ def case_graph(buf, me, n, dev):
         torch.cuda.synchronize()
         same(out, ll_combine_ref(p, me, True), f"graph replay {i}")
     # As vLLM and SGLang do: warm up on a stream, then capture on that same stream, where the
-    # Buffer's plain calls stay (no fork to the comm stream inside the capture).
-    s2 = torch.cuda.Stream()
-    s2.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s2):
-        step()
-        step()
-    torch.cuda.synchronize()
-    graph2 = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph2, stream=s2):
-        out2 = step()
-    for i in range(3):
-        p = Problem(n, T, 511 + i, dev, masked=3)
-        load(p)
-        graph2.replay()
+    # Buffer's plain calls stay (no fork to the comm stream inside the capture); and the modes
+    # they capture: receive hooks (vLLM), async_finish and a wait for the event (SGLang).
+    cases = 3
+    for mode in ("plain", "hook", "async"):
+        _, layer_m = ll_layer(buf, me, n, dev, mode)
+        s2 = torch.cuda.Stream()
+        s2.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s2):
+            layer_m(static_x, static_idx, static_w)
+            layer_m(static_x, static_idx, static_w)
         torch.cuda.synchronize()
-        same(out2, ll_combine_ref(p, me, True), f"graph captured on its warm-up stream, replay {i}")
-    return 6
+        graph2 = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph2, stream=s2):
+            out2 = layer_m(static_x, static_idx, static_w)
+        for i in range(3):
+            p = Problem(n, T, 511 + i, dev, masked=3)
+            load(p)
+            graph2.replay()
+            torch.cuda.synchronize()
+            same(out2, ll_combine_ref(p, me, True),
+                 f"{mode} calls captured on their warm-up stream, replay {i}")
+            cases += 1
+    return cases
 
 
 def case_profile(buf, me, n, dev):
