@@ -568,6 +568,13 @@ class Buffer:
             self._comm_stream  # creates the stream, and its handle with it
         return compute, self._comm_handle
 
+    def _ll_joined(self, compute, comm, async_finish, return_recv_hook) -> None:
+        """After a low-latency call that ran on the comm stream and that the current stream
+        waited for (no async_finish, no hook): _joined. A call that stayed on the current
+        stream found _tail there already."""
+        if not async_finish and not return_recv_hook and comm != compute:
+            self._joined(compute)
+
     def _ll_failed(self, compute, comm, tensors) -> None:
         """After a low-latency call that failed: its kernels may have been launched (a failure
         after them, e.g. in the join), so where they were to run on the comm stream, the
@@ -775,8 +782,7 @@ class Buffer:
                 _C.routing_layout_of_mask(is_token_in_rank.data_ptr(), T, R,
                                           routing.tokens_to_rank.data_ptr(),
                                           routing.rank_ids.data_ptr(), self.device, stream)
-                routing.tokens_ready = torch.cuda.Event()
-                routing.tokens_ready.record(comm)
+                routing.tokens_ready = EventHandle(comm)
             if meta_words:
                 # One dispatch: each row carries the codes and the rest (one concatenation).
                 # Combine brings back only the codes' columns (a combine of fewer columns).
@@ -1043,8 +1049,7 @@ class Buffer:
         except BaseException:
             self._ll_failed(compute, comm, (x, topk_idx) + outputs)
             raise
-        if not async_finish and not return_recv_hook and comm != compute:
-            self._joined(compute)  # (a call that stayed found _tail at compute already)
+        self._ll_joined(compute, comm, async_finish, return_recv_hook)
         self._routing[key] = handle
         recv_x = (codes, _ll_returned_scales(scales, ue8m0, dev)) if use_fp8 else codes
         hook = None
@@ -1180,8 +1185,7 @@ class Buffer:
         except BaseException:
             self._ll_failed(compute, comm, (src, topk_weights, combined))
             raise
-        if not async_finish and not return_recv_hook and comm != compute:
-            self._joined(compute)  # (a call that stayed found _tail at compute already)
+        self._ll_joined(compute, comm, async_finish, return_recv_hook)
         hook = None
         if return_recv_hook:
             def receive_hook():  # on the stream of the call, as DeepEP's

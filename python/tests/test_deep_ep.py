@@ -592,25 +592,32 @@ class _Recorder:
         return call
 
 
+def _fake_low_latency(buf, monkeypatch, current, comm):
+    """The Buffer's low-latency calls against a _Recorder group, with stream handles for
+    streams (`current` the current one, `comm` the comm stream) and no device or event work."""
+    impl = _Recorder()
+
+    class FakeGroup:
+        _impl = impl
+
+    monkeypatch.setattr(buf, "_on_device", lambda call, **tensors: None)
+    monkeypatch.setattr(buf, "_group", lambda key, **c: buf._groups.setdefault(key, FakeGroup()))
+    monkeypatch.setattr(buf, "_comm_handle", comm)
+    monkeypatch.setattr(buf, "_ll_finish", lambda *args: EventOverlap())
+    monkeypatch.setattr(deep_ep, "_current_stream_handle", lambda device: current)
+    return impl
+
+
 def test_low_latency_calls_captured_where_they_warmed_up(buf, monkeypatch):
     """As vLLM and SGLang capture decode: warm up on a stream, then capture a CUDA graph on that
     same stream. The captured plain calls stay on it (no fork, no wait on another stream), and
     the Buffer still knows where its work is ordered (a call that stayed does not forget it,
     which once made the captured combine wait on no stream and synchronise inside the
     capture)."""
-    impl = _Recorder()
-
-    class FakeGroup:
-        _impl = impl
-
     s, comm = 11, 22
     capturing, waits = [False], []
-    monkeypatch.setattr(buf, "_on_device", lambda call, **tensors: None)
-    monkeypatch.setattr(buf, "_group", lambda key, **c: buf._groups.setdefault(key, FakeGroup()))
-    monkeypatch.setattr(buf, "_comm_handle", comm)
+    impl = _fake_low_latency(buf, monkeypatch, s, comm)
     monkeypatch.setattr(buf, "_comm_waits_for", waits.append)
-    monkeypatch.setattr(buf, "_ll_finish", lambda *args: EventOverlap())
-    monkeypatch.setattr(deep_ep, "_current_stream_handle", lambda device: s)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
     monkeypatch.setattr(torch.cuda, "synchronize",
@@ -639,17 +646,8 @@ def test_low_latency_calls_that_fail_keep_their_tensors(buf, monkeypatch):
     """A low-latency call that fails in C++ may have launched on the comm stream: dispatch and
     combine alike hand their tensors to _ll_failed (kept for the comm stream, the caller's
     stream ordered after it), then raise."""
-    impl = _Recorder()
-
-    class FakeGroup:
-        _impl = impl
-
     failed = []
-    monkeypatch.setattr(buf, "_on_device", lambda call, **tensors: None)
-    monkeypatch.setattr(buf, "_group", lambda key, **c: buf._groups.setdefault(key, FakeGroup()))
-    monkeypatch.setattr(buf, "_comm_handle", 22)
-    monkeypatch.setattr(buf, "_ll_finish", lambda *args: EventOverlap())
-    monkeypatch.setattr(deep_ep, "_current_stream_handle", lambda device: 11)
+    impl = _fake_low_latency(buf, monkeypatch, 11, 22)
     monkeypatch.setattr(buf, "_ll_failed", lambda *args: failed.append(args))
     x = torch.randn((3, 512)).to(torch.bfloat16)
     idx = torch.randint(0, 8, (3, 2))
