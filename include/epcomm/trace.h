@@ -18,16 +18,21 @@ enum TraceKernel : int32_t { kTraceDispatch = 0, kTraceCombine = 1, kTraceKernel
 
 enum TraceMark : int32_t {
   // send half
-  kTraceStart = 0,   // the kernel began (fused or send form)
-  kTraceRanked,      // dispatch: this block's ranking units are done
-  kTraceRouted,      // dispatch: the grid's ranking and scan are done (second grid barrier)
-  kTraceAcked,       // every destination acknowledged the previous call
-  kTraceSent,        // this block's last store and signal are issued
+  kTraceStart = 0,  // the kernel began (fused or send form)
+  kTraceRanked,     // dispatch: this block's ranking units are done
+  kTraceRouted,     // dispatch: the grid's ranking and scan are done (second grid barrier)
+  kTraceAcked,      // every destination acknowledged the previous call
+  kTraceMetaSent,   // dispatch: this block wrote its meta records (the writer blocks only)
+  kTraceStored,     // low-latency dispatch: the block's warps issued their round's stores
+  kTraceFenced,     // low-latency dispatch: thread 0's fence after them returned
+  kTraceSent,       // this block's last store and signal are issued
   // receive half
-  kTraceRecvStart,   // the block begins receiving (the wait form: kernel start)
-  kTraceReady,       // dispatch: every source's counts arrived, the layout is built;
-                     // combine: every source's rows arrived
-  kTraceDone,        // the block is done with this kernel
+  kTraceRecvStart,  // the block begins receiving (the wait form: kernel start)
+  kTraceCountsIn,   // dispatch: every source's meta record acquired and read
+  kTraceChecked,    // dispatch: the records checked (check_sources)
+  kTraceReady,      // dispatch: every source's counts arrived, the layout is built;
+                    // combine: every source's rows arrived
+  kTraceDone,       // the block is done with this kernel
   kTraceMarks
 };
 

@@ -40,8 +40,18 @@ const char* trace_mark_name(TraceMark m) {
     case kTraceRanked: return "ranked";
     case kTraceRouted: return "routed";
     case kTraceAcked: return "acked";
+    case kTraceMetaSent:
+      return "meta sent";
+    case kTraceStored:
+      return "stored";
+    case kTraceFenced:
+      return "fenced";
     case kTraceSent: return "sent";
     case kTraceRecvStart: return "recv start";
+    case kTraceCountsIn:
+      return "counts in";
+    case kTraceChecked:
+      return "checked";
     case kTraceReady: return "ready";
     case kTraceDone: return "done";
     case kTraceMarks: break;

@@ -9,6 +9,7 @@
 
 #include "epcomm/config.h"
 #include "epcomm/error.h"
+#include "epcomm/trace.h"
 
 using namespace epcomm;
 
@@ -472,4 +473,22 @@ TEST(Config, PaddedLayoutIsCheckedAndSized) {
   EXPECT_EQ(s.scales_bytes, int64_t(32) * 56 * 1024 * 4);  // [G, H/128, C] fp32
   c.fp8_pow2_scales = c.fp8_ue8m0_scales = true;
   EXPECT_EQ(compute_sizes(c, 8).scales_bytes, int64_t(32) * 14 * 1024 * 4);  // [G, H/512, C]
+}
+
+// The benchmark prints each stage mark by its name and its JSON keys are those names: every mark
+// has one of its own.
+TEST(Trace, EveryMarkHasItsOwnName) {
+  std::set<std::string> names;
+  for (int m = 0; m < kTraceMarks; ++m) {
+    const std::string name = trace_mark_name(TraceMark(m));
+    EXPECT_NE(name, "unknown") << "mark " << m;
+    EXPECT_TRUE(names.insert(name).second) << "mark " << m << " repeats '" << name << "'";
+  }
+  EXPECT_EQ(std::string(trace_mark_name(kTraceMarks)), "unknown");
+  // The send form clears [start, recv start), the receive form [recv start, marks): each new
+  // mark sits in the half whose form stamps it.
+  EXPECT_LT(kTraceMetaSent, kTraceRecvStart);
+  EXPECT_LT(kTraceFenced, kTraceRecvStart);
+  EXPECT_GT(kTraceCountsIn, kTraceRecvStart);
+  EXPECT_GT(kTraceChecked, kTraceRecvStart);
 }

@@ -60,6 +60,7 @@ __device__ __noinline__ bool ll_send(const DispatchParams& p, unsigned long long
     const int32_t* rows_to = block_rows_to(g, bad ? nullptr : lr.totals);
     for (int32_t d = warp; d < g.n_ranks; d += kWarps)
       write_meta(g, seq, d, bad ? nullptr : lr.totals, rows_to, 0, [](int32_t) { return 0; });
+    trace_mark(g, kTraceDispatch, kTraceMetaSent);
   }
 
   const WindowLayout wl = g.layout();
@@ -125,8 +126,10 @@ __device__ __noinline__ bool ll_send(const DispatchParams& p, unsigned long long
     // relaxed flag stores (a release pattern): a destination that acquires a flag sees the
     // piece. (A rank of another node had its flag with the put, put_part.)
     __syncthreads();
+    trace_mark(g, kTraceDispatch, kTraceStored);
     if (threadIdx.x == 0) {
       fence_acq_rel_sys();
+      trace_mark(g, kTraceDispatch, kTraceFenced);
       for (int32_t w = 0; w < kWarps; ++w)
         for (int32_t j = 0; j < n_flags[w]; ++j)
           if (!remote(g, flag_rank[w][j]))

@@ -548,7 +548,10 @@ __device__ __noinline__ void dispatch_recv(const DispatchParams& p, unsigned lon
         *reinterpret_cast<const volatile int32_t*>(meta_at(threadIdx.x) + ml.n_chunks_offset());
   }
   __syncthreads();
-  if (check_sources(p, rg, ml, meta_at, rb) != 0) {
+  trace_mark(g, kTraceDispatch, kTraceCountsIn);
+  const int32_t verdict = check_sources(p, rg, ml, meta_at, rb);
+  trace_mark(g, kTraceDispatch, kTraceChecked);
+  if (verdict != 0) {
     // Nothing is written but empty groups (row_offsets all 0, so combine sends nothing back
     // from here); the call still completes, so the group stays usable.
     if (rb == 0) {

@@ -398,7 +398,10 @@ __device__ __noinline__ bool dispatch_send(const DispatchParams& p, unsigned lon
                          kWaitAck, [&](int32_t) { return seq - 1; }))
     return false;
   trace_mark(g, kTraceDispatch, kTraceAcked);
-  if (int32_t(blockIdx.x) == n_senders - 1) send_meta(p, seq, bad);
+  if (int32_t(blockIdx.x) == n_senders - 1) {
+    send_meta(p, seq, bad);
+    trace_mark(g, kTraceDispatch, kTraceMetaSent);
+  }
   send_messages<F>(p, num_tokens, blockIdx.x, n_senders, seq, self_in_place);
   trace_mark(g, kTraceDispatch, kTraceSent);
   return true;
