@@ -575,11 +575,14 @@ class Buffer:
         if not async_finish and not return_recv_hook and comm != compute:
             self._joined(compute)
 
-    def _ll_failed(self, compute, comm, tensors) -> None:
-        """After a low-latency call that failed: its kernels may have been launched (a failure
-        after them, e.g. in the join), so where they were to run on the comm stream, the
-        tensors they read or write are kept for it and the caller's stream waits for it."""
-        if comm != compute:
+    def _failed(self, on_comm: bool, tensors) -> None:
+        """After a call that failed: its kernels may have been launched (a failure after them:
+        a low-latency call's join, a normal call's allocation of its outputs), so where they
+        were to run on the comm stream (on_comm), the tensors they read or write are kept for
+        it and the caller's stream waits for it. Otherwise the caller could free them, and the
+        caching allocator hand their memory to new work, while the comm stream still uses
+        them."""
+        if on_comm:
             for t in tensors:
                 if t is not None:
                     t.record_stream(self._comm_stream)
@@ -772,85 +775,91 @@ class Buffer:
         cw = row_bytes // 4     # the codes' int32 words (row_bytes is a multiple of 16)
         compute, comm = self._streams(call, previous_event, async_finish, allocate_on_comm_stream)
         alloc = comm if allocate_on_comm_stream else compute
-        with torch.cuda.stream(comm):
-            stream = comm.cuda_stream
-            if routing.rank_ids is None:  # on the call's stream: after previous_event
-                # One launch (epcomm/routing_layout.h): the epcomm groups' top-k (r or -1) and
-                # this rank's tokens per rank, from the mask.
-                routing.rank_ids = torch.empty((T, R), dtype=torch.int32, device=codes.device)
-                routing.tokens_to_rank = torch.empty(R, dtype=torch.int32, device=codes.device)
-                _C.routing_layout_of_mask(is_token_in_rank.data_ptr(), T, R,
-                                          routing.tokens_to_rank.data_ptr(),
-                                          routing.rank_ids.data_ptr(), self.device, stream)
-                routing.tokens_ready = EventHandle(comm)
-            if meta_words:
-                # One dispatch: each row carries the codes and the rest (one concatenation).
-                # Combine brings back only the codes' columns (a combine of fewer columns).
-                payload = _normal_rows(codes, scales, topk_idx if K else None, topk_weights)
-            else:
-                payload = codes if codes.dtype == torch.bfloat16 else \
-                    codes.view(torch.uint8).view(torch.bfloat16)
-            data_key = ("data", payload.size(1), num_sms, routing.worst)
-            wide = routing.data_key
-            if cached and wide is not None and wide[2] == num_sms and wide[1] > payload.size(1):
-                # A cached dispatch goes through its handle's group, its rows padded to that
-                # width: one copy of x, against a second group of the full size.
-                payload = torch.cat([payload, torch.zeros((T, wide[1] - payload.size(1)),
-                                                          dtype=torch.bfloat16,
-                                                          device=codes.device)], dim=1)
-                data_key = wide
-            # The routing's rank ids were made on the stream of its first dispatch, which this
-            # one (a cached dispatch) may not run on: their memory waits for this stream too.
-            routing.rank_ids.record_stream(comm)
-            g = self._dispatch_on(data_key, payload, routing, num_sms, stream)
-            routing.data_key = data_key
-            d = g._dispatch_result("torch", None, stream)
-            rows = d.tokens.view(torch.int32)  # [max rows, width]: codes, then the rest
-            meta = rows[:, cw:] if meta_words else None
-            if K and not cached:
-                routing.meta_key = data_key
-            n_local = routing.num_experts // R
-            recv_dev = d.row_offsets[1:2]
-            if K:
-                # The returned top-k, for every row the rank can receive, and the rows received
-                # with the slots per local expert, in one launch before the host waits for them
-                # (the caller gets the first N rows, views): after the wait the GPU idles while
-                # the host launches. (With num_worst_tokens the counts go unread: same launch.)
-                all_topk_idx, all_topk_weights, received = _normal_topk(
-                    rows, cw, K, S, self.rank * n_local, n_local, recv_dev, stream)
-            counts = None  # per local expert, where the host learns them
-            if cached:
-                N = routing.num_rows
-            elif routing.worst:
-                N = routing.worst
-                if N > d.tokens.size(0):
-                    _bad(call, f"num_worst_tokens = {N} exceeds the {d.tokens.size(0)} rows a "
-                               "rank can receive")
-            else:
-                if not K:
-                    # No top-k ids travel: as DeepEP, the list comes from every rank's
-                    # num_tokens_per_expert, summed (a collective over the group).
-                    total = _collective(self.group, num_tokens_per_expert, "all_reduce")
-                    host = torch.cat([recv_dev.to(torch.int32),
-                                      total[self.rank * n_local:(self.rank + 1) * n_local]])
+        try:
+            with torch.cuda.stream(comm):
+                stream = comm.cuda_stream
+                if routing.rank_ids is None:  # on the call's stream: after previous_event
+                    # One launch (epcomm/routing_layout.h): the epcomm groups' top-k (r or -1) and
+                    # this rank's tokens per rank, from the mask.
+                    routing.rank_ids = torch.empty((T, R), dtype=torch.int32, device=codes.device)
+                    routing.tokens_to_rank = torch.empty(R, dtype=torch.int32, device=codes.device)
+                    _C.routing_layout_of_mask(is_token_in_rank.data_ptr(), T, R,
+                                              routing.tokens_to_rank.data_ptr(),
+                                              routing.rank_ids.data_ptr(), self.device, stream)
+                    routing.tokens_ready = EventHandle(comm)
+                if meta_words:
+                    # One dispatch: each row carries the codes and the rest (one concatenation).
+                    # Combine brings back only the codes' columns (a combine of fewer columns).
+                    payload = _normal_rows(codes, scales, topk_idx if K else None, topk_weights)
                 else:
-                    host = received  # [rows, slots per local expert]
-                host = host.cpu().tolist()  # the one host synchronisation (as DeepEP's)
-                N, counts = host[0], host[1:]
-            routing.num_rows = N
-            with torch.cuda.stream(alloc):
-                recv_x = torch.empty((N, codes.size(1)), dtype=codes.dtype, device=codes.device)
-                recv_scales = None if scales is None else torch.empty(
-                    (N, S), dtype=scales.dtype, device=codes.device)
-            # In 8-byte words (a row is a multiple of 16 bytes): a byte-wise copy of the strided
-            # rows took 124 us at prefill on one H200, where this moves the same bytes.
-            recv_x.view(torch.int64).copy_(d.tokens[:N].view(torch.int64)[:, :row_bytes // 8])
-            if S:
-                recv_scales.view(torch.int32).copy_(meta[:N, layout.scales])
-            recv_topk_idx = recv_topk_weights = None
-            if K:
-                recv_topk_idx = all_topk_idx[:N]
-                recv_topk_weights = all_topk_weights[:N]
+                    payload = codes if codes.dtype == torch.bfloat16 else \
+                        codes.view(torch.uint8).view(torch.bfloat16)
+                data_key = ("data", payload.size(1), num_sms, routing.worst)
+                wide = routing.data_key
+                if cached and wide is not None and wide[2] == num_sms and wide[1] > payload.size(1):
+                    # A cached dispatch goes through its handle's group, its rows padded to that
+                    # width: one copy of x, against a second group of the full size.
+                    payload = torch.cat([payload, torch.zeros((T, wide[1] - payload.size(1)),
+                                                              dtype=torch.bfloat16,
+                                                              device=codes.device)], dim=1)
+                    data_key = wide
+                # The routing's rank ids were made on the stream of its first dispatch, which this
+                # one (a cached dispatch) may not run on: their memory waits for this stream too.
+                routing.rank_ids.record_stream(comm)
+                g = self._dispatch_on(data_key, payload, routing, num_sms, stream)
+                routing.data_key = data_key
+                d = g._dispatch_result("torch", None, stream)
+                rows = d.tokens.view(torch.int32)  # [max rows, width]: codes, then the rest
+                meta = rows[:, cw:] if meta_words else None
+                if K and not cached:
+                    routing.meta_key = data_key
+                n_local = routing.num_experts // R
+                recv_dev = d.row_offsets[1:2]
+                if K:
+                    # The returned top-k, for every row the rank can receive, and the rows received
+                    # with the slots per local expert, in one launch before the host waits for them
+                    # (the caller gets the first N rows, views): after the wait the GPU idles while
+                    # the host launches. (With num_worst_tokens the counts go unread: same launch.)
+                    all_topk_idx, all_topk_weights, received = _normal_topk(
+                        rows, cw, K, S, self.rank * n_local, n_local, recv_dev, stream)
+                counts = None  # per local expert, where the host learns them
+                if cached:
+                    N = routing.num_rows
+                elif routing.worst:
+                    N = routing.worst
+                    if N > d.tokens.size(0):
+                        _bad(call, f"num_worst_tokens = {N} exceeds the {d.tokens.size(0)} rows a "
+                                   "rank can receive")
+                else:
+                    if not K:
+                        # No top-k ids travel: as DeepEP, the list comes from every rank's
+                        # num_tokens_per_expert, summed (a collective over the group).
+                        total = _collective(self.group, num_tokens_per_expert, "all_reduce")
+                        host = torch.cat([recv_dev.to(torch.int32),
+                                          total[self.rank * n_local:(self.rank + 1) * n_local]])
+                    else:
+                        host = received  # [rows, slots per local expert]
+                    host = host.cpu().tolist()  # the one host synchronisation (as DeepEP's)
+                    N, counts = host[0], host[1:]
+                routing.num_rows = N
+                with torch.cuda.stream(alloc):
+                    recv_x = torch.empty((N, codes.size(1)), dtype=codes.dtype, device=codes.device)
+                    recv_scales = None if scales is None else torch.empty(
+                        (N, S), dtype=scales.dtype, device=codes.device)
+                # In 8-byte words (a row is a multiple of 16 bytes): a byte-wise copy of the strided
+                # rows took 124 us at prefill on one H200, where this moves the same bytes.
+                recv_x.view(torch.int64).copy_(d.tokens[:N].view(torch.int64)[:, :row_bytes // 8])
+                if S:
+                    recv_scales.view(torch.int32).copy_(meta[:N, layout.scales])
+                recv_topk_idx = recv_topk_weights = None
+                if K:
+                    recv_topk_idx = all_topk_idx[:N]
+                    recv_topk_weights = all_topk_weights[:N]
+        except BaseException:
+            # Launched on the comm stream, perhaps: what it reads from the caller stays its.
+            self._failed(comm is not compute, (codes, scales, topk_idx, topk_weights,
+                                               is_token_in_rank, num_tokens_per_expert))
+            raise
         out_x = recv_x if scales is None else (recv_x, recv_scales)
         # Every caller tensor the comm stream reads is kept for it (an async call returns
         # before the stream has read them): is_token_in_rank gives the rank ids, and
@@ -899,54 +908,58 @@ class Buffer:
         alloc = comm if allocate_on_comm_stream else compute
         with torch.cuda.stream(alloc):
             out = torch.empty((T, H), dtype=torch.bfloat16, device=x.device)
-        with torch.cuda.stream(comm):
-            stream = comm.cuda_stream
-            # The dispatch's rank ids (read here: a dispatch of the routing again, the weights'
-            # mask) were made on its stream, which this call may not run on.
-            handle.rank_ids.record_stream(comm)
-            ones = torch.ones((T, R), dtype=torch.float32, device=x.device)
-            # The group the dispatch's rows went through, if nothing has dispatched on it since:
-            # it brings back x's H columns, or (rows narrower than H: FP8 codes and the rest)
-            # each half of them.
-            key = handle.data_key
-            if key is None or key[2] != num_sms or not (
-                    key[1] >= H or (key[1] >= H // 2 and H % 16 == 0)):
-                key = ("data", H, num_sms, handle.worst)
-            # Dispatches a payload of no interest first only where another dispatch has gone
-            # through the group since the handle's.
-            g = self._routed_group(key, key[1], handle, num_sms, stream)
-            if key[1] >= H:
-                g._impl.combine(x, ones, stream, out, None, None, N)
-            else:
-                for lo in (0, H // 2):
-                    part = x[:, lo:lo + H // 2].contiguous()
-                    o = torch.empty((T, H // 2), dtype=torch.bfloat16, device=x.device)
-                    g._impl.combine(part, ones, stream, o, None, None, N)
-                    out[:, lo:lo + H // 2] = o
-            if biases:
-                acc = out.float()
-                for b in biases:
-                    acc += b.float()
-                out.copy_(acc)
-            combined_w = None
-            if topk_weights is not None:
-                K = topk_weights.size(1)
-                width = -(-K // 4) * 4  # int32 words: a bf16 row of a multiple of 8 columns
-                # The dispatch's group (routed again just above where it had to be), else a
-                # small one of the weights' width.
-                meta_key = handle.meta_key
-                if meta_key is None or meta_key[1] < 2 * width or meta_key[2] != num_sms or \
-                        self._routing.get(meta_key) is not handle:
-                    meta_key = ("meta", 2 * width, num_sms, handle.worst)
-                gm = self._routed_group(meta_key, meta_key[1], handle, num_sms, stream)
-                # The weights' columns only (a combine of fewer columns than the group's rows).
-                mw = torch.zeros((N, width), dtype=torch.int32, device=x.device)
-                mw[:, :K] = topk_weights.view(torch.int32)
-                un = torch.empty((T, R, 2 * width), dtype=torch.bfloat16, device=x.device)
-                gm._impl.combine(mw.view(torch.bfloat16), None, stream, un, None, None, N)
-                w = un.view(torch.int32)[:, :, :K].view(torch.float32)
-                w = torch.where(handle.rank_ids.unsqueeze(2) >= 0, w, 0.0)
-                combined_w = w.sum(1)
+        try:
+            with torch.cuda.stream(comm):
+                stream = comm.cuda_stream
+                # The dispatch's rank ids (read here: a dispatch of the routing again, the weights'
+                # mask) were made on its stream, which this call may not run on.
+                handle.rank_ids.record_stream(comm)
+                ones = torch.ones((T, R), dtype=torch.float32, device=x.device)
+                # The group the dispatch's rows went through, if nothing has dispatched on it since:
+                # it brings back x's H columns, or (rows narrower than H: FP8 codes and the rest)
+                # each half of them.
+                key = handle.data_key
+                if key is None or key[2] != num_sms or not (
+                        key[1] >= H or (key[1] >= H // 2 and H % 16 == 0)):
+                    key = ("data", H, num_sms, handle.worst)
+                # Dispatches a payload of no interest first only where another dispatch has gone
+                # through the group since the handle's.
+                g = self._routed_group(key, key[1], handle, num_sms, stream)
+                if key[1] >= H:
+                    g._impl.combine(x, ones, stream, out, None, None, N)
+                else:
+                    for lo in (0, H // 2):
+                        part = x[:, lo:lo + H // 2].contiguous()
+                        o = torch.empty((T, H // 2), dtype=torch.bfloat16, device=x.device)
+                        g._impl.combine(part, ones, stream, o, None, None, N)
+                        out[:, lo:lo + H // 2] = o
+                if biases:
+                    acc = out.float()
+                    for b in biases:
+                        acc += b.float()
+                    out.copy_(acc)
+                combined_w = None
+                if topk_weights is not None:
+                    K = topk_weights.size(1)
+                    width = -(-K // 4) * 4  # int32 words: a bf16 row of a multiple of 8 columns
+                    # The dispatch's group (routed again just above where it had to be), else a
+                    # small one of the weights' width.
+                    meta_key = handle.meta_key
+                    if meta_key is None or meta_key[1] < 2 * width or meta_key[2] != num_sms or \
+                            self._routing.get(meta_key) is not handle:
+                        meta_key = ("meta", 2 * width, num_sms, handle.worst)
+                    gm = self._routed_group(meta_key, meta_key[1], handle, num_sms, stream)
+                    # The weights' columns only (a combine of fewer columns than the group's rows).
+                    mw = torch.zeros((N, width), dtype=torch.int32, device=x.device)
+                    mw[:, :K] = topk_weights.view(torch.int32)
+                    un = torch.empty((T, R, 2 * width), dtype=torch.bfloat16, device=x.device)
+                    gm._impl.combine(mw.view(torch.bfloat16), None, stream, un, None, None, N)
+                    w = un.view(torch.int32)[:, :, :K].view(torch.float32)
+                    w = torch.where(handle.rank_ids.unsqueeze(2) >= 0, w, 0.0)
+                    combined_w = w.sum(1)
+        except BaseException:
+            self._failed(comm is not compute, (x, out, topk_weights) + tuple(biases))
+            raise
         event = self._finish(compute, comm, async_finish,
                              (x, out, topk_weights, combined_w) + tuple(biases),
                              (combined_w,) + ((out,) if allocate_on_comm_stream else ()))
@@ -1047,7 +1060,7 @@ class Buffer:
                                 *_ll_pointers(outputs),
                                 compute, comm, not async_finish, return_recv_hook)
         except BaseException:
-            self._ll_failed(compute, comm, (x, topk_idx) + outputs)
+            self._failed(comm != compute, (x, topk_idx) + outputs)
             raise
         self._ll_joined(compute, comm, async_finish, return_recv_hook)
         self._routing[key] = handle
@@ -1183,7 +1196,7 @@ class Buffer:
                                combined.data_ptr(), compute, comm, not async_finish,
                                return_recv_hook)
         except BaseException:
-            self._ll_failed(compute, comm, (src, topk_weights, combined))
+            self._failed(comm != compute, (src, topk_weights, combined))
             raise
         self._ll_joined(compute, comm, async_finish, return_recv_hook)
         hook = None

@@ -644,11 +644,11 @@ def test_low_latency_calls_captured_where_they_warmed_up(buf, monkeypatch):
 
 def test_low_latency_calls_that_fail_keep_their_tensors(buf, monkeypatch):
     """A low-latency call that fails in C++ may have launched on the comm stream: dispatch and
-    combine alike hand their tensors to _ll_failed (kept for the comm stream, the caller's
+    combine alike hand their tensors to _failed (kept for the comm stream, the caller's
     stream ordered after it), then raise."""
     failed = []
     impl = _fake_low_latency(buf, monkeypatch, 11, 22)
-    monkeypatch.setattr(buf, "_ll_failed", lambda *args: failed.append(args))
+    monkeypatch.setattr(buf, "_failed", lambda *args: failed.append(args))
     x = torch.randn((3, 512)).to(torch.bfloat16)
     idx = torch.randint(0, 8, (3, 2))
     w = torch.rand((3, 2))
@@ -662,12 +662,129 @@ def test_low_latency_calls_that_fail_keep_their_tensors(buf, monkeypatch):
     out = torch.empty((3, 512), dtype=torch.bfloat16)
     with pytest.raises(MemoryError):
         buf.low_latency_combine(y, idx, w, handle, async_finish=True, out=out)
-    (compute, comm, tensors), = failed
-    assert (compute, comm) == (11, 22) and tensors[0] is y and tensors[1] is w and tensors[2] is out
+    (on_comm, tensors), = failed
+    assert on_comm and tensors[0] is y and tensors[1] is w and tensors[2] is out
     monkeypatch.setattr(impl, "ll_dispatch", fail, raising=False)
     with pytest.raises(MemoryError):
         buf.low_latency_dispatch(x, idx, 4, 8, async_finish=True)
-    assert failed[1][:2] == (11, 22) and failed[1][2][0] is x and failed[1][2][1] is idx
+    assert failed[1][0] and failed[1][1][0] is x and failed[1][1][1] is idx
+
+
+class _Kept:
+    """A tensor stand-in that logs the streams it is recorded for (Tensor.record_stream)."""
+
+    def __init__(self):
+        self.recorded = []
+
+    def record_stream(self, stream):
+        self.recorded.append(stream)
+
+
+def test_failed_keeps_tensors_for_the_comm_stream(buf, monkeypatch):
+    """_failed: on the comm stream, every tensor given (None skipped) is recorded for it and the
+    caller's stream waits for it; on the caller's own stream nothing is needed."""
+    waited = []
+
+    class Current:
+        def wait_stream(self, other):
+            waited.append(other)
+
+    monkeypatch.setattr(buf, "_stream", "the comm stream")
+    monkeypatch.setattr(deep_ep.torch.cuda, "current_stream", lambda device=None: Current())
+    a, b = _Kept(), _Kept()
+    buf._failed(True, (a, None, b))
+    assert a.recorded == b.recorded == ["the comm stream"] and waited == ["the comm stream"]
+    buf._failed(False, (a, b))
+    assert len(a.recorded) == 1 and len(waited) == 1
+
+
+def test_normal_dispatch_that_fails_keeps_its_tensors(buf, monkeypatch):
+    """A normal dispatch that fails once its routing launch may be queued on the comm stream
+    (here the dispatch itself raises) hands the caller's tensors it reads to _failed, then
+    raises."""
+    failed, launched = [], []
+
+    class Stream:
+        def __init__(self, handle):
+            self.cuda_stream = handle
+
+        def wait_stream(self, other):
+            pass
+
+    class FakeC:
+        @staticmethod
+        def routing_layout_of_mask(*args):
+            launched.append(args)
+
+    def dispatch_on(*args):
+        raise MemoryError("launch failed")
+
+    compute, comm = Stream(11), Stream(22)
+    monkeypatch.setattr(buf, "_failed", lambda *args: failed.append(args))
+    monkeypatch.setattr(buf, "_on_device", lambda call, **tensors: None)
+    monkeypatch.setattr(buf, "_dispatch_on", dispatch_on)
+    monkeypatch.setattr(buf, "_stream", comm)
+    monkeypatch.setattr(deep_ep, "_C", FakeC)
+    monkeypatch.setattr(deep_ep, "EventHandle", lambda stream=None: "event")
+    monkeypatch.setattr(deep_ep.torch.cuda, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(deep_ep.torch.Tensor, "record_stream", lambda self, stream: None)
+    x = torch.randn((3, 64)).to(torch.bfloat16)
+    mask = torch.ones((3, 1), dtype=torch.bool)
+    per_expert = torch.tensor([3, 0], dtype=torch.int32)
+    idx = torch.tensor([[0], [1], [0]])
+    w = torch.rand((3, 1))
+    buf._tail = None
+    with pytest.raises(MemoryError):
+        buf.dispatch(x, is_token_in_rank=mask, num_tokens_per_expert=per_expert,
+                     topk_idx=idx, topk_weights=w)
+    assert len(launched) == 1
+    (on_comm, tensors), = failed
+    assert on_comm and tensors[0] is x and tensors[1] is None and tensors[2] is idx
+    assert tensors[3] is w and tensors[4] is mask and tensors[5] is per_expert
+
+
+def test_normal_combine_that_fails_keeps_its_tensors(buf, monkeypatch):
+    """A normal combine that fails once its kernels may be queued on the comm stream (here the
+    group's combine raises) hands x, its output, the weights and the biases to _failed, then
+    raises; a plain call that stays on the caller's stream hands them over as not on it."""
+    failed = []
+
+    class Impl:
+        def combine(self, *args):
+            raise MemoryError("launch failed")
+
+    class FakeGroup:
+        _impl = Impl()
+
+    class Stream:
+        def __init__(self, handle):
+            self.cuda_stream = handle
+
+        def wait_stream(self, other):
+            pass
+
+    compute, comm = Stream(11), Stream(22)
+    monkeypatch.setattr(buf, "_failed", lambda *args: failed.append(args))
+    monkeypatch.setattr(buf, "_on_device", lambda call, **tensors: None)
+    monkeypatch.setattr(buf, "_routed_group", lambda *args: FakeGroup())
+    monkeypatch.setattr(buf, "_stream", comm)
+    monkeypatch.setattr(deep_ep.torch.cuda, "current_stream", lambda device=None: compute)
+    handle = deep_ep._Routing(buf, 3, 8, 0)
+    handle.num_rows, handle.rank_ids = 5, _Kept()
+    x = torch.randn((5, 64)).to(torch.bfloat16)
+    w = torch.rand((5, 2))
+    bias = torch.randn((3, 64)).to(torch.bfloat16)
+    buf._tail = None  # the comm stream: nothing has joined the current one yet
+    with pytest.raises(MemoryError):
+        buf.combine(x, handle, topk_weights=w, bias=bias)
+    (on_comm, tensors), = failed
+    assert on_comm and tensors[0] is x and tensors[1].shape == (3, 64)
+    assert tensors[2] is w and tensors[3] is bias
+    assert handle.rank_ids.recorded == [comm]
+    buf._tail = 11  # a plain call from the Buffer's last stream stays on it
+    with pytest.raises(MemoryError):
+        buf.combine(x, handle)
+    assert failed[1][0] is False and failed[1][1][0] is x and failed[1][1][2] is None
 
 
 def test_low_latency_dispatch_calls_in_order_with_a_fake_group(buf, monkeypatch):
