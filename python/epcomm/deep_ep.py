@@ -582,11 +582,15 @@ class Buffer:
         it and the caller's stream waits for it. Otherwise the caller could free them, and the
         caching allocator hand their memory to new work, while the comm stream still uses
         them."""
-        if on_comm:
+        if not on_comm:
+            return
+        try:
             for t in tensors:
                 if t is not None:
                     t.record_stream(self._comm_stream)
             torch.cuda.current_stream(self.device).wait_stream(self._comm_stream)
+        except Exception:  # e.g. the device has failed: the caller's error is the one to raise
+            pass
 
     def _ll_finish(self, async_finish, stats, count, tensors) -> EventOverlap:
         """After a low-latency call that ran on the comm stream: the received-token counter
@@ -631,6 +635,9 @@ class Buffer:
         g = self._group(key, hidden=int(payload.size(1)), top_k=R, n_experts=R,
                         max_tokens_per_rank=self.max_tokens_per_rank, num_sms=num_sms,
                         max_routed_rows=routing.worst)
+        # Forgotten first: if the launch fails, no later combine takes the group's rows for
+        # those of its previous routing (as a low-latency dispatch's previous handle).
+        self._routing.pop(key, None)
         g._impl.dispatch(payload, routing.rank_ids, None, stream)
         self._routing[key] = routing
         return g
@@ -775,6 +782,11 @@ class Buffer:
         cw = row_bytes // 4     # the codes' int32 words (row_bytes is a multiple of 16)
         compute, comm = self._streams(call, previous_event, async_finish, allocate_on_comm_stream)
         alloc = comm if allocate_on_comm_stream else compute
+        # Every caller tensor the comm stream reads is kept for it (an async call returns
+        # before the stream has read them): is_token_in_rank gives the rank ids, and
+        # num_tokens_per_expert the per-expert list where no top-k travels (a cached dispatch
+        # reads neither, and does not check them).
+        read = () if cached else (is_token_in_rank, num_tokens_per_expert)
         try:
             with torch.cuda.stream(comm):
                 stream = comm.cuda_stream
@@ -857,15 +869,9 @@ class Buffer:
                     recv_topk_weights = all_topk_weights[:N]
         except BaseException:
             # Launched on the comm stream, perhaps: what it reads from the caller stays its.
-            self._failed(comm is not compute, (codes, scales, topk_idx, topk_weights,
-                                               is_token_in_rank, num_tokens_per_expert))
+            self._failed(comm is not compute, (codes, scales, topk_idx, topk_weights) + read)
             raise
         out_x = recv_x if scales is None else (recv_x, recv_scales)
-        # Every caller tensor the comm stream reads is kept for it (an async call returns
-        # before the stream has read them): is_token_in_rank gives the rank ids, and
-        # num_tokens_per_expert the per-expert list where no top-k travels (a cached dispatch
-        # reads neither, and does not check them).
-        read = () if cached else (is_token_in_rank, num_tokens_per_expert)
         # The top-k outputs were made on the comm stream (as were recv_x and recv_scales with
         # allocate_on_comm_stream): the caller uses them on the current stream.
         event = self._finish(compute, comm, async_finish,

@@ -697,6 +697,31 @@ def test_failed_keeps_tensors_for_the_comm_stream(buf, monkeypatch):
     buf._failed(False, (a, b))
     assert len(a.recorded) == 1 and len(waited) == 1
 
+    class Broken:
+        def record_stream(self, stream):
+            raise RuntimeError("CUDA error: the device has failed")
+
+    buf._failed(True, (Broken(),))  # the caller's own error is the one it raises next
+
+
+def test_normal_dispatch_forgets_the_groups_routing_before_launching(buf, monkeypatch):
+    """The group's previous routing is forgotten before the launch: a launch that fails leaves
+    no routing whose rows a later combine would take from the group."""
+    class Impl:
+        def dispatch(self, *args):
+            raise MemoryError("launch failed")
+
+    class FakeGroup:
+        _impl = Impl()
+
+    monkeypatch.setattr(buf, "_group", lambda key, **c: FakeGroup())
+    key = ("data", 64, 24, 0)
+    buf._routing[key] = "the previous routing"
+    routing = deep_ep._Routing(buf, 3, 8, 0)
+    with pytest.raises(MemoryError):
+        buf._dispatch_on(key, torch.zeros((3, 64)), routing, 24, 0)
+    assert key not in buf._routing
+
 
 def test_normal_dispatch_that_fails_keeps_its_tensors(buf, monkeypatch):
     """A normal dispatch that fails once its routing launch may be queued on the comm stream
