@@ -27,6 +27,12 @@
 
 namespace epcomm {
 
+// The bounds every routing launch checks: top-k columns, and the int32 counters one block
+// gathers in shared memory (48 KB without opting in): num_experts + n_ranks for routing_layout,
+// n_local for received_topk.
+constexpr int32_t kRoutingMaxTopK = 1024;
+constexpr int32_t kRoutingMaxCounters = 12288;
+
 struct RoutingLayout {
   const void* topk_ids = nullptr;  // [num_tokens, top_k], row stride ids_stride elements
   const bool* rank_mask = nullptr;  // or [num_tokens, n_ranks]: the ranks each token goes to

@@ -761,10 +761,11 @@ class Buffer:
                 _check(call, "topk_weights", topk_weights, torch.float32, 2, rows=T, cols=K)
                 # The received side's bounds (epcomm/routing_layout.h: received_topk), refused
                 # here, before anything is launched.
-                if K > 1024:
-                    _bad(call, f"topk_idx has {K} columns; at most 1024")
-                if E // R > 12288:
-                    _bad(call, f"{E // R} experts a rank; at most 12288 with topk_idx")
+                if K > _C.ROUTING_MAX_TOP_K:
+                    _bad(call, f"topk_idx has {K} columns; at most {_C.ROUTING_MAX_TOP_K}")
+                if E // R > _C.ROUTING_MAX_COUNTERS:
+                    _bad(call, f"{E // R} experts a rank; at most {_C.ROUTING_MAX_COUNTERS} "
+                               "with topk_idx")
             if num_worst_tokens < 0:
                 _bad(call, f"num_worst_tokens = {num_worst_tokens} must be >= 0")
             if num_worst_tokens and K == 0:

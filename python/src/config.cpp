@@ -11,6 +11,7 @@
 #include "bindings.h"
 #include "epcomm/config.h"
 #include "epcomm/layout.h"
+#include "epcomm/routing_layout.h"
 #include "epcomm/tensors.h"
 
 namespace epcomm_py {
@@ -44,6 +45,8 @@ void bind_config(nb::module_& m) {
   m.attr("LOW_LATENCY_MAX_TOKENS") = epcomm::kLowLatencyMaxTokens;
   m.attr("LOW_LATENCY_MIN_SMS") = epcomm::kLowLatencyMinSms;
   m.attr("SHARED_EXPERT_ID") = epcomm::kSharedExpertId;
+  m.attr("ROUTING_MAX_TOP_K") = epcomm::kRoutingMaxTopK;
+  m.attr("ROUTING_MAX_COUNTERS") = epcomm::kRoutingMaxCounters;
   {
     std::vector<std::string> formats;
     for (int32_t f = 0; f < epcomm::kNumTokenFormats; ++f)

@@ -525,22 +525,25 @@ def test_calls_keep_deepep_order_across_streams(buf, monkeypatch):
     assert buf._order(2, None, False) and waits == []
 
 
+class _FakeStream:
+    """A torch stream stand-in: its CUDA handle, and a log of what it was made to wait for."""
+
+    def __init__(self, handle):
+        self.cuda_stream, self.log = handle, []
+
+    def wait_stream(self, other):
+        self.log.append(("stream", other.cuda_stream))
+
+    def wait_event(self, event):
+        self.log.append(("event", event))
+
+
 def test_normal_calls_streams_with_fake_streams(buf, monkeypatch):
     """_streams and _finish without a GPU: on the comm stream a call waits for the current
     stream (or previous_event, and a stream calls stayed on), the outputs it made there are
     recorded for the current stream, which then waits for it and becomes the Buffer's last; a
     plain call from that stream stays on it (no wait, record or join); get_comm_stream() puts
     the comm stream after the calls that stayed."""
-    class FakeStream:
-        def __init__(self, handle):
-            self.cuda_stream, self.log = handle, []
-
-        def wait_stream(self, other):
-            self.log.append(("stream", other.cuda_stream))
-
-        def wait_event(self, event):
-            self.log.append(("event", event))
-
     class Output:
         def __init__(self):
             self.recorded = []
@@ -548,7 +551,7 @@ def test_normal_calls_streams_with_fake_streams(buf, monkeypatch):
         def record_stream(self, stream):
             self.recorded.append(stream.cuda_stream)
 
-    compute, comm = FakeStream(11), FakeStream(22)
+    compute, comm = _FakeStream(11), _FakeStream(22)
     waits, out = [], Output()
     monkeypatch.setattr(deep_ep.torch.cuda, "current_stream", lambda device=None: compute)
     monkeypatch.setattr(buf, "_stream", comm)
@@ -729,27 +732,15 @@ def test_normal_dispatch_that_fails_keeps_its_tensors(buf, monkeypatch):
     raises."""
     failed, launched = [], []
 
-    class Stream:
-        def __init__(self, handle):
-            self.cuda_stream = handle
-
-        def wait_stream(self, other):
-            pass
-
-    class FakeC:
-        @staticmethod
-        def routing_layout_of_mask(*args):
-            launched.append(args)
-
     def dispatch_on(*args):
         raise MemoryError("launch failed")
 
-    compute, comm = Stream(11), Stream(22)
+    compute, comm = _FakeStream(11), _FakeStream(22)
     monkeypatch.setattr(buf, "_failed", lambda *args: failed.append(args))
     monkeypatch.setattr(buf, "_on_device", lambda call, **tensors: None)
     monkeypatch.setattr(buf, "_dispatch_on", dispatch_on)
     monkeypatch.setattr(buf, "_stream", comm)
-    monkeypatch.setattr(deep_ep, "_C", FakeC)
+    monkeypatch.setattr(deep_ep._C, "routing_layout_of_mask", lambda *a: launched.append(a))
     monkeypatch.setattr(deep_ep, "EventHandle", lambda stream=None: "event")
     monkeypatch.setattr(deep_ep.torch.cuda, "current_stream", lambda device=None: compute)
     monkeypatch.setattr(deep_ep.torch.Tensor, "record_stream", lambda self, stream: None)
@@ -781,14 +772,7 @@ def test_normal_combine_that_fails_keeps_its_tensors(buf, monkeypatch):
     class FakeGroup:
         _impl = Impl()
 
-    class Stream:
-        def __init__(self, handle):
-            self.cuda_stream = handle
-
-        def wait_stream(self, other):
-            pass
-
-    compute, comm = Stream(11), Stream(22)
+    compute, comm = _FakeStream(11), _FakeStream(22)
     monkeypatch.setattr(buf, "_failed", lambda *args: failed.append(args))
     monkeypatch.setattr(buf, "_on_device", lambda call, **tensors: None)
     monkeypatch.setattr(buf, "_routed_group", lambda *args: FakeGroup())

@@ -139,8 +139,9 @@ void check_routing_layout(const RoutingLayout& a) {
     invalid(op, "id_bytes = " + std::to_string(a.id_bytes) + " (4 for int32 ids, 8 for int64)");
   if (a.num_tokens < 0 || a.num_tokens >= (int64_t(1) << 31))
     invalid(op, "num_tokens = " + std::to_string(a.num_tokens) + " is outside [0, 2^31)");
-  if (a.top_k < 0 || a.top_k > 1024)
-    invalid(op, "top_k = " + std::to_string(a.top_k) + " is outside [0, 1024]");
+  if (a.top_k < 0 || a.top_k > kRoutingMaxTopK)
+    invalid(op, "top_k = " + std::to_string(a.top_k) + " is outside [0, " +
+                    std::to_string(kRoutingMaxTopK) + "]");
   if (a.num_tokens * a.top_k >= (int64_t(1) << 31))
     invalid(op, "num_tokens * top_k = " + std::to_string(a.num_tokens * a.top_k) +
                     " slots: the int32 counts could overflow");
@@ -151,9 +152,9 @@ void check_routing_layout(const RoutingLayout& a) {
     invalid(op, "num_experts = " + std::to_string(a.num_experts) +
                     " must be a positive multiple of n_ranks = " + std::to_string(a.n_ranks));
   // The counts gather in one block's shared memory (48 KB without opting in).
-  if (int64_t(a.num_experts) + a.n_ranks > 12288)
+  if (int64_t(a.num_experts) + a.n_ranks > kRoutingMaxCounters)
     invalid(op, "num_experts + n_ranks = " + std::to_string(int64_t(a.num_experts) + a.n_ranks) +
-                    " is more than 12288");
+                    " is more than " + std::to_string(kRoutingMaxCounters));
   if (a.rank_mask != nullptr) {
     if (a.topk_ids != nullptr || a.top_k != 0)
       invalid(op, "rank_mask is given with topk_ids or top_k = " + std::to_string(a.top_k) +
@@ -203,8 +204,9 @@ void routing_layout(const RoutingLayout& a, cudaStream_t stream) {
 void check_received_topk(const ReceivedTopk& a) {
   using namespace detail;
   const char* op = "received_topk";
-  if (a.top_k < 0 || a.top_k > 1024)
-    invalid(op, "top_k = " + std::to_string(a.top_k) + " is outside [0, 1024]");
+  if (a.top_k < 0 || a.top_k > kRoutingMaxTopK)
+    invalid(op, "top_k = " + std::to_string(a.top_k) + " is outside [0, " +
+                    std::to_string(kRoutingMaxTopK) + "]");
   if (a.max_rows < 0 || a.max_rows >= (int64_t(1) << 31) ||
       a.max_rows * a.top_k >= (int64_t(1) << 31))
     invalid(op, "max_rows = " + std::to_string(a.max_rows) +
@@ -214,8 +216,9 @@ void check_received_topk(const ReceivedTopk& a) {
     invalid(op, "row_bytes = " + std::to_string(a.row_bytes) +
                     " must be a multiple of 8 below 2^32 and hold top_k = " +
                     std::to_string(a.top_k) + " int64 ids");
-  if (a.n_local < 1 || a.n_local > 12288)  // the counts gather in 48 KB of shared memory
-    invalid(op, "n_local = " + std::to_string(a.n_local) + " is outside [1, 12288]");
+  if (a.n_local < 1 || a.n_local > kRoutingMaxCounters)  // counts in 48 KB of shared memory
+    invalid(op, "n_local = " + std::to_string(a.n_local) + " is outside [1, " +
+                    std::to_string(kRoutingMaxCounters) + "]");
   if (a.first_expert < 0)
     invalid(op, "first_expert = " + std::to_string(a.first_expert) + " is negative");
   check_pointer(op, "num_rows", a.num_rows, 4);
