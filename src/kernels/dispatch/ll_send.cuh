@@ -35,8 +35,19 @@ __device__ void put_part(const GroupView& g, int32_t d, int32_t slot, int32_t pa
                   ml.part_scales_bytes(part), wl.part_flag_offset(g.rank, slot, part), seq);
 }
 
+// The blocks of a low-latency send that hold pieces: num_tokens * parts pieces, one per warp,
+// dealt from block 0 up (ll_send), at most the grid.
+__device__ __forceinline__ int32_t ll_sending_blocks(const GroupView& g, int32_t num_tokens) {
+  const int64_t pieces = int64_t(num_tokens) * num_parts(g.hidden);
+  const int64_t blocks = (pieces + kWarps - 1) / kWarps;
+  return int32_t(blocks < g.num_blocks ? blocks : g.num_blocks);
+}
+
+// Returns the tokens this call sends (0 for a call with a bad id: empty meta records only), or
+// -1 if the block gave up (a wait timed out or the group aborted).
 template <TokenFormat F>
-__device__ __noinline__ bool ll_send(const DispatchParams& p, unsigned long long seq, char* smem) {
+__device__ __noinline__ int32_t ll_send(const DispatchParams& p, unsigned long long seq,
+                                        char* smem) {
   const GroupView& g = p.g;
   const ExpertMap em = g.experts();
   const int32_t K = g.top_k;
@@ -54,7 +65,7 @@ __device__ __noinline__ bool ll_send(const DispatchParams& p, unsigned long long
   if (!__syncthreads_and(ack >= seq - 1) &&
       !block_wait_signal(g, all_ranks_mask(g), WindowLayout::kDispatchAck, kOpDispatchSend,
                          kWaitAck, [&](int32_t) { return seq - 1; }))
-    return false;
+    return -1;
   trace_mark(g, kTraceDispatch, kTraceAcked);
   if (blockIdx.x == 0) {
     const int32_t* rows_to = block_rows_to(g, bad ? nullptr : lr.totals);
@@ -79,7 +90,9 @@ __device__ __noinline__ bool ll_send(const DispatchParams& p, unsigned long long
        round += int64_t(uint32_t(g.num_blocks)) * kWarps) {
     const int64_t i = round + warp;
     if (i < items) {
-      const int32_t t = int32_t(i / n_parts), part = int32_t(i % n_parts);
+      // 32-bit: a call's pieces are at most kUnitTokens * num_parts, and a 64-bit division is
+      // a called routine (dozens of dependent instructions) on the round's path.
+      const int32_t t = int32_t(i) / n_parts, part = int32_t(i) % n_parts;
       LaneRoute r;
       if (lane < K) {
         r.id = view_expert(p, t, lane);  // valid: the call is not bad
@@ -144,7 +157,7 @@ __device__ __noinline__ bool ll_send(const DispatchParams& p, unsigned long long
   // outbox and the flags.
   put_quiet(g);
   trace_mark(g, kTraceDispatch, kTraceSent);
-  return true;
+  return num_tokens;
 }
 
 }  // namespace

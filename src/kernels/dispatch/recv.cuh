@@ -404,8 +404,9 @@ __device__ void fill_padding(const DispatchParams& p, const RecvGroups& rg, int3
 
 // Every block of a fused or receive kernel arrives here once; the last one to arrive releases
 // kDispatchAck[me] = seq in every source (its receive buffer is free again) and bumps the local
-// dispatch_seq.
-__device__ inline void dispatch_done(const GroupView& g, unsigned long long seq) {
+// dispatch_seq. Not inlined: its callers (the receive's two ends, and on the low-latency path
+// the sending blocks that skip the receive) share one copy of its code, fetched once.
+__device__ __noinline__ void dispatch_done(const GroupView& g, unsigned long long seq) {
   if (last_block_done(g, &g.state->dispatch_done) && threadIdx.x == 0) {
     signal_all<SignalOp::kSetFenced>(g, WindowLayout::kDispatchAck, seq);
     put_quiet(g);
@@ -461,9 +462,10 @@ __device__ void expand_parts(const DispatchParams& p, const RecvGroups& rg, unsi
   const int64_t warps = int64_t(n_rb) * kWarps;
   for (int64_t i = warps - 1 - (int64_t(rb) * kWarps + threadIdx.x / kWarpSize); i < items;
        i += warps) {
-    const int32_t part = int32_t(i % n_parts);
-    const int32_t s = int32_t((i / n_parts) % n_ranks);
-    const int32_t m = int32_t(i / (int64_t(n_parts) * n_ranks));
+    // 32-bit: items are at most kUnitTokens * kMaxPeers * num_parts (a 64-bit division is a
+    // called routine, three of them on each item's path).
+    const int32_t j = int32_t(i), q = j / n_parts;
+    const int32_t part = j % n_parts, s = q % n_ranks, m = q / n_ranks;
     if (m >= rg.stream_count[s]) continue;
     if (!warp_wait_part(g, s, m, part, seq)) break;
     expand_message<F, kPadded>(p, rg, s, m, part * kPartUnits, (part + 1) * kPartUnits);
