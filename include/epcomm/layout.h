@@ -43,6 +43,20 @@ struct RouteMap {
   int32_t skip_a2a;   // 1: no traffic between ranks
   int32_t ar_world;   // skip_a2a + shared: ranks the shared expert's tokens are split over
   int32_t ar_rank;    // this rank's share, in [0, ar_world)
+  Divisor local;      // n_experts / n_ranks: the caller's experts per rank (n_local)
+
+  RouteMap() = default;
+  EPCOMM_HD RouteMap(int32_t experts, int32_t k, int32_t ranks, int32_t r, int32_t shared_slot,
+                     int32_t skip, int32_t world, int32_t world_rank)
+      : n_experts(experts),
+        top_k(k),
+        n_ranks(ranks),
+        rank(r),
+        shared(shared_slot),
+        skip_a2a(skip),
+        ar_world(world),
+        ar_rank(world_rank),
+        local(experts / ranks) {}
 
   // Rank `rank` of a group with these modes; allreduce_world_size 0 means n_ranks, and the
   // rank's share of the shared expert's tokens is rank % that.
@@ -52,7 +66,7 @@ struct RouteMap {
     return RouteMap{n_experts,        top_k, n_ranks, rank, shared_expert ? 1 : 0,
                     skip_a2a ? 1 : 0, w,     rank % w};
   }
-  EPCOMM_HD int32_t n_local() const { return n_experts / n_ranks; }
+  EPCOMM_HD int32_t n_local() const { return local.d; }
   // Groups of a rank's dispatch output, and the view's experts per rank.
   EPCOMM_HD int32_t groups() const { return n_local() + shared; }
   // The view's top-k slots, ranks, this rank in it, and experts.
@@ -62,7 +76,7 @@ struct RouteMap {
   EPCOMM_HD int32_t view_experts() const { return view_ranks() * groups(); }
   // The view's id of the caller's expert id (0 <= id < n_experts); -1 where skip_a2a drops it.
   EPCOMM_HD int32_t expert(int32_t id) const {
-    const int32_t r = id / n_local(), l = id % n_local();
+    const int32_t r = local.div(id), l = id - r * local.d;
     if (skip_a2a) return r == rank ? shared + l : -1;
     return r * groups() + shared + l;
   }
@@ -133,13 +147,20 @@ static_assert(sizeof(SrcInfo) == 8, "SrcInfo is 8 bytes");
 // The dispatch ranking pass also uses "keys": expert e is key e, destination rank r is key
 // n_experts + r, so one stable ranking yields both a token's row inside each expert group and
 // its slot in each destination's receive stream.
+// rank_of and local_of take e >= 0.
 struct ExpertMap {
   int32_t n_experts;
   int32_t n_ranks;
+  Divisor per_rank;  // n_local
 
-  EPCOMM_HD int32_t n_local() const { return n_experts / n_ranks; }
-  EPCOMM_HD int32_t rank_of(int32_t e) const { return e / n_local(); }
-  EPCOMM_HD int32_t local_of(int32_t e) const { return e % n_local(); }
+  EPCOMM_HD ExpertMap(int32_t experts, int32_t ranks)
+      : ExpertMap(experts, ranks, Divisor(experts / ranks)) {}
+  // With the divisor built once on the host (GroupView::n_local_div).
+  EPCOMM_HD ExpertMap(int32_t experts, int32_t ranks, Divisor n_local)
+      : n_experts(experts), n_ranks(ranks), per_rank(n_local) {}
+  EPCOMM_HD int32_t n_local() const { return per_rank.d; }
+  EPCOMM_HD int32_t rank_of(int32_t e) const { return per_rank.div(e); }
+  EPCOMM_HD int32_t local_of(int32_t e) const { return per_rank.mod(e); }
   EPCOMM_HD int32_t rank_key(int32_t r) const { return n_experts + r; }
   EPCOMM_HD int32_t num_keys() const { return n_experts + n_ranks; }
 };

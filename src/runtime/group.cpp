@@ -95,6 +95,9 @@ GroupView make_view(const Config& cfg, int n_ranks, int rank, const Sizes& sizes
   v.hidden = cfg.hidden;
   v.top_k = v.route.slots();
   v.n_experts = v.route.view_experts();
+  v.n_local_div = Divisor(v.n_experts / v.n_ranks);
+  v.n_ranks_div = Divisor(v.n_ranks);
+  v.n_parts_div = Divisor(detail::num_parts(v.hidden));
   v.max_tokens = cfg.max_tokens_per_rank;
   v.num_blocks = cfg.num_sms;
   v.format = cfg.format;
@@ -106,6 +109,8 @@ GroupView make_view(const Config& cfg, int n_ranks, int rank, const Sizes& sizes
   v.ue8m0 = cfg.fp8_ue8m0_scales ? 1 : 0;
   v.timeout_ns = (unsigned long long)(cfg.timeout_seconds * 1e9);
   v.ranks_per_node = v.n_ranks;  // one node until set-up finds otherwise
+  v.window_layout = WindowLayout{v.n_ranks,    v.hidden, v.top_k,      v.n_experts,
+                                 v.max_tokens, v.format, v.low_latency};
   return v;
 }
 

@@ -171,6 +171,48 @@ TEST(Layout, AlignUp) {
   EXPECT_EQ(align_up(17, 256), 256);
 }
 
+// Divisor against `/` and `%`: every divisor up to 1100 (each experts-per-rank, rank count and
+// parts-per-token the group allows) over a dense range and the values near each multiple and
+// near 2^31, then divisors up to 2^31 - 1 at random values.
+TEST(Layout, DivisorMatchesDivision) {
+  const auto check = [](int32_t d, int32_t x) {
+    const Divisor v(d);
+    ASSERT_EQ(v.div(x), x / d) << x << " / " << d;
+    ASSERT_EQ(v.mod(x), x % d) << x << " % " << d;
+  };
+  constexpr int32_t kMax = 0x7fffffff;
+  for (int32_t d = 1; d <= 1100; ++d) {
+    for (int32_t x = 0; x < 4 * d + 70; ++x)
+      check(d, x);
+    for (int32_t x : {kMax, kMax - 1, kMax - d, kMax / d * d, kMax / d * d - 1, (1 << 30) - 1})
+      check(d, x);
+  }
+  uint64_t s = 0x9e3779b97f4a7c15ull;
+  const auto next = [&s] {
+    s ^= s << 13;
+    s ^= s >> 7;
+    s ^= s << 17;
+    return uint32_t(s);
+  };
+  for (int i = 0; i < 200000; ++i) {
+    const int32_t d = int32_t(next() % uint32_t(kMax)) + 1;
+    check(d, int32_t(next() & uint32_t(kMax)));
+    check(d, d);
+    check(d, d - 1);
+  }
+  for (int l = 0; l <= 30; ++l) {
+    const int32_t d = int32_t(1) << l;
+    check(d, kMax);
+    check(d, d + 1);
+    if (d > 2) check(d - 1, kMax);
+    check(d + 1, kMax);
+  }
+  // Built once on the host, the maps divide as before.
+  const ExpertMap em(264, 8, Divisor(33));
+  EXPECT_EQ(em.rank_of(263), 7);
+  EXPECT_EQ(em.local_of(263), 32);
+}
+
 // RouteMap with no mode: the view is the caller's group and every id maps to itself.
 TEST(Layout, RouteMapWithoutModesIsTheIdentity) {
   const RouteMap m{256, 8, 8, 3, 0, 0, 8, 3};

@@ -91,6 +91,11 @@ struct GroupView {
   int32_t hidden;
   int32_t top_k;
   int32_t n_experts;
+  // n_experts / n_ranks (n_local), n_ranks and num_parts(hidden) as divisors (hd.h): the
+  // kernels' indices split by them without a division routine.
+  Divisor n_local_div, n_ranks_div, n_parts_div;
+  // The window's layout, of the fields above (make_view builds both on the host).
+  WindowLayout window_layout;
   RouteMap route;
   int32_t max_tokens;
   int32_t num_blocks;     // blocks of the grid; today one per SM, Config::num_sms
@@ -118,9 +123,7 @@ struct GroupView {
   DeviceErrorRecord* error;  // host-mapped
   unsigned long long* trace;  // Config::trace: [trace_words(num_blocks)] stamps (trace.h), else null
 
-  EPCOMM_HD WindowLayout layout() const {
-    return WindowLayout{n_ranks, hidden, top_k, n_experts, max_tokens, format, low_latency};
-  }
+  EPCOMM_HD const WindowLayout& layout() const { return window_layout; }
   // Rows a dispatch can deliver here, and the output's rows and scale layouts.
   EPCOMM_HD int64_t max_routed_rows() const { return routed_rows; }
   EPCOMM_HD DispatchOutputLayout output() const {
@@ -130,7 +133,7 @@ struct GroupView {
   EPCOMM_HD char* window_of(int32_t r) const {
     return r < kInlineWindows ? window[r] : window_rest[r - kInlineWindows];
   }
-  EPCOMM_HD ExpertMap experts() const { return ExpertMap{n_experts, n_ranks}; }
+  EPCOMM_HD ExpertMap experts() const { return ExpertMap{n_experts, n_ranks, n_local_div}; }
   EPCOMM_HD NodeMap nodes() const { return NodeMap{n_ranks, ranks_per_node}; }
   EPCOMM_HD bool multi_node() const { return ranks_per_node < n_ranks; }
   EPCOMM_HD OutboxLayout outbox_layout() const {
@@ -138,7 +141,7 @@ struct GroupView {
     const int64_t staged = int64_t(n_remote) * max_tokens;
     return OutboxLayout{layout(), n_remote, output().rows > staged ? output().rows : staged};
   }
-  EPCOMM_HD int32_t n_local() const { return n_experts / n_ranks; }
+  EPCOMM_HD int32_t n_local() const { return n_local_div.d; }
 };
 
 // Scratch of the dispatch ranking pass (local device memory).

@@ -183,7 +183,11 @@ struct CombineRecvLayout {
 
 // The symmetric window every rank allocates and every peer maps: the same offsets on all ranks.
 // Signals and chunk flags (monotonic u64 counters, zeroed once at set-up) and the meta records
-// come first so one memset clears them.
+// come first so one memset clears them. The constructor works out where the regions after the
+// signals begin, once: the kernels get the layout built on the host (GroupView::window), where
+// each offset worked out again in device code was a chain of 64-bit arithmetic on every
+// message's path (several hundred instructions a warp in decode's dispatch; Nsight Compute's
+// source page, 2026-11-27).
 struct WindowLayout {
   int32_t n_ranks;
   int32_t hidden;
@@ -192,12 +196,32 @@ struct WindowLayout {
   int32_t max_tokens;
   TokenFormat format;
   int32_t low_latency;  // the low-latency path's part flags are allocated
+  MetaLayout meta_layout;
+  int64_t meta_bytes;        // meta_layout.bytes()
+  int64_t part_flags_begin;  // chunk_flags_end()
+  int64_t meta_begin;        // part_flags_end()
+  int64_t recv_begin;        // meta_region_end()
+
+  WindowLayout() = default;
+  EPCOMM_HD WindowLayout(int32_t ranks, int32_t hidden_size, int32_t k, int32_t experts,
+                         int32_t tokens, TokenFormat f, int32_t ll)
+      : n_ranks(ranks),
+        hidden(hidden_size),
+        top_k(k),
+        n_experts(experts),
+        max_tokens(tokens),
+        format(f),
+        low_latency(ll),
+        meta_layout{experts / ranks, num_chunks(tokens), ranks} {
+    meta_bytes = meta_layout.bytes();
+    part_flags_begin = align_up(chunk_flag_offset(n_ranks, 0), 256);
+    meta_begin = low_latency ? align_up(part_flag_offset(n_ranks, 0, 0), 256) : part_flags_begin;
+    recv_begin = align_up(meta_begin + int64_t(n_ranks) * meta_bytes, 256);
+  }
 
   EPCOMM_HD MessageLayout msg() const { return MessageLayout{hidden, top_k, format}; }
   EPCOMM_HD DispatchRecvLayout dispatch_recv() const { return DispatchRecvLayout{msg(), max_tokens}; }
-  EPCOMM_HD MetaLayout meta() const {
-    return MetaLayout{n_experts / n_ranks, num_chunks(max_tokens), n_ranks};
-  }
+  EPCOMM_HD MetaLayout meta() const { return meta_layout; }
   EPCOMM_HD CombineRecvLayout combine_recv() const {
     return CombineRecvLayout{hidden, top_k, max_tokens};
   }
@@ -219,23 +243,15 @@ struct WindowLayout {
   EPCOMM_HD int64_t chunk_flag_offset(int32_t src, int32_t chunk) const {
     return signals_bytes() + (int64_t(src) * num_chunks(max_tokens) + chunk) * 8;
   }
-  EPCOMM_HD int64_t chunk_flags_end() const {
-    return align_up(chunk_flag_offset(n_ranks, 0), 256);
-  }
+  EPCOMM_HD int64_t chunk_flags_end() const { return part_flags_begin; }
   // Low-latency path: part arrival flags, u64 [src][message][part] = the last call whose part
   // `part` of message m of src has arrived (none unless low_latency).
   EPCOMM_HD int64_t part_flag_offset(int32_t src, int32_t m, int32_t part) const {
-    return chunk_flags_end() + ((int64_t(src) * max_tokens + m) * num_parts(hidden) + part) * 8;
+    return part_flags_begin + ((int64_t(src) * max_tokens + m) * num_parts(hidden) + part) * 8;
   }
-  EPCOMM_HD int64_t part_flags_end() const {
-    return low_latency ? align_up(part_flag_offset(n_ranks, 0, 0), 256) : chunk_flags_end();
-  }
-  EPCOMM_HD int64_t meta_offset(int32_t src) const {
-    return part_flags_end() + src * meta().bytes();
-  }
-  EPCOMM_HD int64_t meta_region_end() const {
-    return align_up(part_flags_end() + int64_t(n_ranks) * meta().bytes(), 256);
-  }
+  EPCOMM_HD int64_t part_flags_end() const { return meta_begin; }
+  EPCOMM_HD int64_t meta_offset(int32_t src) const { return meta_begin + src * meta_bytes; }
+  EPCOMM_HD int64_t meta_region_end() const { return recv_begin; }
   EPCOMM_HD int64_t dispatch_recv_offset() const { return meta_region_end(); }
   EPCOMM_HD int64_t combine_recv_offset() const {
     return align_up(dispatch_recv_offset() + dispatch_recv().bytes(n_ranks), 256);

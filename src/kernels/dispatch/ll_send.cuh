@@ -92,7 +92,7 @@ __device__ __noinline__ int32_t ll_send(const DispatchParams& p, unsigned long l
     if (i < items) {
       // 32-bit: a call's pieces are at most kUnitTokens * num_parts, and a 64-bit division is
       // a called routine (dozens of dependent instructions) on the round's path.
-      const int32_t t = int32_t(i) / n_parts, part = int32_t(i) % n_parts;
+      const int32_t t = g.n_parts_div.div(int32_t(i)), part = int32_t(i) - t * n_parts;
       LaneRoute r;
       if (lane < K) {
         r.id = view_expert(p, t, lane);  // valid: the call is not bad

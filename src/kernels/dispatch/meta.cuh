@@ -151,7 +151,7 @@ __device__ int32_t check_sources(const DispatchParams& p, const RecvGroups& rg, 
       flag(kFieldChunks, s, rg.n_chunks[s]);  // the low-latency path sends no chunk starts
   }
   for (int32_t i = threadIdx.x; i < n_ranks * n_local; i += kThreads) {
-    const int32_t s = i / n_local, c = rg.counts[i];
+    const int32_t s = g.n_local_div.div(i), c = rg.counts[i];
     if (c < 0 || c > rg.stream_count[s]) flag(kFieldGroupCount, s, c);
   }
   // Every source's rows to every rank, one warp per source and one shared add per (source,

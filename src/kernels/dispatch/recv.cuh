@@ -464,8 +464,8 @@ __device__ void expand_parts(const DispatchParams& p, const RecvGroups& rg, unsi
        i += warps) {
     // 32-bit: items are at most kUnitTokens * kMaxPeers * num_parts (a 64-bit division is a
     // called routine, three of them on each item's path).
-    const int32_t j = int32_t(i), q = j / n_parts;
-    const int32_t part = j % n_parts, s = q % n_ranks, m = q / n_ranks;
+    const int32_t j = int32_t(i), q = g.n_parts_div.div(j), m = g.n_ranks_div.div(q);
+    const int32_t part = j - q * n_parts, s = q - m * n_ranks;
     if (m >= rg.stream_count[s]) continue;
     if (!warp_wait_part(g, s, m, part, seq)) break;
     expand_message<F, kPadded>(p, rg, s, m, part * kPartUnits, (part + 1) * kPartUnits);
@@ -540,7 +540,7 @@ __device__ __noinline__ void dispatch_recv(const DispatchParams& p, unsigned lon
           [&](int32_t) { return seq; }))
     return;
   for (int32_t i = threadIdx.x; i < n_ranks * n_local; i += kThreads) {
-    const int32_t s = i / n_local, j = i % n_local;
+    const int32_t s = g.n_local_div.div(i), j = i - s * n_local;
     rg.counts[i] = reinterpret_cast<const volatile int32_t*>(meta_at(s) + ml.counts_offset())[j];
   }
   if (threadIdx.x < n_ranks) {
