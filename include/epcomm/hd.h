@@ -22,7 +22,9 @@ EPCOMM_HD constexpr int64_t align_up(int64_t x, int64_t a) { return (x + a - 1) 
 // 2^l], so floor(x / d) = floor(x * m / 2^(31+l)) for every x < 2^31 (Granlund and Montgomery,
 // "Division by invariant integers using multiplication", 1994, theorem 4.2); m < 2^32.
 // Build one on the host, where the constructor's 64-bit division is cheap, and hand it to the
-// kernels in their parameters (GroupView, RouteMap).
+// kernels in their parameters (GroupView, RouteMap). A divisor below 1 (a configuration that
+// validation refuses, whose sizes are still worked out to name what is wrong) is kept in d,
+// and div() of it means nothing; the constructor never divides by it.
 struct Divisor {
   int32_t d = 1;
   uint32_t mul = (1u << 31) + 1;
@@ -30,6 +32,11 @@ struct Divisor {
 
   Divisor() = default;
   EPCOMM_HD explicit Divisor(int32_t divisor) : d(divisor) {
+    if (divisor < 1) {
+      mul = 0;
+      shift = 0;
+      return;
+    }
     uint32_t l = 0;
     while (l < 31 && (int64_t(1) << l) < divisor)
       ++l;

@@ -2,6 +2,8 @@
 needed) and, on a GPU, deep_ep_worker.py under torchrun with 1, 2 and 4 processes sharing the
 GPUs there are. Skipped, with the reason, without PyTorch (and the GPU part without a GPU)."""
 
+import contextlib
+
 import launch  # python/tests/launch.py
 import pytest
 
@@ -538,6 +540,12 @@ class _FakeStream:
         self.log.append(("event", event))
 
 
+def _no_stream_switch(stream):
+    """torch.cuda.stream for a _FakeStream: no switch (on a machine with a GPU, the real one
+    would make the fake current)."""
+    return contextlib.nullcontext()
+
+
 def test_normal_calls_streams_with_fake_streams(buf, monkeypatch):
     """_streams and _finish without a GPU: on the comm stream a call waits for the current
     stream (or previous_event, and a stream calls stayed on), the outputs it made there are
@@ -743,6 +751,7 @@ def test_normal_dispatch_that_fails_keeps_its_tensors(buf, monkeypatch):
     monkeypatch.setattr(deep_ep._C, "routing_layout_of_mask", lambda *a: launched.append(a))
     monkeypatch.setattr(deep_ep, "EventHandle", lambda stream=None: "event")
     monkeypatch.setattr(deep_ep.torch.cuda, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(deep_ep.torch.cuda, "stream", _no_stream_switch)
     monkeypatch.setattr(deep_ep.torch.Tensor, "record_stream", lambda self, stream: None)
     x = torch.randn((3, 64)).to(torch.bfloat16)
     mask = torch.ones((3, 1), dtype=torch.bool)
@@ -778,6 +787,7 @@ def test_normal_combine_that_fails_keeps_its_tensors(buf, monkeypatch):
     monkeypatch.setattr(buf, "_routed_group", lambda *args: FakeGroup())
     monkeypatch.setattr(buf, "_stream", comm)
     monkeypatch.setattr(deep_ep.torch.cuda, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(deep_ep.torch.cuda, "stream", _no_stream_switch)
     handle = deep_ep._Routing(buf, 3, 8, 0)
     handle.num_rows, handle.rank_ids = 5, _Kept()
     x = torch.randn((5, 64)).to(torch.bfloat16)

@@ -95,7 +95,7 @@ GroupView make_view(const Config& cfg, int n_ranks, int rank, const Sizes& sizes
   v.hidden = cfg.hidden;
   v.top_k = v.route.slots();
   v.n_experts = v.route.view_experts();
-  v.n_local_div = Divisor(v.n_experts / v.n_ranks);
+  v.n_local_div = Divisor(v.n_ranks > 0 ? v.n_experts / v.n_ranks : 0);
   v.n_ranks_div = Divisor(v.n_ranks);
   v.n_parts_div = Divisor(detail::num_parts(v.hidden));
   v.max_tokens = cfg.max_tokens_per_rank;
@@ -222,8 +222,8 @@ void GroupState::setup(const Config& config, Bootstrap& bs, int dev) {
   if (local_error.empty())
     me.resident_blocks = resident_blocks_here(make_view(cfg, n_ranks, rank, sizes));
 
-  const WindowLayout wl = make_view(cfg, n_ranks, rank, sizes).layout();
   if (local_error.empty()) {
+    const WindowLayout wl = make_view(cfg, n_ranks, rank, sizes).layout();
     size_t free_b = 0, total_b = 0;
     check_cuda(cudaMemGetInfo(&free_b, &total_b), "cudaMemGetInfo");
     if (size_t(wl.bytes()) > free_b) {
@@ -274,7 +274,7 @@ void GroupState::setup(const Config& config, Bootstrap& bs, int dev) {
             "ranks " + std::to_string(q) + " and " + std::to_string(r) +
                 " run in one process, but a group that spans nodes needs one process per "
                 "rank (NVSHMEM: one PE per process)");
-    map_nodes(bs, wl);
+    map_nodes(bs, view.layout());
   } else {
     map_node(all, me, dev);
   }

@@ -213,6 +213,20 @@ TEST(Layout, DivisorMatchesDivision) {
   EXPECT_EQ(em.local_of(263), 32);
 }
 
+// A configuration that validation refuses still has its sizes worked out (to name what is
+// wrong, and on every rank alike): none of the maps may divide by its zero. A group of 0 ranks,
+// or hidden = -1 (0 parts), once stopped a process with SIGFPE (Python's fuzz test on a GPU).
+TEST(Layout, RefusedSizesNeverDivideByZero) {
+  EXPECT_EQ(Divisor(0).d, 0);
+  EXPECT_EQ(Divisor(-3).d, -3);
+  EXPECT_EQ(Divisor(num_parts(-1)).d, 0);
+  EXPECT_EQ(RouteMap::make(8, 2, 0, 0, false, false, 0).n_local(), 0);
+  EXPECT_EQ((ExpertMap{8, 0}).n_local(), 0);
+  EXPECT_EQ((ExpertMap{2, 3}).n_local(), 0);
+  const WindowLayout wl{0, -1, 2, 8, 4, TokenFormat::kBF16, 1};
+  EXPECT_EQ(wl.meta().n_local, 0);
+}
+
 // RouteMap with no mode: the view is the caller's group and every id maps to itself.
 TEST(Layout, RouteMapWithoutModesIsTheIdentity) {
   const RouteMap m{256, 8, 8, 3, 0, 0, 8, 3};
