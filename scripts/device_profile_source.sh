@@ -7,9 +7,10 @@
 # and leaves under $OUT:
 #   ncu_source.txt        the report's sections (duration, stall reasons, instruction counts)
 #   ncu_source_sass.csv.gz  the source page: one row per SASS instruction (address, executed
-#                         count, stall samples by reason; no_instructions: waiting on fetch).
-#                         Map addresses to source lines with nvdisasm -gi on a cubin of the same
-#                         source and flags (nvdisasm ships in the nvidia-cuda-nvdisasm wheel)
+#                         count, stall samples by reason; no_instructions: waiting on fetch)
+#   cubins.tar.gz         the profiled build's cubins (cuobjdump -xelf), whose nvdisasm -g maps
+#                         the page to functions and source lines: scripts/sass_profile.py does
+#                         (nvdisasm ships in the nvidia-cuda-nvdisasm wheel)
 #   ncu_source.ncu-rep    the report, for the Nsight Compute GUI
 # Settings: WORKLOAD (decode-bf16), SMS (132), KERNEL (dispatch_kernel), SKIP (1: the first
 # launch of the benchmark's warm-up is skipped), BENCH_ARGS (more epcomm_bench arguments).
@@ -40,3 +41,8 @@ timeout 120 ncu --import "$rep.ncu-rep" --page source --print-source sass --csv 
   >"${rep}_sass.csv" 2>&1
 echo "== source page rc=$? rows=$(wc -l <"${rep}_sass.csv")"
 gzip -f "${rep}_sass.csv"
+cub=$(mktemp -d) bin=$(realpath "$BUILD/bench/epcomm_bench")
+(cd "$cub" && timeout 120 cuobjdump -xelf all "$bin" >/dev/null 2>&1 &&
+  tar czf "$OUT/cubins.tar.gz" ./*.cubin)
+echo "== cubins rc=$? ($(ls "$cub" | tr '\n' ' '))"
+rm -rf "$cub"
