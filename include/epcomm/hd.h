@@ -14,6 +14,12 @@ namespace epcomm {
 
 EPCOMM_HD constexpr int64_t align_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
 
+// total / ranks: each rank's share (experts per rank); 0 for a group of no ranks, a
+// configuration that validation refuses but whose sizes are still worked out.
+EPCOMM_HD constexpr int32_t per_rank_count(int32_t total, int32_t ranks) {
+  return ranks > 0 ? total / ranks : 0;
+}
+
 // Division of values in [0, 2^31) by a divisor d in [1, 2^31) fixed at set-up (experts per rank),
 // as one multiply and one shift: the GPU has no integer divider, and each `/` or `%` by a
 // value known only at run time was about 20 instructions inline, of which decode's dispatch ran

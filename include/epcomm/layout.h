@@ -56,7 +56,7 @@ struct RouteMap {
         skip_a2a(skip),
         ar_world(world),
         ar_rank(world_rank),
-        local(ranks > 0 ? experts / ranks : 0) {}
+        local(per_rank_count(experts, ranks)) {}
 
   // Rank `rank` of a group with these modes; allreduce_world_size 0 means n_ranks, and the
   // rank's share of the shared expert's tokens is rank % that.
@@ -154,7 +154,7 @@ struct ExpertMap {
   Divisor per_rank;  // n_local
 
   EPCOMM_HD ExpertMap(int32_t experts, int32_t ranks)
-      : ExpertMap(experts, ranks, Divisor(ranks > 0 ? experts / ranks : 0)) {}
+      : ExpertMap(experts, ranks, Divisor(per_rank_count(experts, ranks))) {}
   // With the divisor built once on the host (GroupView::n_local_div).
   EPCOMM_HD ExpertMap(int32_t experts, int32_t ranks, Divisor n_local)
       : n_experts(experts), n_ranks(ranks), per_rank(n_local) {}

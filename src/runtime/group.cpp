@@ -95,7 +95,7 @@ GroupView make_view(const Config& cfg, int n_ranks, int rank, const Sizes& sizes
   v.hidden = cfg.hidden;
   v.top_k = v.route.slots();
   v.n_experts = v.route.view_experts();
-  v.n_local_div = Divisor(v.n_ranks > 0 ? v.n_experts / v.n_ranks : 0);
+  v.n_local_div = Divisor(v.route.groups());  // n_experts = view_ranks * groups
   v.n_ranks_div = Divisor(v.n_ranks);
   v.n_parts_div = Divisor(detail::num_parts(v.hidden));
   v.max_tokens = cfg.max_tokens_per_rank;
@@ -219,11 +219,10 @@ void GroupState::setup(const Config& config, Bootstrap& bs, int dev) {
   cudaDeviceProp prop{};
   check_cuda(cudaGetDeviceProperties(&prop, dev), "cudaGetDeviceProperties");
   std::memcpy(me.uuid, prop.uuid.bytes, 16);
-  if (local_error.empty())
-    me.resident_blocks = resident_blocks_here(make_view(cfg, n_ranks, rank, sizes));
-
   if (local_error.empty()) {
-    const WindowLayout wl = make_view(cfg, n_ranks, rank, sizes).layout();
+    const GroupView v = make_view(cfg, n_ranks, rank, sizes);
+    me.resident_blocks = resident_blocks_here(v);
+    const WindowLayout& wl = v.layout();
     size_t free_b = 0, total_b = 0;
     check_cuda(cudaMemGetInfo(&free_b, &total_b), "cudaMemGetInfo");
     if (size_t(wl.bytes()) > free_b) {

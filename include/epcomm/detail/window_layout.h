@@ -212,7 +212,7 @@ struct WindowLayout {
         max_tokens(tokens),
         format(f),
         low_latency(ll),
-        meta_layout{ranks > 0 ? experts / ranks : 0, num_chunks(tokens), ranks} {
+        meta_layout{per_rank_count(experts, ranks), num_chunks(tokens), ranks} {
     meta_bytes = meta_layout.bytes();
     part_flags_begin = align_up(chunk_flag_offset(n_ranks, 0), 256);
     meta_begin = low_latency ? align_up(part_flag_offset(n_ranks, 0, 0), 256) : part_flags_begin;
