@@ -390,20 +390,53 @@ TEST(Layout, PartRangesTileThePayload) {
   }
 }
 
-// The combine work split: rows cut into parts only when there are too few to keep every warp
-// busy twice over, never into more parts than 256-column steps; the host picks the kernel whose
-// loads span several steps when a part does.
+// The combine work split: rows cut into parts only when there are too few to give every warp
+// work, never into more parts than 256-column steps, at the least cost (combine_split_cost);
+// the host picks the kernel whose loads span several steps when a part does.
 TEST(Layout, CombineSplitAndLoadShape) {
   const int64_t warps_8 = 8 * detail::kCombineWarps, warps_132 = 132 * detail::kCombineWarps;
+  const int64_t warps_24 = 24 * detail::kCombineWarps;
   EXPECT_EQ(detail::combine_split(4096, 7168, warps_8), 1);
-  EXPECT_EQ(detail::combine_split(4096, 7168, warps_132), 2);  // 4224 warps x 2 > 4096 x 1
-  EXPECT_EQ(detail::combine_split(128, 7168, warps_132), 28);  // capped at the 28 steps
+  // 4096 rows on 2112 warps: 2 whole rows a warp (cost 2 x 29) beat 4 halves (4 x 15).
+  EXPECT_EQ(detail::combine_split(4096, 7168, warps_132), 1);
+  // Decode's 128 tokens on 132 SMs: one item of 2 steps a warp (16 parts), not two of one.
+  EXPECT_EQ(detail::combine_split(128, 7168, warps_132), 16);
+  EXPECT_EQ(detail::combine_split(128, 7168, warps_24), 3);  // one item of 10 steps a warp
+  // 460 messages on 384 warps: 3 parts (at most 4 items of 10 steps), not whole rows (2 of 28).
+  EXPECT_EQ(detail::combine_split(460, 7168, warps_24), 3);
+  EXPECT_EQ(detail::combine_split(64, 7168, warps_132), 28);  // capped at the 28 steps
   EXPECT_EQ(detail::combine_split(0, 7168, warps_8), 1);
   EXPECT_EQ(detail::combine_split(1, 100, warps_8), 1);  // one step, however few rows
+  EXPECT_EQ(detail::combine_split(int64_t(1) << 30, 7168, warps_8), 1);  // too many to split
   EXPECT_TRUE(detail::combine_whole_rows(4096, 7168, 8));
-  EXPECT_TRUE(detail::combine_whole_rows(4096, 7168, 132));  // parts of 14 steps
-  EXPECT_FALSE(detail::combine_whole_rows(128, 7168, 132));  // decode: one step per part
+  EXPECT_TRUE(detail::combine_whole_rows(4096, 7168, 132));
+  EXPECT_TRUE(detail::combine_whole_rows(128, 7168, 132));   // parts of 1 or 2 steps
+  EXPECT_FALSE(detail::combine_whole_rows(64, 7168, 132));   // one step per part
   EXPECT_FALSE(detail::combine_whole_rows(4096, 256, 8));    // one step is the whole row
+}
+
+// combine_split is the cheapest of every split that gives no warp more than
+// kCombineSplitItems items (and split 1), found by trying each.
+TEST(Layout, CombineSplitIsTheCheapest) {
+  for (int32_t hidden : {256, 2880, 4096, 7168, 7200})
+    for (int32_t blocks : {1, 8, 24, 32, 132})
+      for (int64_t rows : {0, 1, 7, 64, 100, 128, 129, 460, 1000, 2048, 4096, 8192, 32768}) {
+        const int32_t steps = (hidden + detail::kCombineStep - 1) / detail::kCombineStep;
+        const int32_t warps = blocks * detail::kCombineWarps;
+        const int32_t r = int32_t(rows);
+        int32_t best = 1, best_cost = detail::combine_split_cost(r, steps, warps, 1);
+        for (int32_t s = 2; s <= steps; ++s) {
+          if ((rows * s + warps - 1) / warps > detail::kCombineSplitItems) continue;
+          const int32_t c = detail::combine_split_cost(r, steps, warps, s);
+          if (c < best_cost) best = s, best_cost = c;
+        }
+        const int32_t got = detail::combine_split(rows, hidden, warps);
+        ASSERT_GE(got, 1);
+        ASSERT_LE(got, steps);
+        EXPECT_EQ(detail::combine_split_cost(r, steps, warps, got), best_cost)
+            << "rows " << rows << " hidden " << hidden << " blocks " << blocks << ": split " << got
+            << " against " << best;
+      }
 }
 
 // GroupSlots: the group of a row (empty groups skipped: the last group starting at or before

@@ -61,9 +61,22 @@ __device__ __forceinline__ void emit8(StoreBf16& epi, int32_t token, int32_t col
 struct WorkSplit {
   int32_t split;
   int64_t items;
+  // combine_split, by the whole warp: lane k <= kCombineSplitItems costs candidate k (lane 0
+  // split 1) at once, and the warp takes the least cost (ties: the fewer parts), as
+  // combine_split's loop does.
   __device__ static WorkSplit make(const CombineParams& p, int64_t rows) {
     const GroupView& g = p.g;
-    const int32_t split = combine_split(rows, p.hidden, stride(g));
+    const int32_t steps = (p.hidden + kCombineStep - 1) / kCombineStep;
+    const int64_t warps = stride(g);
+    int32_t split = 1;
+    if (combine_split_in_range(rows, steps, warps)) {
+      const int32_t r = int32_t(rows), w = int32_t(warps), lane = threadIdx.x % kWarpSize;
+      int32_t s = lane == 0 ? 1 : 0;
+      if (lane >= 1 && lane <= kCombineSplitItems) s = combine_split_candidate(r, steps, w, lane);
+      const uint32_t cost = s >= 1 ? uint32_t(combine_split_cost(r, steps, w, s)) : UINT32_MAX;
+      const uint32_t least = __reduce_min_sync(0xffffffffu, cost);
+      split = int32_t(__reduce_min_sync(0xffffffffu, cost == least ? uint32_t(s) : UINT32_MAX));
+    }
     return WorkSplit{split, rows * split};
   }
   __device__ static int64_t first_item() {
