@@ -390,12 +390,17 @@ TEST(Layout, PartRangesTileThePayload) {
   }
 }
 
-// The combine work split: rows cut into parts only when there are too few to give every warp
-// work, never into more parts than 256-column steps, at the least cost (combine_split_cost);
+// The combine work split: rows cut into parts only when there are fewer than about twice as many
+// as warps, never into more parts than 256-column steps, at the least cost (combine_split_cost);
 // the host picks the kernel whose loads span several steps when a part does.
 TEST(Layout, CombineSplitAndLoadShape) {
   const int64_t warps_8 = 8 * detail::kCombineWarps, warps_132 = 132 * detail::kCombineWarps;
   const int64_t warps_24 = 24 * detail::kCombineWarps;
+  // The cost: the busiest warp's items x (steps an item + 1).
+  EXPECT_EQ(detail::combine_split_cost(128, 28, 2112, 16), 3);  // 1 item of 2 steps
+  EXPECT_EQ(detail::combine_split_cost(128, 28, 2112, 28), 4);  // 2 items of 1 step
+  EXPECT_EQ(detail::combine_split_cost(460, 28, 384, 1), 58);   // 2 items of 28 steps
+  EXPECT_EQ(detail::combine_split_cost(460, 28, 384, 3), 44);   // 4 items of 10 steps
   EXPECT_EQ(detail::combine_split(4096, 7168, warps_8), 1);
   // 4096 rows on 2112 warps: 2 whole rows a warp (cost 2 x 29) beat 4 halves (4 x 15).
   EXPECT_EQ(detail::combine_split(4096, 7168, warps_132), 1);
@@ -433,6 +438,8 @@ TEST(Layout, CombineSplitIsTheCheapest) {
         const int32_t got = detail::combine_split(rows, hidden, warps);
         ASSERT_GE(got, 1);
         ASSERT_LE(got, steps);
+        // As cheap as the cheapest (of equally cheap splits it may take more parts: for k items
+        // a warp it takes the most parts that keep k, e.g. 16 of 28 steps where 14 cost as much).
         EXPECT_EQ(detail::combine_split_cost(r, steps, warps, got), best_cost)
             << "rows " << rows << " hidden " << hidden << " blocks " << blocks << ": split " << got
             << " against " << best;

@@ -179,10 +179,12 @@ __device__ __forceinline__ void sum_rows_by(const char* row, float w, int32_t n,
 
 // sum_rows_by as the kernel was chosen for (one instantiation per kernel: two inlined side by
 // side made the kernels spill in these loops, 128 registers being all 512 threads may have):
-// kWholeRows, items of many steps (prefill): 4 steps of 4 rows per round trip (16 loads a lane;
+// kWholeRows, items of more than one step (prefill; decode's 128 tokens since the split at least
+// cost, 9541380, on 24 and 132 SMs): 4 steps of 4 rows per round trip (16 loads a lane;
 // on one H100, prefill combine with 32 SMs 332 -> 315 us and the token side with 8 SMs 930 ->
 // 913 against 4 steps of 2 rows; 2 steps of 8 rows lost: 870 -> 1012 us, expert side, 8 SMs);
-// otherwise one step of up to 8 rows (decode, a row split over many warps). Either is exact for
+// otherwise one step of up to 8 rows (items of one step: a row split into as many parts as it
+// has steps, e.g. 64 tokens or fewer on 132 SMs). Either is exact for
 // any item. Over NVLink (4 x H200, 4 ranks) 4 x 2 lost to 4 x 4 as well: prefill combine 742
 // against 727 us at 24 SMs, prefill-fp8 combine 1660 against 1564 at 8 SMs.
 // The build with NVSHMEM (relocatable device code: its puts are calls, which hold registers

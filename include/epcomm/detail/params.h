@@ -188,8 +188,9 @@ struct DispatchParams {
 
 // The combine kernels' work split (the host picks the kernel with it, the kernels split their
 // items with it): `rows` rows of `hidden` columns over `warps` warps, each row cut into `split`
-// interleaved parts of 256-column steps when there are too few rows to give every warp work
-// (decode), so more loads are in flight; with many rows split = 1.
+// interleaved parts of 256-column steps when there are fewer than about twice as many rows as
+// warps (decode: 128 rows on 2,112 warps take 16 parts, 460 on 384 take 3), so more loads are
+// in flight; with many rows split = 1.
 constexpr int kCombineThreads = 512;
 constexpr int kCombineWarps = kCombineThreads / 32;
 constexpr int32_t kCombineStep = 256;  // columns: 32 lanes x 8
@@ -202,8 +203,10 @@ constexpr int32_t kCombineStep = 256;  // columns: 32 lanes x 8
 // 27.6 with one item a warp; but four ranks at 24 SMs, 460 messages on 384 warps, took 47.8 ->
 // 51.7 us with split 1, where two warps in ten took two whole rows.)
 constexpr int32_t kCombineSplitItems = 4;
+static_assert(kCombineSplitItems < 32, "WorkSplit::make costs a candidate in each lane 1..k");
 constexpr int32_t kCombineSplitMaxRows = 1 << 20;  // the cost's products stay in 32 bits
-// Rows of more than kCombineSplitMaxRows, or rows of more than 1024 steps, are never split.
+// Never split (split 1): more rows than kCombineSplitMaxRows, rows of more than 1024 steps, or
+// warps outside [1, kCombineSplitMaxRows].
 EPCOMM_HD bool combine_split_in_range(int64_t rows, int32_t steps, int64_t warps) {
   return rows >= 0 && rows <= kCombineSplitMaxRows && warps >= 1 && warps <= kCombineSplitMaxRows &&
          steps >= 1 && steps <= 1024;
