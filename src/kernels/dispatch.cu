@@ -84,7 +84,9 @@ template <bool kSend, bool kRecv, TokenFormat F, bool kPadded, bool kLowLatency,
 __device__ __forceinline__ void dispatch_form(const DispatchParams& p) {
   extern __shared__ __align__(16) char smem[];
   const unsigned long long seq = p.g.state->dispatch_seq + 1;  // in flight with the abort flag
-  if (block_aborted(p.g)) return;
+  // The low-latency send reads the abort flag itself, in flight during its ranking (ll_send):
+  // this check's round trip, before any work, was on the path of every block.
+  if (!(kLowLatency && kSend) && block_aborted(p.g)) return;
   trace_begin(p.g, kTraceDispatch, kSend ? kTraceStart : kTraceRecvStart,
               kRecv ? kTraceMarks : kTraceRecvStart);
   const int32_t blocks = p.g.num_blocks, b = blockIdx.x;
@@ -95,7 +97,7 @@ __device__ __forceinline__ void dispatch_form(const DispatchParams& p) {
       trace_mark(p.g, kTraceDispatch, kTraceDone);
       return;
     }
-    if (block_aborted(p.g)) return;
+    // (An abort since ll_send's check is found by the receive's waits.)
     // The fused kernel: where the blocks that held no piece are at least as many as those that
     // did, they receive alone (their warps take the items, dealt by index) and the sending
     // blocks only count themselves done; otherwise every block receives. With one rank,
@@ -109,7 +111,8 @@ __device__ __forceinline__ void dispatch_form(const DispatchParams& p) {
       return;
     }
     if (kSend) trace_mark(p.g, kTraceDispatch, kTraceRecvStart);
-    dispatch_recv<F, kPadded, true>(p, seq, smem, b - first, blocks - first, false);
+    dispatch_recv<F, kPadded, true>(p, seq, smem, b - first, blocks - first, false,
+                                    !kSend || first > 0);
     return;
   } else {
     if (kSend && !kRecv) {

@@ -38,7 +38,7 @@ __device__ void put_part(const GroupView& g, int32_t d, int32_t slot, int32_t pa
 // The blocks of a low-latency send that hold pieces: num_tokens * parts pieces, one per warp,
 // dealt from block 0 up (ll_send), at most the grid.
 __device__ __forceinline__ int32_t ll_sending_blocks(const GroupView& g, int32_t num_tokens) {
-  const int64_t pieces = int64_t(num_tokens) * num_parts(g.hidden);
+  const int64_t pieces = int64_t(num_tokens) * g.n_parts_div.d;  // num_parts(g.hidden)
   const int64_t blocks = (pieces + kWarps - 1) / kWarps;
   return int32_t(blocks < g.num_blocks ? blocks : g.num_blocks);
 }
@@ -54,18 +54,23 @@ __device__ __noinline__ int32_t ll_send(const DispatchParams& p, unsigned long l
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   // The destinations must have finished reading the previous call's messages: their acks are
   // loaded now, in flight during the ranking, and waited for only if one was not in yet.
+  // So is the abort flag (a group that gave up sends nothing): read here and tested after the
+  // ranking, which writes nothing a later call or the host reads but the validated ids, rather
+  // than awaited before it.
   unsigned long long ack = seq - 1;
   if (threadIdx.x < g.n_ranks)
     ack = signal_load(signal_word(g, g.rank, WindowLayout::kDispatchAck, threadIdx.x));
+  const bool abort_seen = threadIdx.x == 0 && aborted(g);
   LocalRanks lr;
   const bool bad = rank_local(p, seq, smem, lr);
   trace_mark(g, kTraceDispatch, kTraceRanked);
+  if (!__syncthreads_and(ack >= seq - 1 && !abort_seen) &&
+      (block_aborted(g) ||
+       !block_wait_signal(g, all_ranks_mask(g), WindowLayout::kDispatchAck, kOpDispatchSend,
+                          kWaitAck, [&](int32_t) { return seq - 1; })))
+    return -1;
   const int32_t num_tokens = bad ? 0 : p.num_tokens;
   if (blockIdx.x == 0 && threadIdx.x == 0) g.state->num_tokens = num_tokens;
-  if (!__syncthreads_and(ack >= seq - 1) &&
-      !block_wait_signal(g, all_ranks_mask(g), WindowLayout::kDispatchAck, kOpDispatchSend,
-                         kWaitAck, [&](int32_t) { return seq - 1; }))
-    return -1;
   trace_mark(g, kTraceDispatch, kTraceAcked);
   if (blockIdx.x == 0) {
     const int32_t* rows_to = block_rows_to(g, bad ? nullptr : lr.totals);
@@ -135,20 +140,24 @@ __device__ __noinline__ int32_t ll_send(const DispatchParams& p, unsigned long l
     } else if (lane == 0) {
       n_flags[warp] = 0;
     }
-    // Ordering: every warp's stores -> __syncthreads -> thread 0's system fence (acq_rel) -> its
-    // relaxed flag stores (a release pattern): a destination that acquires a flag sees the
-    // piece. (A rank of another node had its flag with the put, put_part.)
+    // Ordering: every warp's stores -> __syncthreads -> warp 0's system fence (acq_rel, each
+    // lane's) -> lane w's relaxed stores of warp w's flags (a release pattern): a destination
+    // that acquires a flag sees the piece. (A rank of another node had its flag with the put,
+    // put_part.) The lanes raise the warps' flags side by side: thread 0 raising all of them in
+    // turn, each behind the loads of its list, took the sending blocks about 3 us from their
+    // fence to their end of the round (one H200, one-rank decode, 2026-11-27 stage marks).
+    static_assert(kWarps <= kWarpSize, "a lane of warp 0 per warp");
     __syncthreads();
     trace_mark(g, kTraceDispatch, kTraceStored);
-    if (threadIdx.x == 0) {
+    if (warp == 0) {
       fence_acq_rel_sys();
       trace_mark(g, kTraceDispatch, kTraceFenced);
-      for (int32_t w = 0; w < kWarps; ++w)
-        for (int32_t j = 0; j < n_flags[w]; ++j)
-          if (!remote(g, flag_rank[w][j]))
+      if (lane < kWarps)
+        for (int32_t j = 0; j < n_flags[lane]; ++j)
+          if (!remote(g, flag_rank[lane][j]))
             signal<SignalOp::kSetFenced>(
-                g, flag_rank[w][j], wl.part_flag_offset(g.rank, flag_slot[w][j], flag_part[w]),
-                seq);
+                g, flag_rank[lane][j],
+                wl.part_flag_offset(g.rank, flag_slot[lane][j], flag_part[lane]), seq);
     }
     __syncthreads();  // the flag lists are refilled next round
   }

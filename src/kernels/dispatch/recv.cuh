@@ -446,8 +446,8 @@ __device__ inline bool warp_wait_part(const GroupView& g, int32_t src, int32_t m
 // grid's warps in turn; a warp waits for its part's flag (and part 0's, which carries the
 // header), then expands it.
 template <TokenFormat F, bool kPadded>
-__device__ void expand_parts(const DispatchParams& p, const RecvGroups& rg, unsigned long long seq,
-                             int32_t rb, int32_t n_rb) {
+__device__ bool expand_parts(const DispatchParams& p, const RecvGroups& rg, unsigned long long seq,
+                             int32_t rb, int32_t n_rb, bool spread) {
   const GroupView& g = p.g;
   const int32_t n_ranks = g.n_ranks;
   const int32_t n_parts = num_parts(g.hidden);
@@ -458,24 +458,31 @@ __device__ void expand_parts(const DispatchParams& p, const RecvGroups& rg, unsi
   // Dealt from the last warp of the grid backwards: the send dealt its pieces from the first,
   // so the blocks that had none (and built the layout first) take the first items. Dealt from
   // the first warp too, a decode's items all went to the blocks that were still sending, and
-  // the receive finished measurably later.
+  // the receive finished measurably later. `spread` (every receiving block built its layout at
+  // about the same time: the split receive, or the fused kernel's non-senders receiving alone):
+  // warp 0 of every block first, then warp 1, ..., so each SM stores an even share. Dealt warp
+  // by warp, one-rank decode's 896 parts filled 56 of the 76 receiving blocks (16 parts, 256 KB
+  // of row stores each) and left 20 idle.
   const int64_t warps = int64_t(n_rb) * kWarps;
-  for (int64_t i = warps - 1 - (int64_t(rb) * kWarps + threadIdx.x / kWarpSize); i < items;
-       i += warps) {
+  const int32_t warp = int32_t(threadIdx.x / kWarpSize);
+  const int64_t first =
+      spread ? int64_t(warp) * n_rb + (n_rb - 1 - rb) : warps - 1 - (int64_t(rb) * kWarps + warp);
+  for (int64_t i = first; i < items; i += warps) {
     // 32-bit: items are at most kUnitTokens * kMaxPeers * num_parts (a 64-bit division is a
     // called routine, three of them on each item's path).
     const int32_t j = int32_t(i), q = g.n_parts_div.div(j), m = g.n_ranks_div.div(q);
     const int32_t part = j - q * n_parts, s = q - m * n_ranks;
     if (m >= rg.stream_count[s]) continue;
-    if (!warp_wait_part(g, s, m, part, seq)) break;
+    if (!warp_wait_part(g, s, m, part, seq)) return false;
     expand_message<F, kPadded>(p, rg, s, m, part * kPartUnits, (part + 1) * kPartUnits);
   }
+  return true;
 }
 
 // The throughput path's receive: work items (chunk, source, message slot) of the chunks'
 // messages.
 template <TokenFormat F, bool kPadded, bool kSolo>
-__device__ void expand_chunks(const DispatchParams& p, const RecvGroups& rg, unsigned long long seq,
+__device__ bool expand_chunks(const DispatchParams& p, const RecvGroups& rg, unsigned long long seq,
                               bool in_place, char* smem) {
   const GroupView& g = p.g;
   const int32_t n_ranks = g.n_ranks;
@@ -511,26 +518,32 @@ __device__ void expand_chunks(const DispatchParams& p, const RecvGroups& rg, uns
     const int32_t end = min(starts[c + 1], rg.stream_count[s]);
     const int32_t m = starts[c] + slot;
     if (m >= end) continue;  // no message in this slot: nothing to wait for
-    if (!warp_wait_chunk(g, s, c, seq)) break;
+    if (!warp_wait_chunk(g, s, c, seq)) {
+      ring.drain();
+      return false;
+    }
     expand_message<F, kPadded, kSolo>(p, rg, s, m, 0, g.hidden / kLaneValues, in_place, &ring);
   }
   ring.drain();
+  return true;
 }
 
-// Receiver block rb of n_rb (all blocks of dispatch_wait; the non-senders of the fused kernel),
-// or a sender of the fused kernel that has sent its chunks and joins in (rb < 0: it takes work
-// items only; the receivers write the padding and the combine's bookkeeping). kLowLatency: the
-// group's path (GroupView::low_latency), which picks how rows are expanded.
-template <TokenFormat F, bool kPadded, bool kLowLatency, bool kSolo = false>
-__device__ __noinline__ void dispatch_recv(const DispatchParams& p, unsigned long long seq,
-                                           char* smem, int32_t rb, int32_t n_rb, bool in_place) {
+// What a receiving block's layout came to: the wait for the records failed (recorded, the
+// abort flag set), or check_sources' verdict (0: good).
+constexpr int32_t kLayoutFailed = -1;
+
+// The whole block: waits for every source's meta record and builds the receive's layout in
+// shared memory (rg): counts, checks (check_sources), row offsets, bases. `writer`: this block
+// also writes the call's layout outputs (row_offsets, expert_ids, the padded layout's counts and
+// ranges, the combine's bases and message counts; on a bad verdict, empty groups), once per
+// call. Returns the verdict, or kLayoutFailed.
+template <TokenFormat F, bool kPadded>
+__device__ int32_t build_layout(const DispatchParams& p, unsigned long long seq,
+                                const RecvGroups& rg, bool writer) {
   const GroupView& g = p.g;
-  if (rb == 0 && threadIdx.x == 0) g.state->recv_item[(seq + 1) & 1] = 0;  // the next call's
   const WindowLayout wl = g.layout();
   const MetaLayout ml = wl.meta();
   const int32_t n_local = g.n_local(), n_ranks = g.n_ranks;
-  const RecvGroups rg = RecvGroups::carve(smem, n_ranks, n_local);
-
   auto meta_at = [&](int32_t s) { return window_at(g, g.rank, wl.meta_offset(s)); };
   if (!block_wait(
           g, all_ranks_mask(g), kOpDispatchRecv, kWaitMeta,
@@ -538,7 +551,7 @@ __device__ __noinline__ void dispatch_recv(const DispatchParams& p, unsigned lon
             return reinterpret_cast<const unsigned long long*>(meta_at(s) + ml.seq_offset());
           },
           [&](int32_t) { return seq; }))
-    return;
+    return kLayoutFailed;
   for (int32_t i = threadIdx.x; i < n_ranks * n_local; i += kThreads) {
     const int32_t s = g.n_local_div.div(i), j = i - s * n_local;
     rg.counts[i] = reinterpret_cast<const volatile int32_t*>(meta_at(s) + ml.counts_offset())[j];
@@ -551,12 +564,12 @@ __device__ __noinline__ void dispatch_recv(const DispatchParams& p, unsigned lon
   }
   __syncthreads();
   trace_mark(g, kTraceDispatch, kTraceCountsIn);
-  const int32_t verdict = check_sources(p, rg, ml, meta_at, rb);
+  const int32_t verdict = check_sources(p, rg, ml, meta_at, writer ? 0 : 1);
   trace_mark(g, kTraceDispatch, kTraceChecked);
   if (verdict != 0) {
     // Nothing is written but empty groups (row_offsets all 0, so combine sends nothing back
     // from here); the call still completes, so the group stays usable.
-    if (rb == 0) {
+    if (writer) {
       for (int32_t grp = threadIdx.x; grp <= n_local; grp += kThreads) {
         p.row_offsets[grp] = 0;
         if (grp < n_local) p.expert_ids[grp] = g.route.group_expert(grp);
@@ -568,8 +581,7 @@ __device__ __noinline__ void dispatch_recv(const DispatchParams& p, unsigned lon
           p.layout_range[i] = 0;
       if (threadIdx.x < n_ranks) p.scratch.recv_count[threadIdx.x] = 0;
     }
-    dispatch_done(g, seq);
-    return;
+    return verdict;
   }
 
   // row_offsets: exclusive scan of the group totals, each padded to the format's row alignment;
@@ -604,15 +616,15 @@ __device__ __noinline__ void dispatch_recv(const DispatchParams& p, unsigned lon
     rg.tile_start[n_local] = total_tiles;
   }
   __syncthreads();
-  // Block 0 also keeps the bases and message counts for the expert-side combine.
+  // The writer also keeps the bases and message counts for the expert-side combine.
   for (int32_t grp = threadIdx.x; grp < n_local; grp += kThreads) {
     for (int32_t s = 0; s < n_ranks; ++s) {
       const int32_t base = rg.row_offset[grp] + rows.source_offset(s, grp);
       rg.base[s * n_local + grp] = base;
-      if (rb == 0) p.scratch.recv_base[s * n_local + grp] = base;
+      if (writer) p.scratch.recv_base[s * n_local + grp] = base;
     }
   }
-  if (rb == 0) {
+  if (writer) {
     if (threadIdx.x < n_ranks) p.scratch.recv_count[threadIdx.x] = rg.stream_count[threadIdx.x];
     for (int32_t grp = threadIdx.x; grp <= n_local; grp += kThreads) {
       p.row_offsets[grp] = uint32_t(rg.row_offset[grp]);
@@ -622,9 +634,9 @@ __device__ __noinline__ void dispatch_recv(const DispatchParams& p, unsigned lon
     }
   }
   __syncthreads();
-  // The padded layout's per-group outputs (block 0, after every base is known): counts, and
+  // The padded layout's per-group outputs (the writer, after every base is known): counts, and
   // layout_range by caller rank, (first slot << 32) | rows, 0 for a source that sent none.
-  if (kPadded && rb == 0) {
+  if (kPadded && writer) {
     for (int32_t grp = threadIdx.x; grp < n_local; grp += kThreads)
       p.counts[grp] = rg.rows[grp];
     if (p.layout_range != nullptr) {
@@ -637,14 +649,38 @@ __device__ __noinline__ void dispatch_recv(const DispatchParams& p, unsigned lon
       }
     }
   }
+  return 0;
+}
+
+// Receiver block rb of n_rb (all blocks of dispatch_wait; the non-senders of the fused kernel),
+// or a sender of the fused kernel that has sent its chunks and joins in (rb < 0: it takes work
+// items only; the receivers write the padding and the combine's bookkeeping). kLowLatency: the
+// group's path (GroupView::low_latency), which picks how rows are expanded; `spread` (the
+// low-latency path): deal the parts over the blocks first (expand_parts).
+template <TokenFormat F, bool kPadded, bool kLowLatency, bool kSolo = false>
+__device__ __noinline__ void dispatch_recv(const DispatchParams& p, unsigned long long seq,
+                                           char* smem, int32_t rb, int32_t n_rb, bool in_place,
+                                           bool spread = false) {
+  const GroupView& g = p.g;
+  if (rb == 0 && threadIdx.x == 0) g.state->recv_item[(seq + 1) & 1] = 0;  // the next call's
+  const RecvGroups rg = RecvGroups::carve(smem, g.n_ranks, g.n_local());
+  const int32_t verdict = build_layout<F, kPadded>(p, seq, rg, rb == 0);
+  if (verdict == kLayoutFailed) return;
+  if (verdict != 0) {
+    dispatch_done(g, seq);
+    return;
+  }
   if (rb >= 0) fill_padding<F, kPadded>(p, rg, rb, n_rb);
   trace_mark(g, kTraceDispatch, kTraceReady);
+  bool expanded;
   if constexpr (kLowLatency)
-    expand_parts<F, kPadded>(p, rg, seq, rb, n_rb);
+    expanded = expand_parts<F, kPadded>(p, rg, seq, rb, n_rb, spread);
   else
-    expand_chunks<F, kPadded, kSolo>(p, rg, seq, in_place, smem);
-  // A warp that gave up has set the abort flag (or found it set): the block stops here.
-  if (block_aborted(g)) return;
+    expanded = expand_chunks<F, kPadded, kSolo>(p, rg, seq, in_place, smem);
+  // A warp that gave up has set the abort flag (or found it set): the block stops here. Its
+  // own warps' word, not the flag's: a read of the flag was a round trip at the end of every
+  // receiving block, and a block whose items all arrived may finish as if no wait had failed.
+  if (__syncthreads_or(!expanded)) return;
   dispatch_done(g, seq);
   trace_mark(g, kTraceDispatch, kTraceDone);
 }
