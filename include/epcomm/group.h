@@ -168,7 +168,9 @@ class Group {
   void combine_wait(const CombineOutput& out, cudaStream_t stream);
 
   // Throws the device-reported error recorded since the last check, if any, and clears it
-  // (a timeout is not cleared: the group stays poisoned).
+  // (a timeout is not cleared: the group stays poisoned). The record holds one error: where a
+  // wait of the same rank timed out after the reported error, the message says so and the group
+  // is poisoned as by a recorded timeout.
   void check();
   // cudaStreamSynchronize(stream), then check().
   void synchronize(cudaStream_t stream);

@@ -653,6 +653,27 @@ void Group::check() {
     default:
       os << error_code_name(ec);
   }
+  // The record holds one error at a time: a wait that timed out after this error was recorded
+  // (a bad id on this rank, then a peer that never came) left its record unwritten but set the
+  // abort flag, which makes every later kernel of the group return at once. So the flag is read
+  // here, on this error path only, and a set flag poisons the group as a recorded timeout does;
+  // otherwise later calls would write nothing and report nothing.
+  // The read is checked, but a failure to read (a device that has failed, or a graph being
+  // captured on the calling thread, which forbids a synchronous copy) must not hide the error
+  // being reported: it is named in the message instead.
+  int32_t aborted = 0;
+  detail::check_cuda(cudaSetDevice(s_->device), "cudaSetDevice");
+  const cudaError_t read =
+      cudaMemcpy(&aborted, &s_->state->abort, sizeof(aborted), cudaMemcpyDeviceToHost);
+  if (read != cudaSuccess) {
+    (void)cudaGetLastError();
+    os << " (whether a wait also timed out is unknown: reading the abort flag failed: "
+       << cudaGetErrorString(read) << ")";
+  } else if (aborted != 0) {
+    s_->poisoned = true;
+    os << "; a wait of this rank also timed out (its record was not kept: one error is "
+          "recorded at a time), so the group is poisoned and must be set up again";
+  }
   // Clear, then count the clear: the device may record again once the epoch has moved on.
   const int32_t epoch = e->epoch;
   std::memset(const_cast<detail::DeviceErrorRecord*>(s_->error_host), 0,

@@ -511,6 +511,55 @@ TEST(Failure, MissingRankTimesOutNamingIt) {
   EXPECT_EQ(run_round(again, p, RoundOptions{}), "");
 }
 
+// A bad id and a missing rank in one call: the rank with the bad id records it first, then times
+// out waiting for the missing rank. The record keeps one error, so the timeout's is not kept,
+// but the abort flag it set makes every later kernel return at once: reporting the bad id must
+// therefore poison the group too, or later calls would write nothing and report nothing.
+TEST(Failure, BadIdThenTimeoutPoisons) {
+  EPCOMM_REQUIRE_GPU();
+  const int n = 4, missing = 1, bad_rank = 0;
+  const int H = 2048, K = 4, E = 8 * n, T = 64;
+  for (DispatchPath path : kBothPaths) {
+    SCOPED_TRACE(dispatch_path_name(path));
+    LocalGroup lg(with_path(make_cfg(H, K, E, T, 24, 1.0), path), n);
+    auto p =
+        reference::make_problem(n, H, K, E, std::vector<int32_t>(static_cast<size_t>(n), T), 12);
+    p.ranks[size_t(bad_rank)].topk_ids[size_t(5 * K + 2)] = E;  // outside [-1, E)
+    for (int r = 0; r < n; ++r)
+      lg.io[size_t(r)]->upload(p.ranks[size_t(r)]);
+    for (int r = 0; r < n; ++r) {
+      if (r == missing) continue;
+      RankIO& io = *lg.io[size_t(r)];
+      EPCOMM_CUDA_OK(cudaSetDevice(io.device));
+      lg.groups[size_t(r)]->dispatch(io.dispatch_input(), io.dispatch_output(), io.stream);
+    }
+    for (int r = 0; r < n; ++r) {
+      if (r == missing) continue;
+      RankIO& io = *lg.io[size_t(r)];
+      try {
+        lg.groups[size_t(r)]->synchronize(io.stream);
+        ADD_FAILURE() << "rank " << r << " reported no error";
+      } catch (const Error& e) {
+        const std::string w = e.what();
+        if (r == bad_rank) {
+          EXPECT_EQ(e.code(), ErrorCode::kBadExpertId) << w;
+          EXPECT_NE(w.find("topk_ids[5][2]"), std::string::npos) << w;
+          EXPECT_NE(w.find("also timed out"), std::string::npos) << w;
+        } else {
+          EXPECT_EQ(e.code(), ErrorCode::kTimeout) << w;
+        }
+      }
+      EXPECT_TRUE(lg.groups[size_t(r)]->poisoned()) << "rank " << r;
+      try {
+        lg.groups[size_t(r)]->dispatch(io.dispatch_input(), io.dispatch_output(), io.stream);
+        ADD_FAILURE() << "rank " << r << ": a poisoned group accepted a call";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::kPoisoned) << e.what();
+      }
+    }
+  }
+}
+
 // Set-up, teardown and set-up again in the same process.
 TEST(Setup, SecondInitWorks) {
   EPCOMM_REQUIRE_GPU();
