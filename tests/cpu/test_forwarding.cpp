@@ -313,8 +313,9 @@ TEST(Forwarding, ForwardStreamsMatchTheirDefinitionAndTheByteModel) {
         EXPECT_EQ(st.relay, st.node * rpn + s % rpn);
         int32_t n = 0;
         for (int32_t t = 0; t < tokens[size_t(s)]; ++t) {
-          if (t % detail::kChunkTokens == 0)
+          if (t % detail::kChunkTokens == 0) {
             EXPECT_EQ(st.chunk_start[size_t(t / detail::kChunkTokens)], n) << "token " << t;
+          }
           const uint64_t dest = reference::destination_ranks(p, s, t);
           const bool reaches = ((dest >> (st.node * rpn)) & ((uint64_t(1) << rpn) - 1)) != 0;
           EXPECT_EQ(st.slot[size_t(t)], reaches ? n : -1) << "token " << t;
@@ -325,7 +326,9 @@ TEST(Forwarding, ForwardStreamsMatchTheirDefinitionAndTheByteModel) {
         messages += n;
       }
       EXPECT_EQ(messages, m[size_t(s)].forwarded.dispatch_messages) << "sender " << s;
-      if (nodes > 1) EXPECT_GT(messages, 0) << "sender " << s << " forwards nothing";
+      if (nodes > 1) {
+        EXPECT_GT(messages, 0) << "sender " << s << " forwards nothing";
+      }
     }
   }
 }
@@ -679,7 +682,9 @@ TEST(Forwarding, OutboxStagesOneStreamPerOtherNode) {
       EXPECT_EQ(fwd.record_bytes() % detail::MessageLayout::kAlign, 0);
       // Forwarding stages nodes - 1 streams instead of n_remote: less with two ranks a node or
       // more (a forwarded message is a little longer than a direct one).
-      if (rpn >= 2) EXPECT_LT(fwd.bytes(), direct.bytes());
+      if (rpn >= 2) {
+        EXPECT_LT(fwd.bytes(), direct.bytes());
+      }
     }
   }
 }
