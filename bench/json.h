@@ -11,9 +11,14 @@
 #include <string>
 #include <vector>
 
+#include <sys/wait.h>
+
 namespace epbench {
 
-// EPCOMM_COMMIT if set, else git rev-parse HEAD, else "unknown".
+// The commit the benchmark runs from (EPCOMM_COMMIT, else `git rev-parse HEAD`), with
+// "+modified" where tracked files differ from it (else "unknown"): a figure taken from an
+// uncommitted tree, or from a copy whose git metadata is older than its files (a device machine's
+// copy of a working tree), is then not quoted as that commit's.
 inline std::string git_commit() {
   if (const char* env = std::getenv("EPCOMM_COMMIT")) return env;
   std::string out;
@@ -24,7 +29,12 @@ inline std::string git_commit() {
     const int status = pclose(p);
     while (!out.empty() && std::isspace(static_cast<unsigned char>(out.back())))
       out.pop_back();
-    if (status == 0 && out.size() >= 7) return out;
+    if (status == 0 && out.size() >= 7) {
+      // 1: the tracked files differ from HEAD (0: they do not; anything else: unknown).
+      const int diff = std::system("git diff --quiet HEAD -- 2>/dev/null");
+      if (diff != -1 && WIFEXITED(diff) && WEXITSTATUS(diff) == 1) out += "+modified";
+      return out;
+    }
   }
   return "unknown";
 }
