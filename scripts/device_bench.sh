@@ -10,7 +10,6 @@ set -uo pipefail
 . "$(dirname "$0")/device_env.sh"
 BENCH=${BENCH:-build-device/bench/epcomm_bench}
 ARGS=${BENCH_ARGS:-}
-export EPCOMM_COMMIT=${EPCOMM_COMMIT:-$(epcomm_commit)}
 timeout ${BENCH_TIMEOUT:-200} $BENCH $ARGS --json "$OUT/bench.json" >"$OUT/bench.txt" 2>"$OUT/bench.err"
 echo "bench rc=$?"
 grep -vE "^\s*$" "$OUT/bench.txt" | tail -40

@@ -34,15 +34,6 @@ pip_install() {
   return $rc
 }
 
-# The commit of this tree, short, with "+modified" where tracked files differ from it: a device
-# machine's copy of a working tree keeps the git metadata of the session's first copy, so its
-# HEAD can be older than its files.
-epcomm_commit() {
-  local c
-  c=$(git rev-parse --short HEAD 2>/dev/null) || { echo unknown; return; }
-  git diff --quiet HEAD -- 2>/dev/null || c="$c+modified"
-  echo "$c"
-}
 gpu_count() { nvidia-smi -L 2>/dev/null | grep -c "^GPU"; }
 # Whether GPU_SHARDS asks for one ctest per GPU and there is more than one GPU.
 use_shards() { [ -n "${GPU_SHARDS:-}" ] && [ "$(gpu_count)" -gt 1 ]; }

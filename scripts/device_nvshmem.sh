@@ -40,7 +40,6 @@ if has tests; then
 fi
 
 if has bench; then
-  export EPCOMM_COMMIT=${EPCOMM_COMMIT:-$(epcomm_commit)}
   for split in ${SPLITS:-1x8 2x4 4x2}; do
     nodes=${split%x*}; rpn=${split#*x}; n=$((nodes * rpn))
     echo "== $split ($nodes nodes of $rpn ranks)"

@@ -458,6 +458,18 @@ TEST(Graph, CapturedRoundReplaysWithNewInputs) {
   }
 }
 
+// Rank r's group is poisoned: it says so, and its next call throws kPoisoned without launching.
+static void expect_poisoned(LocalGroup& lg, int r) {
+  RankIO& io = *lg.io[size_t(r)];
+  EXPECT_TRUE(lg.groups[size_t(r)]->poisoned()) << "rank " << r;
+  try {
+    lg.groups[size_t(r)]->dispatch(io.dispatch_input(), io.dispatch_output(), io.stream);
+    ADD_FAILURE() << "rank " << r << ": a poisoned group accepted a call";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kPoisoned) << e.what();
+  }
+}
+
 // A rank that never launches: the others stop within the timeout with an error naming it, the
 // group is poisoned, and a new group in the same process works.
 TEST(Failure, MissingRankTimesOutNamingIt) {
@@ -469,15 +481,8 @@ TEST(Failure, MissingRankTimesOutNamingIt) {
     LocalGroup lg(with_path(make_cfg(2048, 4, 8 * n, 64, 24, 1.0), path), n);
     const auto p = reference::make_problem(n, 2048, 4, 8 * n,
                                            std::vector<int32_t>(static_cast<size_t>(n), 64), 8);
-    for (int r = 0; r < n; ++r)
-      lg.io[size_t(r)]->upload(p.ranks[size_t(r)]);
     const auto start = std::chrono::steady_clock::now();
-    for (int r = 0; r < n; ++r) {
-      if (r == missing) continue;
-      EPCOMM_CUDA_OK(cudaSetDevice(lg.io[size_t(r)]->device));
-      lg.groups[size_t(r)]->dispatch(lg.io[size_t(r)]->dispatch_input(),
-                                     lg.io[size_t(r)]->dispatch_output(), lg.io[size_t(r)]->stream);
-    }
+    lg.issue_dispatch(p, missing);
     for (int r = 0; r < n; ++r) {
       if (r == missing) continue;
       try {
@@ -491,15 +496,7 @@ TEST(Failure, MissingRankTimesOutNamingIt) {
         EXPECT_NE(w.find("raise Config::timeout_seconds or set EPCOMM_TIMEOUT_SECONDS"),
                   std::string::npos) << w;  // says what to raise for a peer that is only late
       }
-      EXPECT_TRUE(lg.groups[size_t(r)]->poisoned());
-      try {
-        lg.groups[size_t(r)]->dispatch(lg.io[size_t(r)]->dispatch_input(),
-                                       lg.io[size_t(r)]->dispatch_output(),
-                                       lg.io[size_t(r)]->stream);
-        ADD_FAILURE() << "a poisoned group accepted a call";
-      } catch (const Error& e) {
-        EXPECT_EQ(e.code(), ErrorCode::kPoisoned);
-      }
+      expect_poisoned(lg, r);
     }
     const double secs =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -525,19 +522,11 @@ TEST(Failure, BadIdThenTimeoutPoisons) {
     auto p =
         reference::make_problem(n, H, K, E, std::vector<int32_t>(static_cast<size_t>(n), T), 12);
     p.ranks[size_t(bad_rank)].topk_ids[size_t(5 * K + 2)] = E;  // outside [-1, E)
-    for (int r = 0; r < n; ++r)
-      lg.io[size_t(r)]->upload(p.ranks[size_t(r)]);
+    lg.issue_dispatch(p, missing);
     for (int r = 0; r < n; ++r) {
       if (r == missing) continue;
-      RankIO& io = *lg.io[size_t(r)];
-      EPCOMM_CUDA_OK(cudaSetDevice(io.device));
-      lg.groups[size_t(r)]->dispatch(io.dispatch_input(), io.dispatch_output(), io.stream);
-    }
-    for (int r = 0; r < n; ++r) {
-      if (r == missing) continue;
-      RankIO& io = *lg.io[size_t(r)];
       try {
-        lg.groups[size_t(r)]->synchronize(io.stream);
+        lg.groups[size_t(r)]->synchronize(lg.io[size_t(r)]->stream);
         ADD_FAILURE() << "rank " << r << " reported no error";
       } catch (const Error& e) {
         const std::string w = e.what();
@@ -549,13 +538,7 @@ TEST(Failure, BadIdThenTimeoutPoisons) {
           EXPECT_EQ(e.code(), ErrorCode::kTimeout) << w;
         }
       }
-      EXPECT_TRUE(lg.groups[size_t(r)]->poisoned()) << "rank " << r;
-      try {
-        lg.groups[size_t(r)]->dispatch(io.dispatch_input(), io.dispatch_output(), io.stream);
-        ADD_FAILURE() << "rank " << r << ": a poisoned group accepted a call";
-      } catch (const Error& e) {
-        EXPECT_EQ(e.code(), ErrorCode::kPoisoned) << e.what();
-      }
+      expect_poisoned(lg, r);
     }
   }
 }

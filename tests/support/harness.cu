@@ -505,12 +505,13 @@ void LocalGroup::all(const std::function<void(int)>& f) {
   sync_all();
 }
 
-void LocalGroup::issue_dispatch(const reference::Problem& p) {
+void LocalGroup::issue_dispatch(const reference::Problem& p, int absent) {
   for (int r = 0; r < n(); ++r) {
     io[size_t(r)]->upload(p.ranks[size_t(r)]);
     io[size_t(r)]->poison();
   }
   for (int r = 0; r < n(); ++r) {
+    if (r == absent) continue;
     RankIO& x = *io[size_t(r)];
     EPCOMM_CUDA_OK(cudaSetDevice(x.device));
     groups[size_t(r)]->dispatch(x.dispatch_input(), x.dispatch_output(), x.stream);

@@ -211,8 +211,9 @@ struct LocalGroup {
   void all(const std::function<void(int)>& f);
   void sync_all();
   // Uploads every rank's input of `p`, poisons its outputs and issues the fused dispatch on every
-  // rank, without synchronising: for tests that then look at each rank's result or error.
-  void issue_dispatch(const reference::Problem& p);
+  // rank but `absent` (a rank that never calls: the failure tests), without synchronising: for
+  // tests that then look at each rank's result or error.
+  void issue_dispatch(const reference::Problem& p, int absent = -1);
 };
 
 enum class Form { kFused, kAsyncWait };
