@@ -106,6 +106,10 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{2, 2048, 1, 8, 200, 0.0, "r2_h2048_k1_e8"},
                       // Wide rows: 10 KB and 32 KB of bf16.
                       Case{1, 5120, 8, 64, 64, 0.0, "r1_h5120_k8_e64"},
+                      // One rank, a quarter of the tokens with every slot masked: the fused
+                      // expert-side combine writes the others' rows from its send, these from
+                      // its receive.
+                      Case{1, 2880, 2, 16, 128, 0.5, "r1_h2880_k2_e16_masked"},
                       Case{2, 16384, 8, 64, 48, 0.1, "r2_h16384_k8_e64_masked"},
                       Case{2, 2880, 4, 128, 96, 0.2, "r2_h2880_k4_e128_masked"},
                       Case{3, 7168, 8, 96, 128, 0.0, "r3_h7168_k8_e96"},
@@ -332,64 +336,67 @@ struct StoreF32 {
 };
 }  // namespace
 
-// A device epilogue receives the fp32 sums: within 1e-5 of the float64 reference.
+// A device epilogue receives the fp32 sums: within 1e-5 of the float64 reference. With one rank
+// too, where the fused expert-side kernel hands the sums to the epilogue from its send.
 TEST(Combine, EpilogueGetsFp32Sums) {
   EPCOMM_REQUIRE_GPU();
-  const int n = suite_ranks();
-  const int H = 2880, K = 8, E = 16 * n, max_t = 200;
-  LocalGroup lg(make_cfg(H, K, E, max_t), n);
-  for (int r = 0; r < n; ++r) {
-    EPCOMM_CUDA_OK(cudaSetDevice(lg.io[size_t(r)]->device));
-    epcomm::load_combine_kernels<StoreF32>();
-  }
-  const auto p = reference::make_problem(n, H, K, E, random_counts(n, max_t, 9), 9, 0.0, 0.1);
-  ASSERT_EQ(run_round(lg, p, RoundOptions{}), "");  // leaves dispatch state and expert outputs
-  std::vector<DeviceBuffer> f32;
-  for (int r = 0; r < n; ++r) {
-    f32.emplace_back(lg.io[size_t(r)]->device, size_t(max_t) * H * 4);
-    f32.back().fill(0xff);
-  }
-  lg.all([&](int r) {
-    RankIO& io = *lg.io[size_t(r)];
-    epcomm::combine(*lg.groups[size_t(r)], io.combine_input(), io.weights.get<float>(),
-                    StoreF32{f32[size_t(r)].get<float>(), H}, io.stream);
-  });
-  const auto refs = reference_dispatch_all(p);
-  std::vector<std::vector<uint16_t>> y;
-  for (int r = 0; r < n; ++r)
-    y.push_back(lg.io[size_t(r)]->expert_out_host);
-  for (int r = 0; r < n; ++r) {
-    const std::vector<double> ref = reference::combine(p, refs, y, r, true);
-    std::vector<float> out(ref.size());
-    f32[size_t(r)].download(out.data(), out.size() * 4);
-    EXPECT_EQ(reference::compare_combine_f32(ref, out.data(), int64_t(out.size()), 1e-5), "")
-        << "rank " << r;
-  }
-  // The expert-side reduction (weights given to dispatch, none here): the epilogue gets exactly
-  // the reference's fp32 sums of the bf16 partial sums.
-  RoundOptions o;
-  o.expert_side = true;
-  const auto p2 = reference::make_problem(n, H, K, E, random_counts(n, max_t, 19), 19, 0.0, 0.1);
-  ASSERT_EQ(run_round(lg, p2, o), "");
-  for (int r = 0; r < n; ++r)
-    f32[size_t(r)].fill(0xff);
-  lg.all([&](int r) {
-    RankIO& io = *lg.io[size_t(r)];
-    epcomm::combine(*lg.groups[size_t(r)], io.combine_input(), nullptr,
-                    StoreF32{f32[size_t(r)].get<float>(), H}, io.stream);
-  });
-  const auto refs2 = reference_dispatch_all(p2);
-  std::vector<std::vector<uint16_t>> y2;
-  for (int r = 0; r < n; ++r)
-    y2.push_back(lg.io[size_t(r)]->expert_out_host);
-  for (int r = 0; r < n; ++r) {
-    const std::vector<float> ref = reference::combine_expert_side(p2, refs2, y2, r);
-    std::vector<float> out(ref.size());
-    f32[size_t(r)].download(out.data(), out.size() * 4);
-    int64_t diff = 0;
-    for (size_t i = 0; i < ref.size(); ++i)
-      diff += out[i] != ref[i];
-    EXPECT_EQ(diff, 0) << "rank " << r << ": fp32 sums differ from the expert-side reference";
+  for (const int n : {1, suite_ranks()}) {
+    SCOPED_TRACE(std::to_string(n) + " ranks");
+    const int H = 2880, K = 8, E = 16 * n, max_t = 200;
+    LocalGroup lg(make_cfg(H, K, E, max_t), n);
+    for (int r = 0; r < n; ++r) {
+      EPCOMM_CUDA_OK(cudaSetDevice(lg.io[size_t(r)]->device));
+      epcomm::load_combine_kernels<StoreF32>();
+    }
+    const auto p = reference::make_problem(n, H, K, E, random_counts(n, max_t, 9), 9, 0.0, 0.1);
+    ASSERT_EQ(run_round(lg, p, RoundOptions{}), "");  // leaves dispatch state and expert outputs
+    std::vector<DeviceBuffer> f32;
+    for (int r = 0; r < n; ++r) {
+      f32.emplace_back(lg.io[size_t(r)]->device, size_t(max_t) * H * 4);
+      f32.back().fill(0xff);
+    }
+    lg.all([&](int r) {
+      RankIO& io = *lg.io[size_t(r)];
+      epcomm::combine(*lg.groups[size_t(r)], io.combine_input(), io.weights.get<float>(),
+                      StoreF32{f32[size_t(r)].get<float>(), H}, io.stream);
+    });
+    const auto refs = reference_dispatch_all(p);
+    std::vector<std::vector<uint16_t>> y;
+    for (int r = 0; r < n; ++r)
+      y.push_back(lg.io[size_t(r)]->expert_out_host);
+    for (int r = 0; r < n; ++r) {
+      const std::vector<double> ref = reference::combine(p, refs, y, r, true);
+      std::vector<float> out(ref.size());
+      f32[size_t(r)].download(out.data(), out.size() * 4);
+      EXPECT_EQ(reference::compare_combine_f32(ref, out.data(), int64_t(out.size()), 1e-5), "")
+          << "rank " << r;
+    }
+    // The expert-side reduction (weights given to dispatch, none here): the epilogue gets exactly
+    // the reference's fp32 sums of the bf16 partial sums.
+    RoundOptions o;
+    o.expert_side = true;
+    const auto p2 = reference::make_problem(n, H, K, E, random_counts(n, max_t, 19), 19, 0.0, 0.1);
+    ASSERT_EQ(run_round(lg, p2, o), "");
+    for (int r = 0; r < n; ++r)
+      f32[size_t(r)].fill(0xff);
+    lg.all([&](int r) {
+      RankIO& io = *lg.io[size_t(r)];
+      epcomm::combine(*lg.groups[size_t(r)], io.combine_input(), nullptr,
+                      StoreF32{f32[size_t(r)].get<float>(), H}, io.stream);
+    });
+    const auto refs2 = reference_dispatch_all(p2);
+    std::vector<std::vector<uint16_t>> y2;
+    for (int r = 0; r < n; ++r)
+      y2.push_back(lg.io[size_t(r)]->expert_out_host);
+    for (int r = 0; r < n; ++r) {
+      const std::vector<float> ref = reference::combine_expert_side(p2, refs2, y2, r);
+      std::vector<float> out(ref.size());
+      f32[size_t(r)].download(out.data(), out.size() * 4);
+      int64_t diff = 0;
+      for (size_t i = 0; i < ref.size(); ++i)
+        diff += out[i] != ref[i];
+      EXPECT_EQ(diff, 0) << "rank " << r << ": fp32 sums differ from the expert-side reference";
+    }
   }
 }
 

@@ -206,9 +206,13 @@ __device__ __forceinline__ void sum_rows(const char* row, float w, int32_t n, in
 }
 
 // The expert side's half of the expert-side reduction: one pre-summed row per received message.
-// `bases`: p.recv_base, copied to shared memory.
-template <bool kWholeRows>
-__device__ inline void combine_send_expert_side(const CombineParams& p, const int32_t* bases) {
+// `bases`: p.recv_base, copied to shared memory. kFused: the fused kernel, whose receive in a
+// group of one rank adds one row per token (0 + that row): the sum goes straight to `epi`
+// instead (the row's round trip through the combine buffer cost about a quarter of prefill's
+// combine), and the receive writes only the tokens no message names.
+template <bool kWholeRows, bool kFused, class Epilogue>
+__device__ inline void combine_send_expert_side(const CombineParams& p, const int32_t* bases,
+                                                Epilogue& epi) {
   const GroupView& g = p.g;
   const WindowLayout wl = g.layout();
   const CombineRecvLayout cl = wl.combine_recv();
@@ -217,6 +221,9 @@ __device__ inline void combine_send_expert_side(const CombineParams& p, const in
   const int64_t row_limit = g.output().rows;
   const int lane = threadIdx.x % kWarpSize;
   const char* in = static_cast<const char*>(p.expert_out);
+  const bool direct = kFused && g.n_ranks == 1;
+  const int32_t num_tokens =
+      direct ? *reinterpret_cast<volatile int32_t*>(&g.state->num_tokens) : g.max_tokens;
 
   // Messages interleaved over sources, (message m, source) m-major, with each rank starting at
   // the source after itself: at any moment the grid's warps write to every owner at once. Taking
@@ -246,7 +253,7 @@ __device__ inline void combine_send_expert_side(const CombineParams& p, const in
     if (lane < K) e = h->entries[lane];  // with the header's words: one round trip
     const int32_t token = h->token, slot = h->rank_slot;
     const int32_t n = min(int32_t(h->n_entries), K);
-    if (token < 0 || token >= g.max_tokens || slot < 0 || slot >= K) continue;  // stay inside
+    if (token < 0 || token >= num_tokens || slot < 0 || slot >= K) continue;  // stay inside
     const char* row = nullptr;
     float w = 0.0f;
     if (lane < n) {
@@ -262,17 +269,27 @@ __device__ inline void combine_send_expert_side(const CombineParams& p, const in
                               int64_t(g.nodes().remote_index(g.rank, s)) * g.max_tokens + m));
     });
     auto store = [&](int32_t c, const float(&acc)[8]) {
-      st_v4(dst + int64_t(c) * 2, pack_bf16x8(acc));
+      const uint4 v = pack_bf16x8(acc);
+      if (!direct) {
+        st_v4(dst + int64_t(c) * 2, v);
+        return;
+      }
+      float y[8];  // what the receive's sum of this one row gives: 0 + the rounded row
+      unpack_bf16x8(v, y);
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        y[i] = __fadd_rn(0.0f, y[i]);
+      emit8(epi, token, c, y);
     };
     sum_rows<kWholeRows>(row, w, n, H, part, ws.column_stride(), LoadNc{}, store);
-    warp_put(g, s, at, dst, int64_t(H) * 2);
+    if (!direct) warp_put(g, s, at, dst, int64_t(H) * 2);
   }
 }
 
 // kDirectSelf (the fused kernel, token side): rows of this rank's own tokens stay where they
 // are; the receive reads them from expert_out (scratch.self_row).
-template <bool kExpertSide, bool kDirectSelf, bool kWholeRows>
-__device__ inline void combine_send(const CombineParams& p, unsigned long long seq) {
+template <bool kExpertSide, bool kDirectSelf, bool kWholeRows, bool kFused, class Epilogue>
+__device__ inline void combine_send(const CombineParams& p, unsigned long long seq, Epilogue& epi) {
   const GroupView& g = p.g;
   // Expert side: the (source, group) base rows, loaded while the acks are awaited (the view's
   // experts: one more per rank with the shared expert).
@@ -297,7 +314,7 @@ __device__ inline void combine_send(const CombineParams& p, unsigned long long s
       if (j < g.n_experts) bases[j] = base[i];
     }
     __syncthreads();
-    combine_send_expert_side<kWholeRows>(p, bases);
+    combine_send_expert_side<kWholeRows, kFused>(p, bases, epi);
     block_signal_all(g, WindowLayout::kCombineArrived);
     trace_mark(g, kTraceCombine, kTraceSent);
     return;
@@ -317,7 +334,9 @@ __device__ inline void combine_send(const CombineParams& p, unsigned long long s
   // one before each (the fused kernel skips this rank's own rows at the cost of a shuffle).
   constexpr int32_t kPiece = kCopyUnroll * kWarpSize;  // vectors
   const int32_t pieces = (n_vec + kPiece - 1) / kPiece;
-  const int64_t items = rows * pieces, step = WorkSplit::stride(g);
+  // A group of one rank has no rows to send in the fused kernel: every row is its own.
+  const int64_t items = kDirectSelf && g.n_ranks == 1 ? 0 : rows * pieces;
+  const int64_t step = WorkSplit::stride(g);
   const int lane = threadIdx.x % kWarpSize;
   for (int64_t batch = WorkSplit::first_item(); batch < items; batch += kWarpSize * step) {
     const int64_t mine = batch + lane * step;
@@ -362,7 +381,7 @@ __device__ inline void combine_send(const CombineParams& p, unsigned long long s
   trace_mark(g, kTraceCombine, kTraceSent);
 }
 
-template <bool kExpertSide, bool kDirectSelf, bool kWholeRows, class Epilogue>
+template <bool kExpertSide, bool kDirectSelf, bool kWholeRows, bool kFused, class Epilogue>
 __device__ void combine_recv(const CombineParams& p, unsigned long long seq, Epilogue& epi) {
   const GroupView& g = p.g;
   if (!block_wait_signal(g, all_ranks_mask(g), WindowLayout::kCombineArrived, kOpCombineRecv,
@@ -399,6 +418,8 @@ __device__ void combine_recv(const CombineParams& p, unsigned long long seq, Epi
       const int32_t n =
           __popc(__reduce_or_sync(0xffffffffu, dr >= 0 && dr < kWarpSize ? 1u << dr : 0u)) +
           __popc(__reduce_or_sync(0xffffffffu, dr >= kWarpSize ? 1u << (dr - kWarpSize) : 0u));
+      // The fused kernel in a group of one rank: the send wrote the token's row.
+      if (kFused && g.n_ranks == 1 && n > 0) continue;
       const char* row = lane < n ? slots + lane * cl.row_bytes() : nullptr;
       sum_rows<kWholeRows>(row, 1.0f, n, H, part, stride, LoadOnce{}, emit);
       continue;
@@ -449,11 +470,11 @@ __device__ __forceinline__ void combine_form(const CombineParams& p, Epilogue& e
   const unsigned long long seq = p.g.state->combine_seq + 1;
   // The fused kernel's token side reads this rank's own rows in place.
   constexpr bool kDirectSelf = kSend && kRecv && !kExpertSide;
-  if (kSend) combine_send<kExpertSide, kDirectSelf, kWholeRows>(p, seq);
+  if (kSend) combine_send<kExpertSide, kDirectSelf, kWholeRows, kSend && kRecv>(p, seq, epi);
   if (!kRecv) trace_mark(p.g, kTraceCombine, kTraceDone);
   if (kRecv && !block_aborted(p.g)) {
     if (kSend) trace_mark(p.g, kTraceCombine, kTraceRecvStart);
-    combine_recv<kExpertSide, kDirectSelf, kWholeRows>(p, seq, epi);
+    combine_recv<kExpertSide, kDirectSelf, kWholeRows, kSend>(p, seq, epi);
   }
 }
 
