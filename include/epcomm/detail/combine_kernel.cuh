@@ -205,6 +205,14 @@ __device__ __forceinline__ void sum_rows(const char* row, float w, int32_t n, in
     sum_rows_by<1, 8>(row, w, n, H, part, stride, load, out);
 }
 
+// The fused kernel (kFused) of a group of one rank: every expert row is this rank's own, so no row
+// need cross the combine buffer (the token side reads them in place, the expert side's send
+// hands its sums to the epilogue).
+template <bool kFused>
+__device__ __forceinline__ bool fused_alone(const GroupView& g) {
+  return kFused && g.n_ranks == 1;
+}
+
 // The expert side's half of the expert-side reduction: one pre-summed row per received message.
 // `bases`: p.recv_base, copied to shared memory. kFused: the fused kernel, whose receive in a
 // group of one rank adds one row per token (0 + that row): the sum goes straight to `epi`
@@ -221,7 +229,7 @@ __device__ inline void combine_send_expert_side(const CombineParams& p, const in
   const int64_t row_limit = g.output().rows;
   const int lane = threadIdx.x % kWarpSize;
   const char* in = static_cast<const char*>(p.expert_out);
-  const bool direct = kFused && g.n_ranks == 1;
+  const bool direct = fused_alone<kFused>(g);
   const int32_t num_tokens =
       direct ? *reinterpret_cast<volatile int32_t*>(&g.state->num_tokens) : g.max_tokens;
 
@@ -288,8 +296,9 @@ __device__ inline void combine_send_expert_side(const CombineParams& p, const in
 
 // kDirectSelf (the fused kernel, token side): rows of this rank's own tokens stay where they
 // are; the receive reads them from expert_out (scratch.self_row).
-template <bool kExpertSide, bool kDirectSelf, bool kWholeRows, bool kFused, class Epilogue>
+template <bool kExpertSide, bool kWholeRows, bool kFused, class Epilogue>
 __device__ inline void combine_send(const CombineParams& p, unsigned long long seq, Epilogue& epi) {
+  constexpr bool kDirectSelf = kFused && !kExpertSide;
   const GroupView& g = p.g;
   // Expert side: the (source, group) base rows, loaded while the acks are awaited (the view's
   // experts: one more per rank with the shared expert).
@@ -335,7 +344,7 @@ __device__ inline void combine_send(const CombineParams& p, unsigned long long s
   constexpr int32_t kPiece = kCopyUnroll * kWarpSize;  // vectors
   const int32_t pieces = (n_vec + kPiece - 1) / kPiece;
   // A group of one rank has no rows to send in the fused kernel: every row is its own.
-  const int64_t items = kDirectSelf && g.n_ranks == 1 ? 0 : rows * pieces;
+  const int64_t items = kDirectSelf && fused_alone<kFused>(g) ? 0 : rows * pieces;
   const int64_t step = WorkSplit::stride(g);
   const int lane = threadIdx.x % kWarpSize;
   for (int64_t batch = WorkSplit::first_item(); batch < items; batch += kWarpSize * step) {
@@ -381,8 +390,9 @@ __device__ inline void combine_send(const CombineParams& p, unsigned long long s
   trace_mark(g, kTraceCombine, kTraceSent);
 }
 
-template <bool kExpertSide, bool kDirectSelf, bool kWholeRows, bool kFused, class Epilogue>
+template <bool kExpertSide, bool kWholeRows, bool kFused, class Epilogue>
 __device__ void combine_recv(const CombineParams& p, unsigned long long seq, Epilogue& epi) {
+  constexpr bool kDirectSelf = kFused && !kExpertSide;  // as combine_send
   const GroupView& g = p.g;
   if (!block_wait_signal(g, all_ranks_mask(g), WindowLayout::kCombineArrived, kOpCombineRecv,
                          kWaitData,
@@ -419,7 +429,7 @@ __device__ void combine_recv(const CombineParams& p, unsigned long long seq, Epi
           __popc(__reduce_or_sync(0xffffffffu, dr >= 0 && dr < kWarpSize ? 1u << dr : 0u)) +
           __popc(__reduce_or_sync(0xffffffffu, dr >= kWarpSize ? 1u << (dr - kWarpSize) : 0u));
       // The fused kernel in a group of one rank: the send wrote the token's row.
-      if (kFused && g.n_ranks == 1 && n > 0) continue;
+      if (fused_alone<kFused>(g) && n > 0) continue;
       const char* row = lane < n ? slots + lane * cl.row_bytes() : nullptr;
       sum_rows<kWholeRows>(row, 1.0f, n, H, part, stride, LoadOnce{}, emit);
       continue;
@@ -468,13 +478,13 @@ __device__ __forceinline__ void combine_form(const CombineParams& p, Epilogue& e
   trace_begin(p.g, kTraceCombine, kSend ? kTraceStart : kTraceRecvStart,
               kRecv ? kTraceMarks : kTraceRecvStart);
   const unsigned long long seq = p.g.state->combine_seq + 1;
-  // The fused kernel's token side reads this rank's own rows in place.
-  constexpr bool kDirectSelf = kSend && kRecv && !kExpertSide;
-  if (kSend) combine_send<kExpertSide, kDirectSelf, kWholeRows, kSend && kRecv>(p, seq, epi);
+  // The fused kernel: the token side reads this rank's own rows in place (kDirectSelf).
+  constexpr bool kFused = kSend && kRecv;
+  if (kSend) combine_send<kExpertSide, kWholeRows, kFused>(p, seq, epi);
   if (!kRecv) trace_mark(p.g, kTraceCombine, kTraceDone);
   if (kRecv && !block_aborted(p.g)) {
     if (kSend) trace_mark(p.g, kTraceCombine, kTraceRecvStart);
-    combine_recv<kExpertSide, kDirectSelf, kWholeRows, kSend>(p, seq, epi);
+    combine_recv<kExpertSide, kWholeRows, kFused>(p, seq, epi);
   }
 }
 
