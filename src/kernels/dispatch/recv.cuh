@@ -165,14 +165,15 @@ struct RecvRing {
 
 // Whether this rank's own messages carry no payload: in the fused kernel (send and receive one
 // launch, so the caller's input is there throughout) of the throughput path, a message to this
-// rank is its header alone and the receive reads the row from p.tokens. bf16 copies it: that
+// rank is not sent at all: the receive takes the token's route from the ranking, writes the
+// header itself (expand_own) and reads the row from p.tokens. bf16 copies it: that
 // saves the send a read and a write of every own row (all of them with one rank, 1 / R of them
 // with R), which the send, bound by its warps' loads in flight, took longer over than the
 // receive's K-row expansion per byte. The quantised formats do it in a group of one rank (a
 // skip_a2a group's view among them) where the ring is used (solo_in_place): the receive
 // quantises the row into its ring slot and stores it from there as it stores a received payload,
-// and the send writes headers only. That group has fused kernels of its own (kSolo), so the
-// quantiser's registers (the receive spilled 8-72 B with it) stay out of every other kernel:
+// and the send writes nothing but the meta record. That group has fused kernels of its own (kSolo),
+// so the quantiser's registers (the receive spilled 8-72 B with it) stay out of every other kernel:
 // with it compiled into all of them, 2-rank FP8 prefill dispatch was 0.8% slower and one-rank
 // async + wait 0.7% (2 x H200, 2026-11-27). With more ranks most tokens also go to another rank,
 // so their row would be quantised twice (by the sender for the others, by the receive for this
@@ -237,16 +238,25 @@ __device__ __forceinline__ void quantize_into_slot(const GroupView& g, const uin
                        g.hidden / kLaneValues);
 }
 
+// This rank's own message as the receive built it from the token's route (expand_own), not
+// read from a header: the token, its entry count, and lane i's entry i.
+struct OwnEntries {
+  int32_t token;
+  int32_t n;
+  MessageEntry e;
+};
+
 // Expands units [unit_begin, unit_end) of message m of source src (8 values each: the whole
 // message, or one part) into its rows: one wire copy, up to K output rows; the part at unit 0
-// also writes the rows' src_info. `in_place` (self_in_place): this rank's own messages are
-// headers, their rows read from p.tokens (the quantised formats quantise them into the ring's
-// slot). `ring`: this warp's slot of the bulk-copy ring (quantised formats, whole messages; see
-// RecvRing), or none. Called by the whole warp.
+// also writes the rows' src_info. `in_place` (self_in_place): this rank's own messages were not
+// sent, their rows are read from p.tokens (the quantised formats quantise them into the ring's
+// slot) and `own` gives their entries. `ring`: this warp's slot of the bulk-copy ring (quantised
+// formats, whole messages; see RecvRing), or none. Called by the whole warp.
 template <TokenFormat F, bool kPadded, bool kSolo = false>
 __device__ void expand_message(const DispatchParams& p, const RecvGroups& rg, int32_t src,
                                int32_t m, int32_t unit_begin, int32_t unit_end,
-                               bool in_place = false, RingSlot* ring = nullptr) {
+                               bool in_place = false, RingSlot* ring = nullptr,
+                               const OwnEntries* own = nullptr) {
   const GroupView& g = p.g;
   const WindowLayout wl = g.layout();
   const MessageLayout ml = wl.msg();
@@ -274,8 +284,16 @@ __device__ void expand_message(const DispatchParams& p, const RecvGroups& rg, in
     prefetch_l2(msg + ml.payload_offset(), uint32_t(align_up(ml.payload_bytes(), 16)));
   const MessageHeader* h = reinterpret_cast<const MessageHeader*>(msg);
   MessageEntry e{};
-  if (lane < g.top_k) e = h->entries[lane];  // with the header's words: one round trip
-  const int32_t token = h->token;
+  int32_t token, n;
+  if (own != nullptr) {
+    e = own->e;
+    token = own->token;
+    n = own->n;
+  } else {
+    if (lane < g.top_k) e = h->entries[lane];  // with the header's words: one round trip
+    token = h->token;
+    n = min(int32_t(h->n_entries), g.top_k);
+  }
   // The row's bytes: the message's payload, or (in place) the caller's row, which this rank's
   // own header names (a token out of range writes no row).
   const char* payload = msg + ml.payload_offset();
@@ -285,7 +303,6 @@ __device__ void expand_message(const DispatchParams& p, const RecvGroups& rg, in
     if (lane == 0 && ok && unit_begin == 0 && unit_end >= units)
       prefetch_l2(payload, uint32_t(g.hidden) * 2);
   }
-  const int32_t n = min(int32_t(h->n_entries), g.top_k);
   int64_t row = -1;  // the dispatch row (src_info, self_row: packed)
   int64_t at = -1;   // the tokens output's row: `row`, or in the padded layout its slot's
   int32_t grp = -1;
@@ -347,6 +364,34 @@ __device__ void expand_message(const DispatchParams& p, const RecvGroups& rg, in
         .place(n, at, grp);
     if (bulk) __syncwarp();  // the lanes' reads of the slot, before lane 0 refills it
   }
+}
+
+// This rank's own message for token t, in the fused kernel where it stays in place (in_place):
+// the route from the ranking (every block has passed its grid barriers), the header written
+// where the message would have been (the expert-side combine reads it), then its rows. No flag
+// to wait for: the sender writes nothing for it. Whole warp.
+template <TokenFormat F, bool kPadded, bool kSolo>
+__device__ void expand_own(const DispatchParams& p, const RecvGroups& rg, int32_t t,
+                           RingSlot* ring) {
+  const GroupView& g = p.g;
+  const ExpertMap em = g.experts();
+  const LaneRoute r = route_from_scratch(p, t);
+  const RankMask dests = r.dests();
+  if (!(dests & rank_bit(g.rank))) return;  // not routed here
+  const int32_t m = r.slot_of(g.rank);
+  if (m < 0 || m >= rg.stream_count[g.rank]) return;  // never outside the stream
+  const WindowLayout wl = g.layout();
+  MessageHeader* h = reinterpret_cast<MessageHeader*>(
+      window_at(g, g.rank, wl.dispatch_recv_offset() + wl.dispatch_recv().offset(g.rank, m)));
+  const int32_t dest = r.id >= 0 ? em.rank_of(r.id) : -1;
+  const int32_t k = write_header(h, em, r, dest, dests, g.rank, t);  // lane i: entry i's slot
+  const int32_t from = k >= 0 ? k : 0;
+  const int32_t id = __shfl_sync(0xffffffffu, r.id, from);
+  const int32_t pos = __shfl_sync(0xffffffffu, r.pos, from);
+  const float w = __shfl_sync(0xffffffffu, r.weight, from);
+  OwnEntries own{t, __popc(__ballot_sync(0xffffffffu, k >= 0)), MessageEntry{}};
+  if (k >= 0) own.e = MessageEntry::make(em.local_of(id), k, pos, w);
+  expand_message<F, kPadded, kSolo>(p, rg, g.rank, m, 0, g.hidden / kLaneValues, true, ring, &own);
 }
 
 // Output slots no message fills, written before any data arrives (they depend only on the
@@ -513,6 +558,11 @@ __device__ bool expand_chunks(const DispatchParams& p, const RecvGroups& rg, uns
     const int32_t s = int32_t((i / kChunkTokens) % n_ranks);
     const int32_t c = int32_t(i / (int64_t(kChunkTokens) * n_ranks));
     if (c >= rg.n_chunks[s]) continue;
+    if (in_place && s == g.rank) {  // item (chunk, own, slot): the chunk's token `slot`
+      const int32_t t = c * kChunkTokens + slot;
+      if (t < p.num_tokens) expand_own<F, kPadded, kSolo>(p, rg, t, &ring);
+      continue;
+    }
     const int32_t* starts = reinterpret_cast<const int32_t*>(
         window_at(g, g.rank, g.layout().meta_offset(s)) + ml.chunk_start_offset());
     const int32_t end = min(starts[c + 1], rg.stream_count[s]);

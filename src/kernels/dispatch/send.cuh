@@ -283,11 +283,32 @@ __device__ LaneRoute route_from_scratch(const DispatchParams& p, int32_t t) {
   return r;
 }
 
+// Whole warp: token t's header for destination `rank`, written at h (lane k holds top-k slot k of
+// r, `dest` the rank of its expert, `dest_mask` the token's destinations): entry i is the i-th
+// slot, ascending, whose expert is on `rank`. Returns that slot in lane i (-1 past the entries):
+// what a reader of the header finds in entries[i].slot().
+__device__ __forceinline__ int32_t write_header(MessageHeader* h, const ExpertMap& em,
+                                                const LaneRoute& r, int32_t dest,
+                                                RankMask dest_mask, int32_t rank, int32_t t) {
+  const int lane = threadIdx.x % kWarpSize;
+  const uint32_t mine = __ballot_sync(0xffffffffu, dest == rank);
+  if (dest == rank)
+    h->entries[__popc(mine & lanemask_lt())] =
+        MessageEntry::make(em.local_of(r.id), lane, r.pos, r.weight);
+  if (lane == 0) {
+    h->token = t;
+    h->n_entries = int16_t(__popc(mine));
+    h->rank_slot = int16_t(rank_slot_of(dest_mask, rank));
+  }
+  return lane < __popc(mine) ? int32_t(__fns(mine, 0, lane + 1)) : -1;
+}
+
 // Token t's message to every destination rank it goes to: the header when `headers`, and the
 // payload's units [unit_begin, unit_end) (8 values each: bf16 copied, the other formats
 // quantised in registers). Whole warp. Calls sent(batch) after each batch of destinations.
-// `self_in_place` (self_in_place(): the fused throughput kernel): this rank's own message is its
-// header alone; the receive reads the row where it is, in p.tokens.
+// `self_in_place` (self_in_place(): the fused throughput kernel): this rank's own message is not
+// written at all; the receive takes the token's route from the ranking, writes the header itself
+// (the expert-side combine reads it) and reads the row where it is, in p.tokens.
 template <TokenFormat F, class Sent>
 __device__ void send_token(const DispatchParams& p, int32_t t, const LaneRoute& r,
                            int32_t unit_begin, int32_t unit_end, bool headers, Sent sent,
@@ -309,21 +330,12 @@ __device__ void send_token(const DispatchParams& p, int32_t t, const LaneRoute& 
     Dests d;
     for (; left && d.n < kDestBatch; left &= left - 1) {
       const int32_t rank = __ffsll(left) - 1;
+      if (!(copied & rank_bit(rank))) continue;  // this rank's own, in place
       const int32_t s = r.slot_of(rank);
       char* msg = message_at(g, rank, s);
-      const uint32_t mine = __ballot_sync(0xffffffffu, dest == rank);
-      if (headers) {
-        MessageHeader* h = reinterpret_cast<MessageHeader*>(msg);
-        if (dest == rank)
-          h->entries[__popc(mine & lanemask_lt())] =
-              MessageEntry::make(em.local_of(r.id), lane, r.pos, r.weight);
-        if (lane == 0) {
-          h->token = t;
-          h->n_entries = int16_t(__popc(mine));
-          h->rank_slot = int16_t(rank_slot_of(dest_mask, rank));
-        }
-      }
-      if (copied & rank_bit(rank)) d.add(rank, s, msg + ml.payload_offset());
+      if (headers)
+        write_header(reinterpret_cast<MessageHeader*>(msg), em, r, dest, dest_mask, rank, t);
+      d.add(rank, s, msg + ml.payload_offset());
     }
     if constexpr (F == TokenFormat::kBF16) {  // a unit is one 16-byte vector
       if (d.n > 0)
@@ -343,6 +355,9 @@ template <TokenFormat F>
 __device__ void send_messages(const DispatchParams& p, int32_t num_tokens, int32_t sender,
                               int32_t n_senders, unsigned long long seq, bool self_in_place) {
   static_assert(kChunkTokens == kWarps, "one token of a chunk per warp");
+  // A group of one rank whose own messages stay in place has nothing to send: the receive
+  // takes each token's route from the ranking.
+  if (self_in_place && p.g.n_ranks == 1) return;
   __shared__ int32_t arrivals[kSignalRing];
   const ChunkSignals signals{arrivals};
   signals.init();
