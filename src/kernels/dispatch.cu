@@ -13,7 +13,9 @@
 //           record (counts per group, message count, chunk starts) and release its seq word.
 //        3. chunk by chunk, one message per (token, destination rank): header (token, and for
 //           each of its experts on that rank: group, top-k slot, position) + payload (bf16, or
-//           codes + scales quantised in registers), then the chunk's arrival flag.
+//           codes + scales quantised in registers), then the chunk's arrival flag. In the fused
+//           kernel where this rank's own messages stay in place (self_in_place), none is sent
+//           to itself: the receive builds them from the ranking (expand_own).
 //  recv  4. wait for every source's meta; derive row_offsets (format padding included) and each
 //           (source, group) base row; write padding rows and unused scale slots; then expand
 //           each chunk as its flag arrives (one wire copy, many output rows).
@@ -124,8 +126,11 @@ __device__ __forceinline__ void dispatch_form(const DispatchParams& p) {
       if (!block_aborted(p.g)) dispatch_recv<F, kPadded, false>(p, seq, smem, b, blocks, false);
       return;
     }
-    const int32_t senders = fused_senders(blocks, F, p.num_tokens);
     const bool in_place = self_in_place<F, kSolo>(p.g);
+    // A group of one rank whose own messages stay in place sends nothing but its meta record:
+    // every block receives from the start (rb = b), so the padding is spread over all of them.
+    const int32_t senders =
+        in_place && p.g.n_ranks == 1 ? blocks : fused_senders(blocks, F, p.num_tokens);
     if (!dispatch_send<F>(p, seq, smem, senders, in_place)) return;
     if (block_aborted(p.g)) return;
     // Every block receives (no split), or the blocks after the senders, joined by each sender

@@ -4,7 +4,9 @@
 // its flag arrives: one read of the message, up to K output rows.
 //
 // Who waits on what: a warp waits on one chunk flag of one source (or a part's flag and part
-// 0's, which carries the header), so rows are expanded while later chunks are still in flight.
+// 0's, which carries the header), so rows are expanded while later chunks are still in flight;
+// where this rank's own messages stay in place (self_in_place), its own items wait on nothing
+// (expand_own: the route comes from the ranking, the row from the caller's input).
 // The throughput path's warps take items from a per-call counter (recv_item[seq & 1]) rather than
 // by index, so senders that are done join and a warp that waited long holds no items others
 // could take; receiver block 0 zeroes the next call's counter (no two receives of a group
@@ -294,8 +296,10 @@ __device__ void expand_message(const DispatchParams& p, const RecvGroups& rg, in
     token = h->token;
     n = min(int32_t(h->n_entries), g.top_k);
   }
-  // The row's bytes: the message's payload, or (in place) the caller's row, which this rank's
-  // own header names (a token out of range writes no row).
+  // The row's bytes: the message's payload, or (in place) the caller's row, which `own` names
+  // (a token out of range writes no row). An own message is never sent: without in_place its
+  // payload would be unwritten bytes.
+  if (own != nullptr && !in_place) return;
   const char* payload = msg + ml.payload_offset();
   if (in_place) {
     const bool ok = token >= 0 && token < p.num_tokens;
@@ -375,6 +379,8 @@ __device__ void expand_own(const DispatchParams& p, const RecvGroups& rg, int32_
                            RingSlot* ring) {
   const GroupView& g = p.g;
   const ExpertMap em = g.experts();
+  // With more ranks, most tokens skip here on one read, not the route's two rounds of them.
+  if (g.n_ranks > 1 && p.scratch.dest_pos[int64_t(t) * g.n_ranks + g.rank] < 0) return;
   const LaneRoute r = route_from_scratch(p, t);
   const RankMask dests = r.dests();
   if (!(dests & rank_bit(g.rank))) return;  // not routed here

@@ -1,7 +1,8 @@
 // Dispatch stage 3, the throughput send: one message per (token, destination rank), a header
 // (the token; per expert of that rank its group, top-k slot and position) and the payload (bf16
 // copied, the other formats quantised in registers), written straight into its slot of the
-// destination's receive buffer (the slot is the token's position from the ranking).
+// destination's receive buffer (the slot is the token's position from the ranking). Where this
+// rank's own messages stay in place (self_in_place), none goes to itself (recv.cuh, expand_own).
 //
 // Messages are announced per chunk of kChunkTokens tokens: a flag per message would cost a
 // system fence per message, one per call would make the receiver wait for the whole send. Who
