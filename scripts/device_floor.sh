@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The memory-floor matrix on a device machine: builds epcomm_bench (unless NO_BUILD=1), then for
 # each SM count and reduction runs WORKLOADS with --floor (one rank), and FLOOR_SHARED (8 ranks
-# sharing the GPU, 16 SMs each) if set. Results (text and JSON) under $OUT.
+# sharing the GPU, 16 SMs each) if set. Results (text and JSON) under $OUT, packed into
+# floor_all.tar.gz unless PACK=0.
 set -uo pipefail
 . "$(dirname "$0")/device_env.sh"
 BUILD=${BUILD:-build-device}
@@ -27,4 +28,9 @@ if [ -n "${FLOOR_SHARED:-}" ]; then
   echo "== 8 ranks sharing, 16 SMs each, rc=$?"
   grep -E "^(prefill|skewed)|floor|check:" "$f.txt" | grep -v "async\|half"
   tail -3 "$f.err"
+fi
+# One file back (the device tool returns few files per call): PACK=0 keeps them apart.
+if [ "${PACK:-1}" = 1 ]; then
+  (cd "$OUT" && tar czf floor_all.tar.gz floor_* 2>/dev/null && find . -maxdepth 1 -name 'floor_*' ! -name floor_all.tar.gz -delete)
+  echo "== packed into $OUT/floor_all.tar.gz"
 fi

@@ -12,6 +12,7 @@
 #                         the page to functions and source lines: scripts/sass_profile.py does
 #                         (nvdisasm ships in the nvidia-cuda-nvdisasm wheel)
 #   ncu_source.ncu-rep    the report, for the Nsight Compute GUI
+# all four packed into ncu_source_all.tar.gz unless PACK=0.
 # Settings: WORKLOAD (decode-bf16), SMS (132), KERNEL (dispatch_kernel), SKIP (1: the first
 # launch of the benchmark's warm-up is skipped), BENCH_ARGS (more epcomm_bench arguments).
 set -uo pipefail
@@ -46,3 +47,11 @@ cub=$(mktemp -d) bin=$(realpath "$BUILD/bench/epcomm_bench")
   tar czf "$OUT/cubins.tar.gz" ./*.cubin)
 echo "== cubins rc=$? ($(ls "$cub" | tr '\n' ' '))"
 rm -rf "$cub"
+# One file back: the device tool returns few files per call, and these four next to a floor
+# run's outputs were left behind once (2026-11-27). PACK=0 keeps them apart.
+if [ "${PACK:-1}" = 1 ]; then
+  (cd "$OUT" && tar czf ncu_source_all.tar.gz ncu_source.txt ncu_source_sass.csv.gz \
+    ncu_source.ncu-rep cubins.tar.gz 2>/dev/null &&
+    rm -f ncu_source.txt ncu_source_sass.csv.gz ncu_source.ncu-rep cubins.tar.gz)
+  echo "== packed into $OUT/ncu_source_all.tar.gz"
+fi
