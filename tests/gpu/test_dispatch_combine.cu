@@ -348,22 +348,31 @@ TEST(Combine, EpilogueGetsFp32Sums) {
       EPCOMM_CUDA_OK(cudaSetDevice(lg.io[size_t(r)]->device));
       epcomm::load_combine_kernels<StoreF32>();
     }
+    std::vector<DeviceBuffer> f32;
+    for (int r = 0; r < n; ++r)
+      f32.emplace_back(lg.io[size_t(r)]->device, size_t(max_t) * H * 4);
+    // The last round's combine again, into the poisoned fp32 outputs through the epilogue
+    // (token-side weights, or none: the expert side); returns every rank's expert outputs. The
+    // poison goes on the rank's stream, ahead of its combine (a non-blocking stream: a memset on
+    // the default stream was not ordered before it).
+    const auto combine_f32 = [&](bool token_side) {
+      for (int r = 0; r < n; ++r)
+        f32[size_t(r)].fill(0xff, lg.io[size_t(r)]->stream);
+      lg.all([&](int r) {
+        RankIO& io = *lg.io[size_t(r)];
+        epcomm::combine(*lg.groups[size_t(r)], io.combine_input(),
+                        token_side ? io.weights.get<float>() : nullptr,
+                        StoreF32{f32[size_t(r)].get<float>(), H}, io.stream);
+      });
+      std::vector<std::vector<uint16_t>> y;
+      for (int r = 0; r < n; ++r)
+        y.push_back(lg.io[size_t(r)]->expert_out_host);
+      return y;
+    };
     const auto p = reference::make_problem(n, H, K, E, random_counts(n, max_t, 9), 9, 0.0, 0.1);
     ASSERT_EQ(run_round(lg, p, RoundOptions{}), "");  // leaves dispatch state and expert outputs
-    std::vector<DeviceBuffer> f32;
-    for (int r = 0; r < n; ++r) {
-      f32.emplace_back(lg.io[size_t(r)]->device, size_t(max_t) * H * 4);
-      f32.back().fill(0xff);
-    }
-    lg.all([&](int r) {
-      RankIO& io = *lg.io[size_t(r)];
-      epcomm::combine(*lg.groups[size_t(r)], io.combine_input(), io.weights.get<float>(),
-                      StoreF32{f32[size_t(r)].get<float>(), H}, io.stream);
-    });
+    const auto y = combine_f32(true);
     const auto refs = reference_dispatch_all(p);
-    std::vector<std::vector<uint16_t>> y;
-    for (int r = 0; r < n; ++r)
-      y.push_back(lg.io[size_t(r)]->expert_out_host);
     for (int r = 0; r < n; ++r) {
       const std::vector<double> ref = reference::combine(p, refs, y, r, true);
       std::vector<float> out(ref.size());
@@ -377,17 +386,8 @@ TEST(Combine, EpilogueGetsFp32Sums) {
     o.expert_side = true;
     const auto p2 = reference::make_problem(n, H, K, E, random_counts(n, max_t, 19), 19, 0.0, 0.1);
     ASSERT_EQ(run_round(lg, p2, o), "");
-    for (int r = 0; r < n; ++r)
-      f32[size_t(r)].fill(0xff);
-    lg.all([&](int r) {
-      RankIO& io = *lg.io[size_t(r)];
-      epcomm::combine(*lg.groups[size_t(r)], io.combine_input(), nullptr,
-                      StoreF32{f32[size_t(r)].get<float>(), H}, io.stream);
-    });
+    const auto y2 = combine_f32(false);
     const auto refs2 = reference_dispatch_all(p2);
-    std::vector<std::vector<uint16_t>> y2;
-    for (int r = 0; r < n; ++r)
-      y2.push_back(lg.io[size_t(r)]->expert_out_host);
     for (int r = 0; r < n; ++r) {
       const std::vector<float> ref = reference::combine_expert_side(p2, refs2, y2, r);
       std::vector<float> out(ref.size());
