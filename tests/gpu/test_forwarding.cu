@@ -129,8 +129,8 @@ TEST(ForwardWarp, MatchesTheScalarHeaders) {
       d_pos.upload(pos.data(), pos.size() * 4);
       d_w.upload(w.data(), w.size() * 4);
       d_slots.upload(slots.data(), slots.size() * 4);
-      d_fwd.fill(0x5a);
-      d_direct.fill(0x5a);
+      d_fwd.fill(0x5a, nullptr);
+      d_direct.fill(0x5a, nullptr);
       const Routed in{d_ids.get<int32_t>(), d_pos.get<int32_t>(), d_w.get<float>(),
                       d_slots.get<int32_t>()};
       forward_headers<<<T, detail::kWarpSize>>>(in, em, nm, fl, hb, d_fwd.get<char>(),

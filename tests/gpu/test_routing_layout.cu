@@ -68,7 +68,7 @@ void check_case(const Case& c, uint64_t seed, unsigned outputs = 15u) {
       d_in(0, std::max<size_t>(1, want_in.size()));
   d_ids.upload(ids.data(), ids.size() * sizeof(Id));
   for (DeviceBuffer* b : {&d_rank, &d_expert, &d_rank_ids, &d_in})
-    b->fill(0x5a);
+    b->fill(0x5a, nullptr);
   a.topk_ids = d_ids.get();
   a.tokens_per_rank = d_rank.get<int32_t>();
   a.tokens_per_expert = d_expert.get<int32_t>();
@@ -146,8 +146,8 @@ TEST(RoutingLayout, RankMaskMatchesTheReference) {
     DeviceBuffer d_mask(0, mask.size()), d_rank(0, want_rank.size() * 4),
         d_ids(0, want_ids.size() * 4);
     d_mask.upload(mask.data(), mask.size());
-    d_rank.fill(0x5a);
-    d_ids.fill(0x5a);
+    d_rank.fill(0x5a, nullptr);
+    d_ids.fill(0x5a, nullptr);
     a.rank_mask = d_mask.get<bool>();
     a.tokens_per_rank = d_rank.get<int32_t>();
     a.rank_ids = d_ids.get<int32_t>();
@@ -216,7 +216,7 @@ TEST(RoutingLayout, ReceivedTopkMatchesTheReference) {
     d_rows.upload(rows.data(), rows.size());
     d_n.upload(&num_rows, 4);
     for (DeviceBuffer* b : {&d_ids, &d_w, &d_counts})
-      b->fill(0x5a);
+      b->fill(0x5a, nullptr);
     a.ids = d_rows.get<const int64_t>();
     a.weights = reinterpret_cast<const float*>(d_rows.get<char>() + ids_bytes + pad);
     a.num_rows = d_n.get<uint32_t>();
@@ -246,7 +246,7 @@ TEST(RoutingLayout, ReceivedTopkMatchesTheReference) {
 TEST(RoutingLayout, RefusesBadArgumentsBeforeLaunching) {
   EPCOMM_REQUIRE_GPU();
   DeviceBuffer d_ids(0, 64), d_rank(0, 64);
-  d_rank.fill(0x5a);
+  d_rank.fill(0x5a, nullptr);
   RoutingLayout a;
   a.topk_ids = d_ids.get();
   a.ids_stride = 2;

@@ -720,7 +720,7 @@ TEST(Silu, RejectsBadArguments) {
   EPCOMM_REQUIRE_GPU();
   EPCOMM_CUDA_OK(cudaSetDevice(kDevice));
   DeviceBuffer mem(kDevice, 1 << 20);
-  mem.fill(0);  // row_offsets all 0: should a check be missing, its launch writes nothing
+  mem.fill(0, nullptr);  // row_offsets all 0: should a check be missing, its launch writes nothing
   EPCOMM_CUDA_OK(cudaDeviceSynchronize());
   char* base = mem.get<char>();
   SiluInput in;

@@ -477,7 +477,7 @@ int run_processes(const Args& a) {
     io.push_back(std::make_unique<RankIO>(*groups.back()));
   }
   DeviceBuffer scratch(device, size_t(kBusyElems) * sizeof(float));
-  scratch.fill(0);
+  scratch.fill(0, nullptr);  // then waited for: every rank's stream may use it
   EPCOMM_CUDA_OK(cudaDeviceSynchronize());
   const std::string where = std::to_string(n) + " processes, one rank each, on " +
                             std::to_string(std::min(n, gpu_count())) + " GPU(s), num_sms " +

@@ -61,7 +61,9 @@ class DeviceBuffer {
   size_t bytes() const { return bytes_; }
   void upload(const void* src, size_t bytes, cudaStream_t s = nullptr);
   void download(void* dst, size_t bytes) const;
-  void fill(int byte, cudaStream_t s = nullptr);  // poison
+  // Poison: a memset on stream s, not waited for. Name the stream the buffer's next user runs
+  // on (a rank's stream is non-blocking: not ordered after the legacy default stream, nullptr).
+  void fill(int byte, cudaStream_t s);
 
  private:
   int device_ = 0;
