@@ -127,10 +127,10 @@ __device__ __forceinline__ void dispatch_form(const DispatchParams& p) {
       return;
     }
     const bool in_place = self_in_place<F, kSolo>(p.g);
-    // A group of one rank whose own messages stay in place sends nothing but its meta record:
-    // every block receives from the start (rb = b), so the padding is spread over all of them.
+    // Where nothing is sent (sends_nothing), every block receives from the start (rb = b), so
+    // the padding is spread over all of them.
     const int32_t senders =
-        in_place && p.g.n_ranks == 1 ? blocks : fused_senders(blocks, F, p.num_tokens);
+        sends_nothing(p.g, in_place) ? blocks : fused_senders(blocks, F, p.num_tokens);
     if (!dispatch_send<F>(p, seq, smem, senders, in_place)) return;
     if (block_aborted(p.g)) return;
     // Every block receives (no split), or the blocks after the senders, joined by each sender

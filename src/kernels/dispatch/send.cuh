@@ -352,13 +352,17 @@ __device__ void send_token(const DispatchParams& p, int32_t t, const LaneRoute& 
 
 // Sender block `sender` of n_senders takes chunks sender, sender + n_senders, ...: warp w sends
 // the chunk's token w; the last warp to finish the chunk raises its flag.
+// A group of one rank whose own messages stay in place (self_in_place) sends nothing but its
+// meta record: the receive takes each token's route from the ranking (expand_own).
+__device__ __forceinline__ bool sends_nothing(const GroupView& g, bool self_in_place) {
+  return self_in_place && g.n_ranks == 1;
+}
+
 template <TokenFormat F>
 __device__ void send_messages(const DispatchParams& p, int32_t num_tokens, int32_t sender,
                               int32_t n_senders, unsigned long long seq, bool self_in_place) {
   static_assert(kChunkTokens == kWarps, "one token of a chunk per warp");
-  // A group of one rank whose own messages stay in place has nothing to send: the receive
-  // takes each token's route from the ranking.
-  if (self_in_place && p.g.n_ranks == 1) return;
+  if (sends_nothing(p.g, self_in_place)) return;
   __shared__ int32_t arrivals[kSignalRing];
   const ChunkSignals signals{arrivals};
   signals.init();
