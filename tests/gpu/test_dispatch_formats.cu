@@ -249,6 +249,12 @@ std::vector<SweepCase> sweep_cases() {
   c.gs = kNvfp4Gs;
   c.name = "fp8_h1152_r2_partial_scale_tile";
   v.push_back(c);
+  // The same on one rank (fused form, throughput path: the solo kernel, which places its rows'
+  // scales after a grid barrier, 32 columns a round: 9 columns are one partial round).
+  c.n_ranks = 1;
+  c.name = "fp8_h1152_r1_partial_scale_tile";
+  v.push_back(c);
+  c.n_ranks = 2;
   // Blockwise FP8 with H = 16384: 16 slots of its messages (16.5 KB each) do not fit the
   // receive's ring, so the throughput receive copies through registers.
   c.hidden = 16384;
@@ -290,6 +296,35 @@ TEST_P(FormatSweep, MatchesReference) {
 
 INSTANTIATE_TEST_SUITE_P(QuantizedDispatch, FormatSweep, ::testing::ValuesIn(sweep_cases()),
                          sweep_name);
+
+// One rank, blockwise FP8, the fused throughput kernel of a group of one rank (the solo kernel):
+// it stashes each token's scales in the token's message and places them after a grid barrier,
+// 32 adjacent rows a column at a time. T past two ranking units of 512 tokens (a token's stream
+// slot is its unit's prefix plus its place in the unit), just past one, and within one; every
+// 7th token with all its slots masked, so from the first of them on a token's slot is not its
+// index; 9 scale columns (a partial 16-byte load) and 56; 8 SMs, so the grid's 128 warps take
+// the rows' tiles in several rounds. Poisoned outputs, compared bit for bit with the reference.
+TEST(FormatSolo, ScalesPlacedAfterTheBarrier) {
+  EPCOMM_REQUIRE_GPU();
+  constexpr int K = 8;
+  for (int32_t H : {1152, 7168}) {
+    Config cfg =
+        with_path(quant_cfg(TokenFormat::kFp8Blockwise, H, K, 64, 1100), DispatchPath::kThroughput);
+    cfg.num_sms = 8;
+    LocalGroup lg(cfg, 1);
+    uint64_t seed = 700 + uint64_t(H);
+    for (int32_t T : {1100, 513, 300}) {
+      auto p = stressed_problem(1, H, K, 64, {T}, seed++, 0.0, 0.2);
+      for (int32_t t = 3; t < T; t += 7)
+        for (int k = 0; k < K; ++k)
+          p.ranks[0].topk_ids[size_t(t * K + k)] = -1;
+      RoundOptions o;
+      o.form = Form::kFused;
+      o.weighted = false;
+      EXPECT_EQ(run_round(lg, p, o), "") << "H = " << H << ", T = " << T;
+    }
+  }
+}
 
 // ---- 2-4. per format, on every GPU (up to 8) -------------------------------------------------
 

@@ -191,6 +191,23 @@ __device__ __forceinline__ bool self_in_place(const GroupView& g) {
   return F == TokenFormat::kBF16 ? !g.low_latency : kSolo && RecvRing::used(g);
 }
 
+// Whether the kernel stashes its rows' scales and places them after a grid barrier
+// (place_stashed_scales): the solo kernel of blockwise FP8 in the packed layout. There the
+// output's scales are column-major (scale c of row r at c * ld + r), and a token's rows sit in K
+// groups, so storing a token's scales to its rows is a 4-byte store to its own 32-byte sector
+// for each (scale, row): 448 sectors a token at H 7168, K 8, where its codes take 1,792. Nsight
+// Compute had the solo kernel's L1/TEX unit over 90 % busy, as the floor kernel's, at 1.6x the
+// floor's time (one H100, 8 SMs, docs/results/2026-11-27_h100_floor_matrix_df53c6c.md). Rows
+// of one group come from tokens about N / K apart, so no warp that quantises a token can gather
+// a sector of one column; after the barrier a warp takes 32 adjacent rows and stores each column
+// of them in one 128-byte run (4 or 5 sectors: ld is a multiple of 4 floats, not of 32). Every
+// call of that kernel does it, decode-sized ones too (their barrier costs a few µs; a gate on the
+// token count kept both ways of placing scales live in the expansion and spilled it 36 B).
+template <TokenFormat F, bool kPadded, bool kSolo>
+__host__ __device__ constexpr bool stash_scales() {
+  return kSolo && F == TokenFormat::kFp8Blockwise && !kPadded;
+}
+
 // This warp's slot of the ring (data == nullptr: no ring) and the phase its barrier is in.
 struct RingSlot {
   char* data = nullptr;
@@ -364,8 +381,17 @@ __device__ void expand_message(const DispatchParams& p, const RecvGroups& rg, in
     // With the ring, the scales are read from the slot.
     const char* scales =
         bulk ? ring->data + (ml.scales_offset() - ml.payload_offset()) : msg + ml.scales_offset();
-    PartScales<F, kPadded>(p, rg, scales, unit_begin / kUnitsPerScale, unit_end / kUnitsPerScale)
-        .place(n, at, grp);
+    if (stash_scales<F, kPadded, kSolo>() && in_place) {
+      // Into the message's own scale bytes (own messages are never sent, and the combine reads
+      // only their headers): place_stashed_scales finds them from the row's token.
+      const uint4* from = reinterpret_cast<const uint4*>(scales);
+      uint4* to = reinterpret_cast<uint4*>(const_cast<char*>(msg) + ml.scales_offset());
+      for (int32_t i = lane; i < int32_t(ml.scales_bytes() / 16); i += kWarpSize)
+        to[i] = from[i];
+    } else {
+      PartScales<F, kPadded>(p, rg, scales, unit_begin / kUnitsPerScale, unit_end / kUnitsPerScale)
+          .place(n, at, grp);
+    }
     if (bulk) __syncwarp();  // the lanes' reads of the slot, before lane 0 refills it
   }
 }
@@ -584,6 +610,61 @@ __device__ bool expand_chunks(const DispatchParams& p, const RecvGroups& rg, uns
   return true;
 }
 
+// The stashed scales (stash_scales) to the output, once every block's rows are out: the grid's
+// warps take tiles of 32 adjacent output rows (dealt warp-major, so a small call's tiles spread
+// over the blocks); lane l takes row 32 i + l, finds its token (src_info) and the token's message
+// (its own stream slot, from the ranking scratch), loads the scales the token's warp stashed
+// there (32 columns at a time, so 8 loads a lane are in flight) and stores them one column at a
+// time, 32 rows to a run of 128 bytes. Padding rows
+// (token -1) keep the zeros fill_padding gave them. Whole warp; the reads skip L1 (other blocks
+// wrote what they read, in this kernel).
+template <TokenFormat F>
+__device__ void place_stashed_scales(const DispatchParams& p, const RecvGroups& rg, int32_t rb,
+                                     int32_t n_rb) {
+  const GroupView& g = p.g;
+  const WindowLayout wl = g.layout();
+  const MessageLayout ml = wl.msg();
+  const Fp8ScaleLayout l = g.output().fp8();
+  const int32_t cols = l.cols();
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t rows = rg.row_offset[g.n_local()];
+  const int32_t messages = rg.stream_count[g.rank];
+  const char* stream =
+      window_at(g, g.rank, wl.dispatch_recv_offset() + wl.dispatch_recv().offset(g.rank, 0));
+  float* out = static_cast<float*>(p.out_scales);
+  constexpr int32_t kQuads = 8;  // 16-byte loads in flight a lane: 32 columns a round
+  const int64_t warps = int64_t(n_rb) * kWarps;
+  for (int64_t tile = int64_t(threadIdx.x / kWarpSize) * n_rb + rb; tile * kWarpSize < rows;
+       tile += warps) {
+    const int64_t r = tile * kWarpSize + lane;
+    const int32_t t = r < rows ? __ldcg(&p.src_info[r].token) : -1;
+    const int32_t m =
+        t >= 0 && t < p.num_tokens ? stream_slot(p, unit_prefix_of(p, t), t, g.rank) : -1;
+    const bool mine = m >= 0 && m < messages;
+    const float4* from = reinterpret_cast<const float4*>(
+        stream + (mine ? int64_t(m) * ml.bytes() + ml.scales_offset() : 0));
+    for (int32_t c0 = 0; c0 < cols; c0 += 4 * kQuads) {
+      float4 v[kQuads];
+#pragma unroll
+      for (int q = 0; q < kQuads; ++q)
+        v[q] = mine && c0 + 4 * q < cols ? __ldcg(from + c0 / 4 + q) : make_float4(0, 0, 0, 0);
+      if (!mine) continue;
+      // Column c0 + j of row r, a column (ld floats) at a time.
+      float* at = out + l.offset(r, c0);
+      const int32_t n = cols - c0 < 4 * kQuads ? cols - c0 : 4 * kQuads;
+#pragma unroll
+      for (int q = 0; q < kQuads; ++q) {
+        const float f[4] = {v[q].x, v[q].y, v[q].z, v[q].w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          if (4 * q + i < n) *at = f[i];
+          at += l.ld;
+        }
+      }
+    }
+  }
+}
+
 // What a receiving block's layout came to: the wait for the records failed (recorded, the
 // abort flag set), or check_sources' verdict (0: good).
 constexpr int32_t kLayoutFailed = -1;
@@ -737,6 +818,12 @@ __device__ __noinline__ void dispatch_recv(const DispatchParams& p, unsigned lon
   // own warps' word, not the flag's: a read of the flag was a round trip at the end of every
   // receiving block, and a block whose items all arrived may finish as if no wait had failed.
   if (__syncthreads_or(!expanded)) return;
+  if constexpr (stash_scales<F, kPadded, kSolo>()) {
+    // Every block of a solo kernel receives (it sends nothing: senders == blocks), so every
+    // block comes here, or has found the abort flag that ends the barrier's wait.
+    if (!grid_barrier(g)) return;
+    place_stashed_scales<F>(p, rg, rb, n_rb);
+  }
   dispatch_done(g, seq);
   trace_mark(g, kTraceDispatch, kTraceDone);
 }

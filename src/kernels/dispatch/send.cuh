@@ -260,13 +260,26 @@ struct LaneRoute {
   }
 };
 
+// Token t's row of the ranking's unit prefixes (the stream and group positions before its unit).
+__device__ __forceinline__ const int32_t* unit_prefix_of(const DispatchParams& p, int32_t t) {
+  return p.scratch.unit_prefix + int64_t(t / kUnitTokens) * p.g.experts().num_keys();
+}
+// Token t's slot in destination rank d's stream: its place among its unit's tokens going to d,
+// plus the unit's prefix (`prefix`: unit_prefix_of(p, t)); -1 where t does not go to d.
+__device__ __forceinline__ int32_t stream_slot(const DispatchParams& p, const int32_t* prefix,
+                                               int32_t t, int32_t d) {
+  int32_t s = p.scratch.dest_pos[int64_t(t) * p.g.n_ranks + d];
+  if (s >= 0) s += prefix[p.g.experts().rank_key(d)];
+  return s;
+}
+
 // The throughput path's route: positions from the grid-wide ranking scratch.
 __device__ LaneRoute route_from_scratch(const DispatchParams& p, int32_t t) {
   const GroupView& g = p.g;
   const ExpertMap em = g.experts();
   const int32_t K = g.top_k;
   const int lane = threadIdx.x % kWarpSize;
-  const int32_t* prefix = p.scratch.unit_prefix + int64_t(t / kUnitTokens) * em.num_keys();
+  const int32_t* prefix = unit_prefix_of(p, t);
   LaneRoute r;
   if (lane < K) {
     r.id = p.scratch.topk[int64_t(t) * K + lane];
@@ -277,9 +290,7 @@ __device__ LaneRoute route_from_scratch(const DispatchParams& p, int32_t t) {
   }
   for (int32_t d = lane, i = 0; i < 2; d += kWarpSize, ++i) {
     if (d >= g.n_ranks) break;
-    int32_t s = p.scratch.dest_pos[int64_t(t) * g.n_ranks + d];
-    if (s >= 0) s += prefix[em.rank_key(d)];
-    (i == 0 ? r.slot : r.slot_hi) = s;
+    (i == 0 ? r.slot : r.slot_hi) = stream_slot(p, prefix, t, d);
   }
   return r;
 }
