@@ -34,6 +34,17 @@ pip_install() {
   return $rc
 }
 
+# pack_out ARCHIVE NAME...: the named files of $OUT into $OUT/ARCHIVE (tar.gz), then removed, so
+# one file comes back where the device tool brings back only a few per call; with PACK=0 they
+# stay apart. Names missing are skipped; the files are removed only once the archive is written.
+pack_out() {
+  local archive=$1
+  shift
+  [ "${PACK:-1}" = 1 ] || return 0
+  (cd "$OUT" && { tar czf "$archive" "$@" 2>/dev/null; [ -s "$archive" ]; } && rm -f "$@" &&
+    echo "== packed into $OUT/$archive")
+}
+
 gpu_count() { nvidia-smi -L 2>/dev/null | grep -c "^GPU"; }
 # Whether GPU_SHARDS asks for one ctest per GPU and there is more than one GPU.
 use_shards() { [ -n "${GPU_SHARDS:-}" ] && [ "$(gpu_count)" -gt 1 ]; }

@@ -29,8 +29,4 @@ if [ -n "${FLOOR_SHARED:-}" ]; then
   grep -E "^(prefill|skewed)|floor|check:" "$f.txt" | grep -v "async\|half"
   tail -3 "$f.err"
 fi
-# One file back (the device tool returns few files per call): PACK=0 keeps them apart.
-if [ "${PACK:-1}" = 1 ]; then
-  (cd "$OUT" && tar czf floor_all.tar.gz floor_* 2>/dev/null && find . -maxdepth 1 -name 'floor_*' ! -name floor_all.tar.gz -delete)
-  echo "== packed into $OUT/floor_all.tar.gz"
-fi
+pack_out floor_all.tar.gz $(cd "$OUT" && ls floor_* 2>/dev/null)

@@ -47,11 +47,6 @@ cub=$(mktemp -d) bin=$(realpath "$BUILD/bench/epcomm_bench")
   tar czf "$OUT/cubins.tar.gz" ./*.cubin)
 echo "== cubins rc=$? ($(ls "$cub" | tr '\n' ' '))"
 rm -rf "$cub"
-# One file back: the device tool returns few files per call, and these four next to a floor
-# run's outputs were left behind once (2026-11-27). PACK=0 keeps them apart.
-if [ "${PACK:-1}" = 1 ]; then
-  (cd "$OUT" && tar czf ncu_source_all.tar.gz ncu_source.txt ncu_source_sass.csv.gz \
-    ncu_source.ncu-rep cubins.tar.gz 2>/dev/null &&
-    rm -f ncu_source.txt ncu_source_sass.csv.gz ncu_source.ncu-rep cubins.tar.gz)
-  echo "== packed into $OUT/ncu_source_all.tar.gz"
-fi
+# One file back (these four next to a floor run's outputs were left behind once, 2026-11-27).
+pack_out ncu_source_all.tar.gz ncu_source.txt ncu_source_sass.csv.gz ncu_source.ncu-rep \
+  cubins.tar.gz
