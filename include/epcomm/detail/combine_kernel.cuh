@@ -205,20 +205,23 @@ __device__ __forceinline__ void sum_rows(const char* row, float w, int32_t n, in
     sum_rows_by<1, 8>(row, w, n, H, part, stride, load, out);
 }
 
-// The fused kernel (kFused) of a group of one rank: every expert row is this rank's own, so no row
-// need cross the combine buffer (the token side reads them in place, the expert side's send
-// hands its sums to the epilogue).
-template <bool kFused>
+// The fused kernel of a group of one rank (kAlone: a kernel of its own, which launch_combine
+// picks where n_ranks == 1): every expert row is this rank's own, so no row need cross the
+// combine buffer (the token side reads them in place, the expert side's send hands its sums to
+// the epilogue). The other kernels hold none of this code: compiled into the fused kernel of
+// every group (b5509d2), it cost the expert-side whole-row kernel registers it spilled, and two
+// H200s over NVLink 4.6 % of prefill's combine at 24 SMs (440.9 -> 461.2 us) and 5 % at 8.
+template <bool kAlone>
 __device__ __forceinline__ bool fused_alone(const GroupView& g) {
-  return kFused && g.n_ranks == 1;
+  return kAlone && g.n_ranks == 1;
 }
 
 // The expert side's half of the expert-side reduction: one pre-summed row per received message.
-// `bases`: p.recv_base, copied to shared memory. kFused: the fused kernel, whose receive in a
-// group of one rank adds one row per token (0 + that row): the sum goes straight to `epi`
+// `bases`: p.recv_base, copied to shared memory. kAlone: the fused kernel of a group of one rank,
+// whose receive would add one row per token (0 + that row): the sum goes straight to `epi`
 // instead (the row's round trip through the combine buffer cost about a quarter of prefill's
 // combine), and the receive writes only the tokens no message names (combine_recv).
-template <bool kWholeRows, bool kFused, class Epilogue>
+template <bool kWholeRows, bool kAlone, class Epilogue>
 __device__ inline void combine_send_expert_side(const CombineParams& p, const int32_t* bases,
                                                 Epilogue& epi) {
   const GroupView& g = p.g;
@@ -229,7 +232,7 @@ __device__ inline void combine_send_expert_side(const CombineParams& p, const in
   const int64_t row_limit = g.output().rows;
   const int lane = threadIdx.x % kWarpSize;
   const char* in = static_cast<const char*>(p.expert_out);
-  const bool direct = fused_alone<kFused>(g);
+  const bool direct = fused_alone<kAlone>(g);
   const int32_t num_tokens =
       direct ? *reinterpret_cast<volatile int32_t*>(&g.state->num_tokens) : g.max_tokens;
 
@@ -296,7 +299,7 @@ __device__ inline void combine_send_expert_side(const CombineParams& p, const in
 
 // kDirectSelf (the fused kernel, token side): rows of this rank's own tokens stay where they
 // are; the receive reads them from expert_out (scratch.self_row).
-template <bool kExpertSide, bool kWholeRows, bool kFused, class Epilogue>
+template <bool kExpertSide, bool kWholeRows, bool kFused, bool kAlone, class Epilogue>
 __device__ inline void combine_send(const CombineParams& p, unsigned long long seq, Epilogue& epi) {
   constexpr bool kDirectSelf = kFused && !kExpertSide;
   const GroupView& g = p.g;
@@ -323,7 +326,7 @@ __device__ inline void combine_send(const CombineParams& p, unsigned long long s
       if (j < g.n_experts) bases[j] = base[i];
     }
     __syncthreads();
-    combine_send_expert_side<kWholeRows, kFused>(p, bases, epi);
+    combine_send_expert_side<kWholeRows, kAlone>(p, bases, epi);
     block_signal_all(g, WindowLayout::kCombineArrived);
     trace_mark(g, kTraceCombine, kTraceSent);
     return;
@@ -344,7 +347,7 @@ __device__ inline void combine_send(const CombineParams& p, unsigned long long s
   constexpr int32_t kPiece = kCopyUnroll * kWarpSize;  // vectors
   const int32_t pieces = (n_vec + kPiece - 1) / kPiece;
   // A group of one rank has no rows to send in the fused kernel: every row is its own.
-  const int64_t items = kDirectSelf && fused_alone<kFused>(g) ? 0 : rows * pieces;
+  const int64_t items = kDirectSelf && fused_alone<kAlone>(g) ? 0 : rows * pieces;
   const int64_t step = WorkSplit::stride(g);
   const int lane = threadIdx.x % kWarpSize;
   for (int64_t batch = WorkSplit::first_item(); batch < items; batch += kWarpSize * step) {
@@ -390,7 +393,7 @@ __device__ inline void combine_send(const CombineParams& p, unsigned long long s
   trace_mark(g, kTraceCombine, kTraceSent);
 }
 
-template <bool kExpertSide, bool kWholeRows, bool kFused, class Epilogue>
+template <bool kExpertSide, bool kWholeRows, bool kFused, bool kAlone, class Epilogue>
 __device__ void combine_recv(const CombineParams& p, unsigned long long seq, Epilogue& epi) {
   constexpr bool kDirectSelf = kFused && !kExpertSide;  // as combine_send
   const GroupView& g = p.g;
@@ -419,7 +422,7 @@ __device__ void combine_recv(const CombineParams& p, unsigned long long seq, Epi
   // names; the others (every slot masked) get zeros here. A lane per token, so a warp finds 32
   // tokens' ids in one round trip (a warp per token took 21 us of prefill's combine at 8 SMs on
   // one H100, reading ids of tokens it then skipped).
-  const bool direct = kExpertSide && fused_alone<kFused>(g);
+  const bool direct = kExpertSide && fused_alone<kAlone>(g);
   if (direct) {
     for (int64_t b = WorkSplit::first_item(); b * kWarpSize < num_tokens;
          b += WorkSplit::stride(g)) {
@@ -491,8 +494,10 @@ __device__ void combine_recv(const CombineParams& p, unsigned long long seq, Epi
   trace_mark(g, kTraceCombine, kTraceDone);
 }
 
-// One form of combine: the send half, the receive half, or both (the fused form).
-template <class Epilogue, bool kSend, bool kRecv, bool kExpertSide, bool kWholeRows>
+// One form of combine: the send half, the receive half, or both (the fused form; kAlone: the
+// fused form of a group of one rank).
+template <class Epilogue, bool kSend, bool kRecv, bool kExpertSide, bool kWholeRows,
+          bool kAlone = false>
 __device__ __forceinline__ void combine_form(const CombineParams& p, Epilogue& epi) {
   if (block_aborted(p.g)) return;
   trace_begin(p.g, kTraceCombine, kSend ? kTraceStart : kTraceRecvStart,
@@ -500,11 +505,12 @@ __device__ __forceinline__ void combine_form(const CombineParams& p, Epilogue& e
   const unsigned long long seq = p.g.state->combine_seq + 1;
   // The fused kernel: the token side reads this rank's own rows in place (kDirectSelf).
   constexpr bool kFused = kSend && kRecv;
-  if (kSend) combine_send<kExpertSide, kWholeRows, kFused>(p, seq, epi);
+  static_assert(kFused || !kAlone, "a group of one rank's own kernel is a fused one");
+  if (kSend) combine_send<kExpertSide, kWholeRows, kFused, kAlone>(p, seq, epi);
   if (!kRecv) trace_mark(p.g, kTraceCombine, kTraceDone);
   if (kRecv && !block_aborted(p.g)) {
     if (kSend) trace_mark(p.g, kTraceCombine, kTraceRecvStart);
-    combine_recv<kExpertSide, kWholeRows, kFused>(p, seq, epi);
+    combine_recv<kExpertSide, kWholeRows, kFused, kAlone>(p, seq, epi);
   }
 }
 
@@ -520,29 +526,31 @@ template <class Epilogue, bool kSend, bool kExpertSide, bool kWholeRows>
 static __device__ __noinline__ void combine_half(const CombineParams& p, Epilogue& epi) {
   combine_form<Epilogue, kSend, !kSend, kExpertSide, kWholeRows>(p, epi);
 }
-template <class Epilogue, bool kFused, bool kExpertSide, bool kWholeRows>
+template <class Epilogue, bool kFused, bool kExpertSide, bool kWholeRows, bool kAlone = false>
 __global__ void __launch_bounds__(kCombineThreads, 1)
     combine_kernel(const __grid_constant__ CombineParams p, Epilogue epi, int32_t recv_half) {
   if constexpr (kFused)
-    combine_form<Epilogue, true, true, kExpertSide, kWholeRows>(p, epi);
+    combine_form<Epilogue, true, true, kExpertSide, kWholeRows, kAlone>(p, epi);
   else if (recv_half)
     combine_half<Epilogue, false, kExpertSide, kWholeRows>(p, epi);
   else
     combine_half<Epilogue, true, kExpertSide, kWholeRows>(p, epi);
 }
 
-// The kernel of one form (fused, or the split kernel of either half), reduction and load shape.
+// The kernel of one form (fused, a group of one rank's fused kernel where `alone`, or the split
+// kernel of either half), reduction and load shape.
 template <class Epilogue, bool kExpertSide, bool kWholeRows>
-auto combine_kernel_of(bool fused) {
-  return fused ? combine_kernel<Epilogue, true, kExpertSide, kWholeRows>
-               : combine_kernel<Epilogue, false, kExpertSide, kWholeRows>;
+auto combine_kernel_of(bool fused, bool alone) {
+  return !fused ? combine_kernel<Epilogue, false, kExpertSide, kWholeRows>
+                : (alone ? combine_kernel<Epilogue, true, kExpertSide, kWholeRows, true>
+                         : combine_kernel<Epilogue, true, kExpertSide, kWholeRows>);
 }
 template <class Epilogue>
-auto combine_kernel_of(bool expert_side, bool whole_rows, bool fused) {
-  return expert_side ? (whole_rows ? combine_kernel_of<Epilogue, true, true>(fused)
-                                   : combine_kernel_of<Epilogue, true, false>(fused))
-                     : (whole_rows ? combine_kernel_of<Epilogue, false, true>(fused)
-                                   : combine_kernel_of<Epilogue, false, false>(fused));
+auto combine_kernel_of(bool expert_side, bool whole_rows, bool fused, bool alone) {
+  return expert_side ? (whole_rows ? combine_kernel_of<Epilogue, true, true>(fused, alone)
+                                   : combine_kernel_of<Epilogue, true, false>(fused, alone))
+                     : (whole_rows ? combine_kernel_of<Epilogue, false, true>(fused, alone)
+                                   : combine_kernel_of<Epilogue, false, false>(fused, alone));
 }
 
 // Loads the combine kernels for `Epilogue` on the current device. CUDA loads a kernel lazily at
@@ -553,17 +561,20 @@ template <class Epilogue>
 void load_combine_kernels() {
   cudaFuncAttributes a;
   for (bool fused : {true, false})
-    for (bool expert_side : {false, true})
-      for (bool whole_rows : {false, true})
-        check_cuda(
-            cudaFuncGetAttributes(&a, combine_kernel_of<Epilogue>(expert_side, whole_rows, fused)),
-            "load combine");
+    for (bool alone : {false, true})
+      for (bool expert_side : {false, true})
+        for (bool whole_rows : {false, true})
+          if (fused || !alone)
+            check_cuda(cudaFuncGetAttributes(
+                           &a, combine_kernel_of<Epilogue>(expert_side, whole_rows, fused, alone)),
+                       "load combine");
 }
 
 template <class Epilogue>
 void launch_combine(const CombineParams& p, const Epilogue& epi, bool send, bool recv,
                     cudaStream_t stream) {
-  auto kernel = combine_kernel_of<Epilogue>(p.expert_side != 0, p.whole_rows != 0, send && recv);
+  auto kernel = combine_kernel_of<Epilogue>(p.expert_side != 0, p.whole_rows != 0, send && recv,
+                                            p.g.n_ranks == 1);
   launch_cooperative(kernel, p.g.num_blocks, kCombineThreads, 0, stream, p, epi, int32_t(!send));
 }
 
