@@ -29,4 +29,5 @@ if [ -n "${FLOOR_SHARED:-}" ]; then
   grep -E "^(prefill|skewed)|floor|check:" "$f.txt" | grep -v "async\|half"
   tail -3 "$f.err"
 fi
-pack_out floor_all.tar.gz $(cd "$OUT" && ls floor_* 2>/dev/null)
+# (The archive itself is not among them, should $OUT hold one from an earlier run.)
+pack_out floor_all.tar.gz $(cd "$OUT" && ls floor_* 2>/dev/null | grep -vx floor_all.tar.gz)
